@@ -1,0 +1,137 @@
+//! The contract between sched-relay's fan-out and every sink: the [`Sink`] trait, the
+//! [`SinkError`] that tells the fan-out whether retrying can help, and a [`RecordingSink`]
+//! that tests use to see exactly what reached a sink.
+//!
+//! Retry policy lives in one place (the agent's fan-out), so a sink never retries on its own:
+//! it reports each failure once, classified, and the fan-out decides.
+
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+pub use cloudevents::Event;
+
+/// A destination for CloudEvents. One task of the fan-out owns each sink and calls it with
+/// batches in order; a sink never sees two batches at once.
+#[async_trait]
+pub trait Sink: Send + Sync {
+    /// Delivers a batch, in order. `Ok` means every event of the batch is confirmed by the
+    /// destination (written and fsync'd, acknowledged by the broker, answered 2xx).
+    async fn deliver(&self, batch: &[Event]) -> Result<(), SinkError>;
+
+    /// Checks, once at start-up and on demand, that the destination can be reached and used.
+    async fn health_check(&self) -> Result<(), SinkError> {
+        Ok(())
+    }
+}
+
+/// Why a delivery failed, and whether trying the same batch again can succeed.
+#[derive(Debug, thiserror::Error)]
+pub enum SinkError {
+    /// The destination is down, slow or overloaded; the same batch may succeed later.
+    #[error("{0} (will retry)")]
+    Retriable(String),
+    /// The destination refused the batch for a reason retrying cannot change (bad
+    /// configuration, message rejected); the batch goes to the dead-letter file.
+    #[error("{0} (not retriable)")]
+    Permanent(String),
+}
+
+impl SinkError {
+    /// Whether retrying the same batch can help.
+    pub fn is_retriable(&self) -> bool {
+        matches!(self, SinkError::Retriable(_))
+    }
+
+    /// Classifies an I/O error: a full disk or an interrupted write may clear up, a missing
+    /// directory or a permission error will not.
+    pub fn from_io(context: &str, error: &std::io::Error) -> SinkError {
+        use std::io::ErrorKind::*;
+        let message = format!("{context}: {error}");
+        match error.kind() {
+            NotFound | PermissionDenied | InvalidInput | IsADirectory | ReadOnlyFilesystem => {
+                SinkError::Permanent(message)
+            }
+            _ => SinkError::Retriable(message),
+        }
+    }
+}
+
+/// A sink that keeps every delivered event in memory, for tests. Failures can be scripted
+/// to exercise the fan-out's retry and dead-letter paths without a real broker.
+#[derive(Clone, Default)]
+pub struct RecordingSink {
+    inner: Arc<Mutex<Recording>>,
+}
+
+#[derive(Default)]
+struct Recording {
+    delivered: Vec<Event>,
+    attempts: usize,
+    scripted_failures: std::collections::VecDeque<SinkError>,
+}
+
+impl RecordingSink {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The next deliveries fail with these errors, one per attempt, before succeeding again.
+    pub fn fail_next(&self, errors: impl IntoIterator<Item = SinkError>) {
+        self.lock().scripted_failures.extend(errors);
+    }
+
+    /// Every event delivered so far, in delivery order.
+    pub fn delivered(&self) -> Vec<Event> {
+        self.lock().delivered.clone()
+    }
+
+    /// How many times `deliver` was called, failed attempts included.
+    pub fn attempts(&self) -> usize {
+        self.lock().attempts
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Recording> {
+        // A panic in a test thread must not hide what was recorded before it.
+        self.inner
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+#[async_trait]
+impl Sink for RecordingSink {
+    async fn deliver(&self, batch: &[Event]) -> Result<(), SinkError> {
+        let mut recording = self.lock();
+        recording.attempts += 1;
+        if let Some(error) = recording.scripted_failures.pop_front() {
+            return Err(error);
+        }
+        recording.delivered.extend_from_slice(batch);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn io_errors_that_can_clear_up_are_retriable() {
+        let full = std::io::Error::from(std::io::ErrorKind::StorageFull);
+        assert!(SinkError::from_io("write", &full).is_retriable());
+        let denied = std::io::Error::from(std::io::ErrorKind::PermissionDenied);
+        assert!(!SinkError::from_io("open", &denied).is_retriable());
+    }
+
+    #[tokio::test]
+    async fn recording_sink_fails_as_scripted_then_records() {
+        let sink = RecordingSink::new();
+        sink.fail_next([SinkError::Retriable("down".into())]);
+        let event = Event::default();
+        assert!(sink.deliver(std::slice::from_ref(&event)).await.is_err());
+        assert!(sink.delivered().is_empty());
+        sink.deliver(std::slice::from_ref(&event)).await.unwrap();
+        assert_eq!(sink.delivered().len(), 1);
+        assert_eq!(sink.attempts(), 2);
+    }
+}

@@ -1,0 +1,370 @@
+//! The agent's main loop: poll the metadata service, diff each new incarnation against the
+//! previous one, publish the CloudEvents, and approve what local policy allows.
+//!
+//! The data path reads top to bottom: `imds` fetch -> `diff` -> `event` -> `fanout`. IMDS
+//! errors never produce transitions: a failed or malformed fetch leaves the previous document
+//! in place, so the next good document is diffed against the last good one.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use cloudevents::AttributesReader;
+
+use crate::config::Config;
+use crate::diff::diff;
+use crate::event::{ApprovalOutcome, EventFactory};
+use crate::fanout::{Fanout, NamedSink};
+use crate::imds::{Document, EventStatus, Identity, ImdsClient, ImdsError, discover_endpoint};
+use crate::policy::{self, Decision};
+
+/// After this long without a good answer, an operator has to look: log at ERROR.
+const IMDS_FAILING_ALERT: Duration = Duration::from_secs(30);
+/// Approval POSTs by local policy are tried this often before `approval.failed` is published.
+const POLICY_APPROVAL_ATTEMPTS: u32 = 3;
+
+/// Why the agent could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error(
+        "cannot create the state directory {path}: {error} (set state.dir to a writable directory)"
+    )]
+    StateDir { path: String, error: std::io::Error },
+    #[error(transparent)]
+    Imds(#[from] ImdsError),
+}
+
+/// Runs the agent until `shutdown` completes, then drains the sinks and returns.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), AgentError> {
+    check_state_dir(&config.state.dir).map_err(|error| AgentError::StateDir {
+        path: config.state.dir.display().to_string(),
+        error,
+    })?;
+    let client = ImdsClient::new(
+        resolve_endpoint(&config),
+        &config.imds.api_version,
+        config.imds.request_timeout,
+        config.imds.first_call_timeout,
+    )?;
+    let identity = resolve_identity(&config, &client).await;
+    let factory = EventFactory::new(
+        &config.events.type_prefix,
+        config.identity.source.as_deref(),
+        identity,
+        config.events.partition_key,
+    );
+    tracing::info!(
+        endpoint = %client.base(),
+        api_version = %config.imds.api_version,
+        poll_interval = ?config.imds.poll_interval,
+        vm_name = %factory.vm.name,
+        source = %factory.source,
+        sinks = config.sinks.len(),
+        "Agent starting"
+    );
+
+    let mut sinks = Vec::with_capacity(config.sinks.len());
+    for entry in &config.sinks {
+        let sink = entry.kind.build();
+        match sink.health_check().await {
+            Ok(()) => tracing::info!(sink = %entry.name, kind = entry.kind.label(), "Sink ready"),
+            Err(error) => {
+                tracing::error!(sink = %entry.name, kind = entry.kind.label(), error = %error, "Sink health check failed; events for it will be retried or dead-lettered")
+            }
+        }
+        sinks.push(NamedSink {
+            name: entry.name.clone(),
+            sink,
+        });
+    }
+    let fanout = Fanout::start(sinks, &config.delivery, &config.state.dir);
+
+    let mut poller = Poller {
+        client,
+        factory,
+        fanout,
+        config: config.clone(),
+        previous: None,
+        approvals: HashMap::new(),
+    };
+    poller.poll_until(shutdown).await;
+    tracing::info!(timeout = ?config.delivery.shutdown_timeout, "Shutting down, draining sinks");
+    poller
+        .fanout
+        .shutdown(config.delivery.shutdown_timeout)
+        .await;
+    tracing::info!("Agent stopped");
+    Ok(())
+}
+
+fn resolve_endpoint(config: &Config) -> url::Url {
+    let fallback = || url::Url::parse("http://169.254.169.254").expect("a valid URL");
+    if config.imds.endpoint != "discover" {
+        return url::Url::parse(&config.imds.endpoint).expect("validated by Config::validate");
+    }
+    match discover_endpoint(&config.imds.lease_paths) {
+        Some((address, lease)) => {
+            tracing::info!(address = %address, lease = %lease.display(), "Discovered the metadata endpoint from DHCP option 245");
+            url::Url::parse(&format!("http://{address}")).unwrap_or_else(|_| fallback())
+        }
+        None => {
+            tracing::warn!(searched = ?config.imds.lease_paths, "No DHCP lease with option 245 found; using 169.254.169.254");
+            fallback()
+        }
+    }
+}
+
+/// Identity from configuration first, then `/metadata/instance/compute`, then the hostname.
+async fn resolve_identity(config: &Config, client: &ImdsClient) -> Identity {
+    let configured = &config.identity;
+    let mut identity = Identity {
+        name: configured.vm_name.clone().unwrap_or_default(),
+        vm_id: configured.vm_id.clone(),
+        resource_id: configured.resource_id.clone(),
+    };
+    let complete =
+        !identity.name.is_empty() && identity.vm_id.is_some() && identity.resource_id.is_some();
+    if configured.from_metadata && !complete {
+        match client.identity().await {
+            Ok(found) => {
+                if identity.name.is_empty() {
+                    identity.name = found.name;
+                }
+                identity.vm_id = identity.vm_id.or(found.vm_id);
+                identity.resource_id = identity.resource_id.or(found.resource_id);
+            }
+            Err(error) => {
+                tracing::warn!(error = %error, "Cannot read the VM identity from instance metadata")
+            }
+        }
+    }
+    if identity.name.is_empty() {
+        identity.name = hostname();
+        tracing::warn!(vm_name = %identity.name, "Using the hostname as the VM name; set identity.vm_name if it differs from the name in Resources");
+    }
+    identity
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+        .map(|name| name.trim().to_owned())
+        .ok()
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "unknown".to_owned())
+}
+
+/// Where the agent stands with a local-policy approval of one EventId.
+#[derive(Debug, Clone)]
+enum ApprovalState {
+    Done,
+    Retry { attempts: u32, not_before: Instant },
+}
+
+struct Poller {
+    client: ImdsClient,
+    factory: EventFactory,
+    fanout: Fanout,
+    config: Config,
+    previous: Option<Document>,
+    approvals: HashMap<String, ApprovalState>,
+}
+
+impl Poller {
+    async fn poll_until(&mut self, shutdown: impl Future<Output = ()>) {
+        tokio::pin!(shutdown);
+        let interval = self.config.imds.poll_interval;
+        let mut failures: u32 = 0;
+        let mut failing_since: Option<Instant> = None;
+        let mut alerted = false;
+        loop {
+            let started = Instant::now();
+            let fetched = tokio::select! {
+                _ = &mut shutdown => return,
+                fetched = self.client.fetch() => fetched,
+            };
+            metrics::counter!("sched_relay_imds_polls_total").increment(1);
+            let wait = match fetched {
+                Ok(parsed) => {
+                    if failures > 0 {
+                        tracing::info!(failures, "Metadata service answers again");
+                    }
+                    failures = 0;
+                    failing_since = None;
+                    alerted = false;
+                    for warning in &parsed.warnings {
+                        tracing::warn!(incarnation = parsed.document.incarnation, warning = %warning, "Tolerated an odd field in the document");
+                    }
+                    self.on_document(parsed.document);
+                    self.apply_policy().await;
+                    interval
+                }
+                Err(error) => {
+                    failures += 1;
+                    let since = *failing_since.get_or_insert(started);
+                    metrics::counter!("sched_relay_imds_errors_total", "kind" => error.kind())
+                        .increment(1);
+                    let wait = crate::fanout::backoff(
+                        failures - 1,
+                        interval,
+                        self.config.imds.max_backoff,
+                    )
+                    .max(interval);
+                    if !alerted && since.elapsed() >= IMDS_FAILING_ALERT {
+                        alerted = true;
+                        tracing::error!(kind = error.kind(), failures, error = %error, "Metadata service failing for over 30 s; no events can be seen");
+                    } else {
+                        tracing::warn!(kind = error.kind(), failures, retry_in = ?wait, error = %error, "Metadata service request failed");
+                    }
+                    wait
+                }
+            };
+            tokio::select! {
+                _ = &mut shutdown => return,
+                _ = tokio::time::sleep_until((started + wait).into()) => {}
+            }
+        }
+    }
+
+    /// Diffs a fetched document against the previous one and publishes what changed.
+    fn on_document(&mut self, document: Document) {
+        if let Some(previous) = &self.previous {
+            if previous.incarnation == document.incarnation {
+                return;
+            }
+            if document.incarnation < previous.incarnation {
+                tracing::warn!(
+                    previous = previous.incarnation,
+                    current = document.incarnation,
+                    "DocumentIncarnation went backwards (service re-enabled?); diffing against the last document anyway"
+                );
+            }
+        }
+        let observed = Utc::now();
+        let transitions = diff(self.previous.as_ref(), &document);
+        let mut events = Vec::with_capacity(transitions.len() + 1);
+        for transition in &transitions {
+            let event = self.factory.transition(transition, observed);
+            tracing::info!(
+                event_id = %transition.event.id,
+                transition = transition.kind.as_str(),
+                incarnation = transition.incarnation,
+                event_type = transition.event.event_type.as_ref().map(|t| t.as_str()).unwrap_or("-"),
+                status = %transition.event.status,
+                affects_vm = transition.event.affects(&self.factory.vm.name),
+                id = %event.id(),
+                "Transition"
+            );
+            metrics::counter!("sched_relay_transitions_total", "transition" => transition.kind.as_str()).increment(1);
+            events.push(event);
+        }
+        if self.config.events.document_events {
+            events.push(self.factory.document(&document, observed));
+        }
+        metrics::gauge!("sched_relay_incarnation").set(document.incarnation as f64);
+        self.fanout.publish(&events);
+        self.approvals.retain(|id, _| document.event(id).is_some());
+        self.previous = Some(document);
+    }
+
+    /// Approves, in one POST, every Scheduled event of the latest document that local policy
+    /// allows and that has not been approved yet.
+    async fn apply_policy(&mut self) {
+        let policy = &self.config.policy;
+        let Some(document) = &self.previous else {
+            return;
+        };
+        if !policy.is_enabled() {
+            return;
+        }
+        let now = Instant::now();
+        let mut approve: Vec<(String, String)> = Vec::new();
+        for event in document
+            .events
+            .iter()
+            .filter(|e| e.status == EventStatus::Scheduled)
+        {
+            match self.approvals.get(&event.id) {
+                Some(ApprovalState::Done) => continue,
+                Some(ApprovalState::Retry { not_before, .. }) if *not_before > now => continue,
+                _ => {}
+            }
+            match policy::evaluate(policy, event, &self.factory.vm.name) {
+                Decision::Approve(reason) => approve.push((event.id.clone(), reason)),
+                Decision::Hold(reason) => {
+                    tracing::debug!(event_id = %event.id, reason = %reason, "Not approved by local policy");
+                    self.approvals.insert(event.id.clone(), ApprovalState::Done);
+                }
+            }
+        }
+        if approve.is_empty() {
+            return;
+        }
+        let ids: Vec<String> = approve.iter().map(|(id, _)| id.clone()).collect();
+        let result = self.client.start(&ids).await;
+        let observed = Utc::now();
+        let mut outcomes = Vec::new();
+        for (event_id, reason) in approve {
+            let request_id = format!("policy:{event_id}");
+            match &result {
+                Ok(()) => {
+                    tracing::info!(event_id = %event_id, reason = %reason, "Approved by local policy");
+                    metrics::counter!("sched_relay_approvals_total", "source" => "policy", "outcome" => "accepted").increment(1);
+                    self.approvals.insert(event_id.clone(), ApprovalState::Done);
+                    outcomes.push(self.factory.approval_outcome(
+                        ApprovalOutcome::Accepted,
+                        &request_id,
+                        &event_id,
+                        &reason,
+                        observed,
+                    ));
+                }
+                Err(error) => {
+                    let attempts = match self.approvals.get(&event_id) {
+                        Some(ApprovalState::Retry { attempts, .. }) => attempts + 1,
+                        _ => 1,
+                    };
+                    if attempts >= POLICY_APPROVAL_ATTEMPTS || !error.is_retriable() {
+                        tracing::error!(event_id = %event_id, attempts, error = %error, "Approval by local policy failed; the event will start at its NotBefore");
+                        metrics::counter!("sched_relay_approvals_total", "source" => "policy", "outcome" => "failed").increment(1);
+                        self.approvals.insert(event_id.clone(), ApprovalState::Done);
+                        let why =
+                            format!("{reason}; the metadata service refused or failed: {error}");
+                        outcomes.push(self.factory.approval_outcome(
+                            ApprovalOutcome::Failed,
+                            &request_id,
+                            &event_id,
+                            &why,
+                            observed,
+                        ));
+                    } else {
+                        let wait = crate::fanout::backoff(
+                            attempts,
+                            self.config.imds.poll_interval,
+                            self.config.imds.max_backoff,
+                        );
+                        tracing::warn!(event_id = %event_id, attempts, retry_in = ?wait, error = %error, "Approval by local policy failed, will retry");
+                        self.approvals.insert(
+                            event_id.clone(),
+                            ApprovalState::Retry {
+                                attempts,
+                                not_before: now + wait,
+                            },
+                        );
+                    }
+                }
+            }
+        }
+        self.fanout.publish(&outcomes);
+    }
+}
+
+/// The state directory must exist and be writable before anything is promised.
+pub fn check_state_dir(dir: &Path) -> Result<(), std::io::Error> {
+    std::fs::create_dir_all(dir)?;
+    let probe = dir.join(".write-test");
+    std::fs::write(&probe, b"")?;
+    std::fs::remove_file(probe)
+}

@@ -1,0 +1,133 @@
+//! `sched-relay demo`: the whole agent on a fresh machine, with no broker and no Azure VM.
+//! Starts the simulator on a free loopback port with the built-in demo scenario (the
+//! documentation's live migration, then a user-initiated reboot), runs the agent against it
+//! with the stdout and file sinks and the documentation's sample policy, and stops once the
+//! last event has come and gone.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use crate::config::Config;
+use crate::policy::PolicyConfig;
+use crate::simulator::{Scenario, Simulator};
+use crate::sinks::{SinkEntry, SinkKind};
+use sink_file::{FileSinkConfig, StdoutFormat, StdoutSinkConfig};
+
+/// The demo should finish in about 15 s; past this something is wrong.
+const DEMO_DEADLINE: Duration = Duration::from_secs(60);
+
+/// What the demo did, for its closing lines and for tests.
+#[derive(Debug)]
+pub struct DemoReport {
+    pub events_file: PathBuf,
+    pub events_written: usize,
+    pub approvals_posted: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DemoError {
+    #[error("cannot start the simulator on 127.0.0.1: {0}")]
+    Simulator(std::io::Error),
+    #[error("cannot prepare the demo directory {path}: {error}")]
+    Directory { path: String, error: std::io::Error },
+    #[error("the agent failed: {0}")]
+    Agent(#[from] crate::AgentError),
+    #[error("the scenario did not finish within {0:?}; the logs above say what the agent saw")]
+    Timeout(Duration),
+}
+
+/// Runs the demo, printing each CloudEvent as a summary line on stdout.
+pub async fn run() -> Result<DemoReport, DemoError> {
+    let scenario = Scenario::load("demo").expect("the built-in demo scenario is valid");
+    let simulator = Simulator::start(scenario, "127.0.0.1:0".parse().expect("an address"))
+        .await
+        .map_err(DemoError::Simulator)?;
+    let dir = std::env::temp_dir().join(format!("sched-relay-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|error| DemoError::Directory {
+        path: dir.display().to_string(),
+        error,
+    })?;
+    let events_file = dir.join("events.jsonl");
+    let _ = std::fs::remove_file(&events_file);
+
+    let mut config = Config::default();
+    config.imds.endpoint = simulator.url();
+    config.imds.poll_interval = Duration::from_millis(250);
+    config.imds.request_timeout = Duration::from_secs(2);
+    config.imds.first_call_timeout = Duration::from_secs(5);
+    config.imds.max_backoff = Duration::from_secs(1);
+    config.state.dir = dir.join("state");
+    config.policy = PolicyConfig {
+        approve_user_initiated: true,
+        approve_freeze_max_seconds: Some(9),
+        ..PolicyConfig::default()
+    };
+    config.sinks = vec![
+        SinkEntry {
+            name: "stdout".into(),
+            kind: SinkKind::Stdout(StdoutSinkConfig {
+                format: StdoutFormat::Summary,
+            }),
+        },
+        SinkEntry {
+            name: "file".into(),
+            kind: SinkKind::File(FileSinkConfig {
+                path: events_file.clone(),
+                fsync: true,
+            }),
+        },
+    ];
+
+    println!("sched-relay demo: IMDS simulator on {}", simulator.url());
+    println!(
+        "  playing: a live-migration Freeze (approved by policy: 5 s <= 9 s), then a user-initiated Reboot (approved by policy)"
+    );
+    println!(
+        "  sinks:   stdout (summary below) and {}",
+        events_file.display()
+    );
+    println!();
+
+    let started = Instant::now();
+    let mut timed_out = false;
+    let finished = async {
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if simulator.snapshot().finished {
+                return;
+            }
+            if started.elapsed() > DEMO_DEADLINE {
+                timed_out = true;
+                return;
+            }
+        }
+    };
+    crate::agent::run(config, finished).await?;
+    if timed_out {
+        return Err(DemoError::Timeout(DEMO_DEADLINE));
+    }
+    let approvals_posted = simulator
+        .requests()
+        .iter()
+        .filter(|r| r.method == "POST" && r.status == 200)
+        .count();
+    simulator.stop().await;
+    let events_written = std::fs::read_to_string(&events_file)
+        .map(|text| text.lines().count())
+        .unwrap_or(0);
+    println!();
+    println!(
+        "Done in {:.1} s: {events_written} CloudEvents written to {} (one structured CloudEvent per line), {approvals_posted} approvals POSTed.",
+        started.elapsed().as_secs_f64(),
+        events_file.display()
+    );
+    println!(
+        "Look at one: head -n 2 {} | python3 -m json.tool --json-lines",
+        events_file.display()
+    );
+    Ok(DemoReport {
+        events_file,
+        events_written,
+        approvals_posted,
+    })
+}

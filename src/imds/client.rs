@@ -1,0 +1,305 @@
+//! The HTTP client of the Instance Metadata Service: `GET` and `POST`
+//! `/metadata/scheduledevents`, and the VM's identity from `/metadata/instance/compute`.
+//!
+//! Every request carries `Metadata: true`, never goes through a proxy and never follows a
+//! redirect: the service lives on a link-local address, and the header exists precisely so that
+//! a redirected or proxied request is refused. Until the first answer the timeout is long,
+//! because the first request enables the service and may take up to two minutes.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use reqwest::{StatusCode, header, redirect};
+use serde_json::Value;
+use url::Url;
+
+use super::document::{Document, DocumentError, Parsed};
+
+/// The Scheduled Events api-versions Azure has published, oldest first.
+pub const KNOWN_API_VERSIONS: [&str; 7] = [
+    "2017-03-01",
+    "2017-08-01",
+    "2017-11-01",
+    "2019-01-01",
+    "2019-04-01",
+    "2019-08-01",
+    "2020-07-01",
+];
+
+/// The api-version used for `/metadata/instance/compute` (independent of Scheduled Events).
+const COMPUTE_API_VERSION: &str = "2021-02-01";
+
+/// Who this VM is, as the metadata service (or the configuration) says.
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize)]
+pub struct Identity {
+    /// The VM name that appears in an event's `Resources`.
+    pub name: String,
+    /// The VM's unique id (`vmId`).
+    pub vm_id: Option<String>,
+    /// The Azure resource id, `/subscriptions/.../virtualMachines/<name>`.
+    pub resource_id: Option<String>,
+}
+
+/// Why a request to the metadata service failed. Each variant says what to check.
+#[derive(Debug, thiserror::Error)]
+pub enum ImdsError {
+    #[error("no answer from {url} within {timeout:?}")]
+    Timeout { url: String, timeout: Duration },
+    #[error("cannot reach {url}: {reason} (is this an Azure VM, and is imds.endpoint right?)")]
+    Unreachable { url: String, reason: String },
+    #[error(
+        "{url} does not accept api-version {version}; the service's newest versions are {newest:?}: \
+         set imds.api_version to one of them"
+    )]
+    BadApiVersion {
+        url: String,
+        version: String,
+        newest: Vec<String>,
+    },
+    #[error("{url} answered 400 Bad Request: {body}")]
+    BadRequest { url: String, body: String },
+    #[error("{url} answered {status}: {body}")]
+    Status {
+        url: String,
+        status: u16,
+        body: String,
+    },
+    #[error("{url} returned a malformed document: {error}")]
+    Malformed { url: String, error: DocumentError },
+}
+
+impl ImdsError {
+    /// A short stable label for metrics and logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ImdsError::Timeout { .. } => "timeout",
+            ImdsError::Unreachable { .. } => "unreachable",
+            ImdsError::BadApiVersion { .. } => "bad_api_version",
+            ImdsError::BadRequest { .. } => "bad_request",
+            ImdsError::Status { status, .. } if *status >= 500 => "server_error",
+            ImdsError::Status { .. } => "http_status",
+            ImdsError::Malformed { .. } => "malformed",
+        }
+    }
+
+    /// Whether repeating the request can succeed (a refused approval body never will).
+    pub fn is_retriable(&self) -> bool {
+        !matches!(
+            self,
+            ImdsError::BadApiVersion { .. } | ImdsError::BadRequest { .. }
+        )
+    }
+}
+
+/// A client of one metadata service endpoint.
+#[derive(Debug)]
+pub struct ImdsClient {
+    http: reqwest::Client,
+    base: Url,
+    api_version: String,
+    request_timeout: Duration,
+    first_call_timeout: Duration,
+    answered: AtomicBool,
+}
+
+impl ImdsClient {
+    pub fn new(
+        base: Url,
+        api_version: &str,
+        request_timeout: Duration,
+        first_call_timeout: Duration,
+    ) -> Result<Self, ImdsError> {
+        let http = reqwest::Client::builder()
+            .no_proxy()
+            .redirect(redirect::Policy::none())
+            .connect_timeout(request_timeout.min(Duration::from_secs(5)))
+            .user_agent(concat!("sched-relay/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| ImdsError::Unreachable {
+                url: base.to_string(),
+                reason: format!("cannot build the HTTP client: {e}"),
+            })?;
+        Ok(ImdsClient {
+            http,
+            base,
+            api_version: api_version.to_owned(),
+            request_timeout,
+            first_call_timeout,
+            answered: AtomicBool::new(false),
+        })
+    }
+
+    /// The base URL requests go to.
+    pub fn base(&self) -> &Url {
+        &self.base
+    }
+
+    fn url(&self, path: &str, api_version: &str) -> String {
+        let base = self.base.as_str().trim_end_matches('/');
+        format!("{base}{path}?api-version={api_version}")
+    }
+
+    fn timeout(&self) -> Duration {
+        if self.answered.load(Ordering::Relaxed) {
+            self.request_timeout
+        } else {
+            self.first_call_timeout
+        }
+    }
+
+    /// `GET /metadata/scheduledevents`: the current document.
+    pub async fn fetch(&self) -> Result<Parsed, ImdsError> {
+        let url = self.url("/metadata/scheduledevents", &self.api_version);
+        let body = self.send(self.http.get(&url), &url).await?;
+        Document::parse(&body).map_err(|error| ImdsError::Malformed { url, error })
+    }
+
+    /// `POST /metadata/scheduledevents` with one StartRequest per EventId.
+    pub async fn start(&self, event_ids: &[String]) -> Result<(), ImdsError> {
+        let url = self.url("/metadata/scheduledevents", &self.api_version);
+        let requests: Vec<Value> = event_ids
+            .iter()
+            .map(|id| serde_json::json!({ "EventId": id }))
+            .collect();
+        let body = serde_json::json!({ "StartRequests": requests }).to_string();
+        let request = self
+            .http
+            .post(&url)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(body);
+        self.send(request, &url).await.map(drop)
+    }
+
+    /// `GET /metadata/instance/compute`: the VM's name, vmId and resource id.
+    pub async fn identity(&self) -> Result<Identity, ImdsError> {
+        let url = self.url("/metadata/instance/compute", COMPUTE_API_VERSION);
+        let body = self.send(self.http.get(&url), &url).await?;
+        let malformed = |reason: &str| ImdsError::Malformed {
+            url: url.clone(),
+            error: DocumentError::Invalid {
+                path: "compute".into(),
+                expected: "an object with a non-empty \"name\"",
+                found: reason.to_owned(),
+            },
+        };
+        let value: Value =
+            serde_json::from_slice(&body).map_err(|e| malformed(&format!("not JSON: {e}")))?;
+        let text = |field: &str| {
+            value
+                .get(field)
+                .and_then(Value::as_str)
+                .filter(|s| !s.is_empty())
+                .map(str::to_owned)
+        };
+        Ok(Identity {
+            name: text("name").ok_or_else(|| malformed("no name"))?,
+            vm_id: text("vmId"),
+            resource_id: text("resourceId"),
+        })
+    }
+
+    async fn send(
+        &self,
+        request: reqwest::RequestBuilder,
+        url: &str,
+    ) -> Result<Vec<u8>, ImdsError> {
+        let timeout = self.timeout();
+        let response = request
+            .header("Metadata", "true")
+            .timeout(timeout)
+            .send()
+            .await
+            .map_err(|e| self.transport_error(url, timeout, e))?;
+        let status = response.status();
+        let body = response
+            .bytes()
+            .await
+            .map_err(|e| self.transport_error(url, timeout, e))?;
+        // Any HTTP answer, even an error, proves the service is enabled and responsive.
+        self.answered.store(true, Ordering::Relaxed);
+        if status.is_success() {
+            return Ok(body.to_vec());
+        }
+        let text = String::from_utf8_lossy(&body).trim().to_owned();
+        if status == StatusCode::BAD_REQUEST {
+            if let Some(newest) = newest_versions(&body) {
+                return Err(ImdsError::BadApiVersion {
+                    url: url.to_owned(),
+                    version: self.api_version.clone(),
+                    newest,
+                });
+            }
+            return Err(ImdsError::BadRequest {
+                url: url.to_owned(),
+                body: text,
+            });
+        }
+        Err(ImdsError::Status {
+            url: url.to_owned(),
+            status: status.as_u16(),
+            body: text,
+        })
+    }
+
+    fn transport_error(&self, url: &str, timeout: Duration, error: reqwest::Error) -> ImdsError {
+        if error.is_timeout() {
+            return ImdsError::Timeout {
+                url: url.to_owned(),
+                timeout,
+            };
+        }
+        let mut reason = error.to_string();
+        let mut source = std::error::Error::source(&error);
+        while let Some(cause) = source {
+            reason = format!("{reason}: {cause}");
+            source = cause.source();
+        }
+        ImdsError::Unreachable {
+            url: url.to_owned(),
+            reason,
+        }
+    }
+}
+
+/// The service answers a bad or missing api-version with 400 and a `newest-versions` list.
+fn newest_versions(body: &[u8]) -> Option<Vec<String>> {
+    let value: Value = serde_json::from_slice(body).ok()?;
+    let versions = value.get("newest-versions")?.as_array()?;
+    Some(
+        versions
+            .iter()
+            .filter_map(|v| v.as_str().map(str::to_owned))
+            .collect(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bad_api_version_answer_lists_the_newest_versions() {
+        let body = br#"{"error": "Bad request. api-version is invalid", "newest-versions": ["2020-07-01", "2019-08-01"]}"#;
+        assert_eq!(
+            newest_versions(body),
+            Some(vec!["2020-07-01".to_owned(), "2019-08-01".to_owned()])
+        );
+        assert_eq!(newest_versions(b"Bad Request"), None);
+    }
+
+    #[test]
+    fn refused_requests_are_not_retried_but_outages_are() {
+        let bad = ImdsError::BadRequest {
+            url: "u".into(),
+            body: "b".into(),
+        };
+        assert!(!bad.is_retriable());
+        let down = ImdsError::Status {
+            url: "u".into(),
+            status: 503,
+            body: String::new(),
+        };
+        assert!(down.is_retriable());
+        assert_eq!(down.kind(), "server_error");
+    }
+}

@@ -1,0 +1,93 @@
+//! The closed set of sink kinds a configuration can name, and the one place that turns a
+//! sink's configuration into a running [`Sink`]. Adding a sink is one crate, one variant here
+//! and one arm in [`SinkKind::build`].
+
+use serde::{Deserialize, Serialize};
+use sink_core::Sink;
+use sink_file::{FileSink, FileSinkConfig, StdoutSink, StdoutSinkConfig};
+
+/// One `[[sinks]]` entry: a unique name plus the kind-specific settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SinkEntry {
+    /// Names the sink in logs, metrics and the dead-letter file.
+    pub name: String,
+    pub kind: SinkKind,
+}
+
+/// The sink kinds, tagged by `kind` in the configuration.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum SinkKind {
+    /// JSON Lines of structured CloudEvents, fsync'd per batch.
+    File(FileSinkConfig),
+    /// Standard output: JSON Lines, pretty JSON or a one-line summary.
+    Stdout(StdoutSinkConfig),
+}
+
+impl SinkKind {
+    /// The `kind` value, for logs.
+    pub fn label(&self) -> &'static str {
+        match self {
+            SinkKind::File(_) => "file",
+            SinkKind::Stdout(_) => "stdout",
+        }
+    }
+
+    /// Problems with this sink's settings, as (key under the sink, message).
+    pub fn validate(&self) -> Vec<(&'static str, String)> {
+        match self {
+            SinkKind::File(file) if file.path.as_os_str().is_empty() => {
+                vec![(
+                    "path",
+                    "must name a file, e.g. \"/var/log/sched-relay/events.jsonl\"".into(),
+                )]
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// Builds the sink. Network access (for broker sinks) happens here, never in validation.
+    pub fn build(&self) -> Box<dyn Sink> {
+        match self {
+            SinkKind::File(config) => Box::new(FileSink::new(config.clone())),
+            SinkKind::Stdout(config) => Box::new(StdoutSink::new(config.clone())),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for SinkEntry {
+    // `name` is common to every kind; the rest goes to the kind's own strict struct, so an
+    // unknown key is still refused (serde's deny_unknown_fields does not mix with flatten).
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        let mut table = serde_json::Map::deserialize(deserializer)?;
+        let name = match table.remove("name") {
+            Some(serde_json::Value::String(name)) => name,
+            Some(other) => {
+                return Err(D::Error::custom(format!(
+                    "name: expected a string, found {other}"
+                )));
+            }
+            None => {
+                return Err(D::Error::custom(
+                    "missing `name`: every sink needs a unique name",
+                ));
+            }
+        };
+        let kind = SinkKind::deserialize(serde_json::Value::Object(table))
+            .map_err(|e| D::Error::custom(format!("sink {name:?}: {e}")))?;
+        Ok(SinkEntry { name, kind })
+    }
+}
+
+impl Serialize for SinkEntry {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::Error;
+        let mut table = match serde_json::to_value(&self.kind).map_err(S::Error::custom)? {
+            serde_json::Value::Object(table) => table,
+            _ => return Err(S::Error::custom("a sink serializes to a table")),
+        };
+        table.insert("name".into(), self.name.clone().into());
+        table.serialize(serializer)
+    }
+}
