@@ -156,6 +156,28 @@ fn hostname() -> String {
         .unwrap_or_else(|| "unknown".to_owned())
 }
 
+/// Every CloudEvent one document yields after `previous`: one per transition, in diff order,
+/// then the `document` snapshot when enabled. Nothing at all when the incarnation is the same.
+pub fn events_for_document(
+    factory: &EventFactory,
+    previous: Option<&Document>,
+    current: &Document,
+    include_document: bool,
+    observed: chrono::DateTime<Utc>,
+) -> Vec<cloudevents::Event> {
+    if previous.is_some_and(|previous| previous.incarnation == current.incarnation) {
+        return Vec::new();
+    }
+    let mut events: Vec<_> = diff(previous, current)
+        .iter()
+        .map(|transition| factory.transition(transition, observed))
+        .collect();
+    if include_document {
+        events.push(factory.document(current, observed));
+    }
+    events
+}
+
 /// Where the agent stands with a local-policy approval of one EventId.
 #[derive(Debug, Clone)]
 enum ApprovalState {
@@ -242,26 +264,35 @@ impl Poller {
                 );
             }
         }
-        let observed = Utc::now();
-        let transitions = diff(self.previous.as_ref(), &document);
-        let mut events = Vec::with_capacity(transitions.len() + 1);
-        for transition in &transitions {
-            let event = self.factory.transition(transition, observed);
+        let events = events_for_document(
+            &self.factory,
+            self.previous.as_ref(),
+            &document,
+            self.config.events.document_events,
+            Utc::now(),
+        );
+        for event in &events {
+            let transition = event.ty().rsplit('.').next().unwrap_or_default();
+            if transition == "document" {
+                continue;
+            }
+            let extension = |name| {
+                event
+                    .extension(name)
+                    .map(|v| v.to_string())
+                    .unwrap_or_default()
+            };
             tracing::info!(
-                event_id = %transition.event.id,
-                transition = transition.kind.as_str(),
-                incarnation = transition.incarnation,
-                event_type = transition.event.event_type.as_ref().map(|t| t.as_str()).unwrap_or("-"),
-                status = %transition.event.status,
-                affects_vm = transition.event.affects(&self.factory.vm.name),
+                event_id = event.subject().unwrap_or_default(),
+                transition,
+                incarnation = document.incarnation,
+                event_type = %extension("eventtype"),
+                status = %extension("eventstatus"),
+                affects_vm = %extension("affectsvm"),
                 id = %event.id(),
                 "Transition"
             );
-            metrics::counter!("sched_relay_transitions_total", "transition" => transition.kind.as_str()).increment(1);
-            events.push(event);
-        }
-        if self.config.events.document_events {
-            events.push(self.factory.document(&document, observed));
+            metrics::counter!("sched_relay_transitions_total", "transition" => transition.to_owned()).increment(1);
         }
         metrics::gauge!("sched_relay_incarnation").set(document.incarnation as f64);
         self.fanout.publish(&events);

@@ -109,7 +109,7 @@ pub async fn run() -> Result<DemoReport, DemoError> {
     let approvals_posted = simulator
         .requests()
         .iter()
-        .filter(|r| r.method == "POST" && r.status == 200)
+        .filter(|r| r.method == "POST" && r.status == Some(200))
         .count();
     simulator.stop().await;
     let events_written = std::fs::read_to_string(&events_file)

@@ -139,7 +139,9 @@ impl ImdsClient {
         format!("{base}{path}?api-version={api_version}")
     }
 
-    fn timeout(&self) -> Duration {
+    /// Scheduled Events requests wait long until the service has answered once (the first
+    /// call enables it); anything else, and everything after, uses the normal timeout.
+    fn scheduled_events_timeout(&self) -> Duration {
         if self.answered.load(Ordering::Relaxed) {
             self.request_timeout
         } else {
@@ -150,7 +152,9 @@ impl ImdsClient {
     /// `GET /metadata/scheduledevents`: the current document.
     pub async fn fetch(&self) -> Result<Parsed, ImdsError> {
         let url = self.url("/metadata/scheduledevents", &self.api_version);
-        let body = self.send(self.http.get(&url), &url).await?;
+        let body = self
+            .send_scheduled_events(self.http.get(&url), &url)
+            .await?;
         Document::parse(&body).map_err(|error| ImdsError::Malformed { url, error })
     }
 
@@ -167,13 +171,15 @@ impl ImdsClient {
             .post(&url)
             .header(header::CONTENT_TYPE, "application/json")
             .body(body);
-        self.send(request, &url).await.map(drop)
+        self.send_scheduled_events(request, &url).await.map(drop)
     }
 
     /// `GET /metadata/instance/compute`: the VM's name, vmId and resource id.
     pub async fn identity(&self) -> Result<Identity, ImdsError> {
         let url = self.url("/metadata/instance/compute", COMPUTE_API_VERSION);
-        let body = self.send(self.http.get(&url), &url).await?;
+        let body = self
+            .send(self.http.get(&url), &url, self.request_timeout)
+            .await?;
         let malformed = |reason: &str| ImdsError::Malformed {
             url: url.clone(),
             error: DocumentError::Invalid {
@@ -198,12 +204,30 @@ impl ImdsClient {
         })
     }
 
-    async fn send(
+    async fn send_scheduled_events(
         &self,
         request: reqwest::RequestBuilder,
         url: &str,
     ) -> Result<Vec<u8>, ImdsError> {
-        let timeout = self.timeout();
+        let result = self
+            .send(request, url, self.scheduled_events_timeout())
+            .await;
+        // Any HTTP answer, even an error, proves the service is enabled and responsive.
+        if !matches!(
+            result,
+            Err(ImdsError::Timeout { .. } | ImdsError::Unreachable { .. })
+        ) {
+            self.answered.store(true, Ordering::Relaxed);
+        }
+        result
+    }
+
+    async fn send(
+        &self,
+        request: reqwest::RequestBuilder,
+        url: &str,
+        timeout: Duration,
+    ) -> Result<Vec<u8>, ImdsError> {
         let response = request
             .header("Metadata", "true")
             .timeout(timeout)
@@ -215,8 +239,6 @@ impl ImdsClient {
             .bytes()
             .await
             .map_err(|e| self.transport_error(url, timeout, e))?;
-        // Any HTTP answer, even an error, proves the service is enabled and responsive.
-        self.answered.store(true, Ordering::Relaxed);
         if status.is_success() {
             return Ok(body.to_vec());
         }

@@ -50,7 +50,8 @@ pub struct RecordedRequest {
     /// The `Metadata` header, if any.
     pub metadata: Option<String>,
     pub body: String,
-    pub status: u16,
+    /// The status answered; `None` while in flight, or when the client gave up first.
+    pub status: Option<u16>,
 }
 
 struct EventState {
@@ -401,7 +402,23 @@ async fn handle(
         .get("Metadata")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
+    // Recorded on arrival, so that a request the client abandons (a timeout) still shows.
     let now = Instant::now();
+    let index = {
+        let mut state = lock(&state);
+        let at_ms =
+            u64::try_from(now.duration_since(state.started).as_millis()).unwrap_or(u64::MAX);
+        state.requests.push(RecordedRequest {
+            at_ms,
+            method: method.to_string(),
+            path: path.clone(),
+            api_version: api_version.clone(),
+            metadata: metadata.clone(),
+            body: String::from_utf8_lossy(&body).into_owned(),
+            status: None,
+        });
+        state.requests.len() - 1
+    };
     let (status, body_out) = respond(
         &state,
         &method,
@@ -412,17 +429,7 @@ async fn handle(
         now,
     )
     .await;
-    let mut state = lock(&state);
-    let at_ms = u64::try_from(now.duration_since(state.started).as_millis()).unwrap_or(u64::MAX);
-    state.requests.push(RecordedRequest {
-        at_ms,
-        method: method.to_string(),
-        path,
-        api_version,
-        metadata,
-        body: String::from_utf8_lossy(&body).into_owned(),
-        status: status.as_u16(),
-    });
+    lock(&state).requests[index].status = Some(status.as_u16());
     match body_out {
         Reply::Json(value) => (status, axum::Json(value)).into_response(),
         Reply::Text(text) => (status, text).into_response(),

@@ -1,0 +1,172 @@
+//! The command line as a user meets it: `demo`, `check-config`, `events`, `approve`.
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{BINARY, SimProcess};
+
+const FREEZE: &str = "C7061BAC-AFDC-4513-B24B-AA5F13A16123";
+
+#[test]
+fn demo_prints_the_live_migration_in_order_and_exits_zero() {
+    let started = Instant::now();
+    let output = Command::new(BINARY)
+        .arg("demo")
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(45),
+        "demo took {:?}",
+        started.elapsed()
+    );
+
+    // Summary lines: time, type, id, extensions.
+    let position = |ty: &str, id: &str| {
+        stdout
+            .lines()
+            .position(|line| {
+                let words: Vec<&str> = line.split_whitespace().collect();
+                words.get(1) == Some(&ty) && words.get(2) == Some(&id)
+            })
+            .unwrap_or_else(|| panic!("no {ty} {id} line in the demo output:\n{stdout}"))
+    };
+    let prefix = "com.azure.scheduledevents";
+    let order = [
+        (format!("{prefix}.document"), "document:1".to_owned()),
+        (format!("{prefix}.scheduled"), format!("{FREEZE}:scheduled")),
+        (
+            format!("{prefix}.approval.accepted"),
+            format!("policy:{FREEZE}:accepted"),
+        ),
+        (format!("{prefix}.started"), format!("{FREEZE}:started")),
+        (format!("{prefix}.completed"), format!("{FREEZE}:completed")),
+    ];
+    let positions: Vec<usize> = order.iter().map(|(ty, id)| position(ty, id)).collect();
+    assert!(
+        positions.windows(2).all(|w| w[0] < w[1]),
+        "out of order:\n{stdout}"
+    );
+    // The user-initiated reboot follows, approved by policy too.
+    assert!(
+        stdout.contains("5a4e3e9a-6c7f-4a32-9d8e-1d2b3c4d5e01:completed"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("2 approvals POSTed"), "{stdout}");
+}
+
+#[test]
+fn check_config_prints_the_effective_configuration_with_secrets_redacted() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.toml");
+    std::fs::write(
+        &path,
+        "[identity]\nvm_name = \"WestNO_0\"\nsource = \"amqp://user:hunter2@example/\"\n[[sinks]]\nname = \"audit\"\nkind = \"file\"\npath = \"/tmp/x.jsonl\"\n",
+    )
+    .unwrap();
+    let output = Command::new(BINARY)
+        .args(["check-config", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        stdout.contains("poll_interval = \"1s\""),
+        "defaults are shown:\n{stdout}"
+    );
+    assert!(stdout.contains("vm_name = \"WestNO_0\""), "{stdout}");
+    assert!(!stdout.contains("hunter2"), "{stdout}");
+}
+
+#[test]
+fn check_config_exits_2_with_one_line_per_problem() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.toml");
+    std::fs::write(&path, "[imds]\napi_version = \"latest\"\npoll_interval = \"10ms\"\n[policy]\napprove_freeze_max_seconds = -3\n").unwrap();
+    let output = Command::new(BINARY)
+        .args(["check-config", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 3, "{stderr}");
+    assert!(
+        lines[0].starts_with("config error: imds.api_version: \"latest\""),
+        "{stderr}"
+    );
+    assert!(
+        lines[1].starts_with("config error: imds.poll_interval: 10ms"),
+        "{stderr}"
+    );
+    assert!(
+        lines[2].starts_with("config error: policy.approve_freeze_max_seconds"),
+        "{stderr}"
+    );
+
+    let missing = Command::new(BINARY)
+        .args(["run", "--config", "/nonexistent.toml"])
+        .output()
+        .unwrap();
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("/nonexistent.toml does not exist"));
+}
+
+#[test]
+fn events_prints_the_document_and_approve_starts_an_event() {
+    let sim = SimProcess::start("live-migration", 0.0005); // the Freeze appears after 60 ms
+    std::thread::sleep(Duration::from_millis(200));
+    let output = Command::new(BINARY)
+        .args(["events", "--endpoint", &sim.url])
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let document: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(document["Events"][0]["EventId"], FREEZE);
+    assert_eq!(document["Events"][0]["EventStatus"], "Scheduled");
+
+    let output = Command::new(BINARY)
+        .args(["approve", FREEZE, "--endpoint", &sim.url])
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let output = Command::new(BINARY)
+        .args(["events", "--endpoint", &sim.url])
+        .output()
+        .unwrap();
+    let document: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(document["Events"][0]["EventStatus"], "Started");
+
+    let refused = Command::new(BINARY)
+        .args(["approve", "no-such-event", "--endpoint", &sim.url])
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("400 Bad Request"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+}

@@ -1,0 +1,269 @@
+//! Shared set-up for the end-to-end tests: the real `sched-relay` binary as simulator and as
+//! agent, each a child process that is killed if a test fails half-way, and helpers to read
+//! what the file sink wrote.
+
+#![allow(dead_code)] // each test binary uses a different part of this module
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+pub const BINARY: &str = env!("CARGO_BIN_EXE_sched-relay");
+
+/// A `sched-relay simulate` process on a free loopback port.
+pub struct SimProcess {
+    child: Child,
+    pub url: String,
+}
+
+impl SimProcess {
+    pub fn start(scenario: &str, time_scale: f64) -> SimProcess {
+        let mut child = Command::new(BINARY)
+            .args([
+                "simulate",
+                "--listen",
+                "127.0.0.1:0",
+                "--scenario",
+                scenario,
+            ])
+            .args(["--time-scale", &time_scale.to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("the sched-relay binary starts");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let url = line
+            .trim()
+            .rsplit(' ')
+            .next()
+            .filter(|url| url.starts_with("http://"))
+            .unwrap_or_else(|| panic!("unexpected first line from the simulator: {line:?}"))
+            .to_owned();
+        SimProcess { child, url }
+    }
+
+    pub fn get(&self, path: &str) -> Value {
+        let url = format!("{}{path}", self.url);
+        let response = blocking_get(&url, &[]);
+        serde_json::from_str(&response.1).unwrap_or_else(|e| panic!("{url}: {e}: {}", response.1))
+    }
+
+    pub fn state(&self) -> Value {
+        self.get("/__sim/state")
+    }
+
+    pub fn requests(&self) -> Vec<Value> {
+        self.get("/__sim/requests").as_array().unwrap().clone()
+    }
+
+    /// Waits until every event of the scenario has come and gone and the last document was
+    /// served; returns the final incarnation.
+    pub fn wait_finished(&self, timeout: Duration) -> u64 {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let state = self.state();
+            if state["finished"] == true {
+                return state["incarnation"].as_u64().unwrap();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "scenario not finished in {timeout:?}: {state}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for SimProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A plain HTTP GET without any library of ours: (status, body).
+pub fn blocking_get(url: &str, headers: &[(&str, &str)]) -> (u16, String) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let client = reqwest::Client::builder().no_proxy().build().unwrap();
+        let mut request = client.get(url);
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let response = request.send().await.unwrap();
+        let status = response.status().as_u16();
+        (status, response.text().await.unwrap())
+    })
+}
+
+/// A `sched-relay run` process with a file sink in its own temporary directory.
+pub struct AgentProcess {
+    child: Option<Child>,
+    pub dir: tempfile::TempDir,
+    pub events_file: PathBuf,
+    stderr_file: PathBuf,
+}
+
+impl AgentProcess {
+    /// Starts the agent against `endpoint`; `extra` is appended to the generated TOML.
+    pub fn start(endpoint: &str, extra: &str) -> AgentProcess {
+        AgentProcess::start_with_env(endpoint, extra, &[])
+    }
+
+    /// As `start`, with environment variables (e.g. `SCHED_RELAY_*` overrides).
+    pub fn start_with_env(endpoint: &str, extra: &str, env: &[(&str, &str)]) -> AgentProcess {
+        let dir = tempfile::tempdir().unwrap();
+        let events_file = dir.path().join("events.jsonl");
+        let config = format!(
+            r#"
+[imds]
+endpoint = "{endpoint}"
+poll_interval = "200ms"
+request_timeout = "1s"
+first_call_timeout = "5s"
+max_backoff = "500ms"
+
+[state]
+dir = "{state}"
+
+[log]
+level = "sched_relay=debug,info"
+
+[[sinks]]
+name = "file"
+kind = "file"
+path = "{events}"
+{extra}
+"#,
+            state = dir.path().join("state").display(),
+            events = events_file.display(),
+        );
+        let config_path = dir.path().join("config.toml");
+        std::fs::write(&config_path, config).unwrap();
+        let stderr_file = dir.path().join("agent.log");
+        let child = Command::new(BINARY)
+            .args(["run", "--config"])
+            .arg(&config_path)
+            .env_remove("RUST_LOG")
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&stderr_file).unwrap())
+            .spawn()
+            .expect("the sched-relay binary starts");
+        AgentProcess {
+            child: Some(child),
+            dir,
+            events_file,
+            stderr_file,
+        }
+    }
+
+    /// The structured CloudEvents the file sink holds so far.
+    pub fn events(&self) -> Vec<Value> {
+        read_events(&self.events_file)
+    }
+
+    /// Waits until the file sink holds an event with this id.
+    pub fn wait_for_id(&self, id: &str, timeout: Duration) -> Vec<Value> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let events = self.events();
+            if events.iter().any(|e| e["id"] == id) {
+                return events;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no event {id} within {timeout:?}; got {:?}\nagent log:\n{}",
+                ids(&events),
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr_file).unwrap_or_default()
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.child.as_mut().unwrap().try_wait().unwrap().is_none()
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub fn stop(&mut self) -> ExitStatus {
+        let mut child = self.child.take().expect("stopped once");
+        let status = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!(
+                    "the agent did not stop within 20 s of SIGTERM:\n{}",
+                    self.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+pub fn read_events(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}")))
+        .collect()
+}
+
+pub fn ids(events: &[Value]) -> Vec<String> {
+    events
+        .iter()
+        .map(|e| e["id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// Runs a scenario to its end with the agent, stops the agent with SIGTERM, checks it exited
+/// 0, and returns the agent (for its log) and every event the file sink received.
+pub fn play(
+    scenario: &str,
+    time_scale: f64,
+    extra_config: &str,
+) -> (SimProcess, AgentProcess, Vec<Value>) {
+    let sim = SimProcess::start(scenario, time_scale);
+    let mut agent = AgentProcess::start(&sim.url, extra_config);
+    let last = sim.wait_finished(Duration::from_secs(60));
+    agent.wait_for_id(&format!("document:{last}"), Duration::from_secs(10));
+    let status = agent.stop();
+    assert!(
+        status.success(),
+        "agent exit status {status}:\n{}",
+        agent.log()
+    );
+    let events = agent.events();
+    (sim, agent, events)
+}
