@@ -219,8 +219,8 @@ impl Poller {
                     for warning in &parsed.warnings {
                         tracing::warn!(incarnation = parsed.document.incarnation, warning = %warning, "Tolerated an odd field in the document");
                     }
-                    self.on_document(parsed.document);
-                    self.apply_policy().await;
+                    let new_document = self.on_document(parsed.document);
+                    self.apply_policy(new_document).await;
                     interval
                 }
                 Err(error) => {
@@ -251,10 +251,11 @@ impl Poller {
     }
 
     /// Diffs a fetched document against the previous one and publishes what changed.
-    fn on_document(&mut self, document: Document) {
+    /// Returns whether the document was new (a new incarnation).
+    fn on_document(&mut self, document: Document) -> bool {
         if let Some(previous) = &self.previous {
             if previous.incarnation == document.incarnation {
-                return;
+                return false;
             }
             if document.incarnation < previous.incarnation {
                 tracing::warn!(
@@ -298,11 +299,14 @@ impl Poller {
         self.fanout.publish(&events);
         self.approvals.retain(|id, _| document.event(id).is_some());
         self.previous = Some(document);
+        true
     }
 
     /// Approves, in one POST, every Scheduled event of the latest document that local policy
-    /// allows and that has not been approved yet.
-    async fn apply_policy(&mut self) {
+    /// allows and that has not been approved yet. Events are judged again on every new
+    /// document (an update can bring this VM into Resources or shorten a Freeze); between
+    /// documents only failed approvals whose retry time has come are tried again.
+    async fn apply_policy(&mut self, new_document: bool) {
         let policy = &self.config.policy;
         let Some(document) = &self.previous else {
             return;
@@ -320,13 +324,14 @@ impl Poller {
             match self.approvals.get(&event.id) {
                 Some(ApprovalState::Done) => continue,
                 Some(ApprovalState::Retry { not_before, .. }) if *not_before > now => continue,
-                _ => {}
+                Some(ApprovalState::Retry { .. }) => {}
+                None if !new_document => continue,
+                None => {}
             }
             match policy::evaluate(policy, event, &self.factory.vm.name) {
                 Decision::Approve(reason) => approve.push((event.id.clone(), reason)),
                 Decision::Hold(reason) => {
                     tracing::debug!(event_id = %event.id, reason = %reason, "Not approved by local policy");
-                    self.approvals.insert(event.id.clone(), ApprovalState::Done);
                 }
             }
         }

@@ -458,3 +458,52 @@ fn the_simulator_refuses_requests_without_metadata_header_or_api_version() {
     assert_eq!(status, 400);
     assert!(body.contains("newest-versions"), "{body}");
 }
+
+#[test]
+fn policy_judges_an_event_again_when_an_update_brings_this_vm_into_resources() {
+    let dir = tempfile::tempdir().unwrap();
+    let scenario = dir.path().join("moved.toml");
+    std::fs::write(
+        &scenario,
+        r#"
+        [vm]
+        name = "WestNO_0"
+        [[events]]
+        id = "moved-1"
+        type = "Reboot"
+        source = "User"
+        resources = ["WestNO_1"]
+        appear_after = "2m"
+        notice = "15m"
+        started_for = "1m"
+        [[events.updates]]
+        after = "2m"
+        resources = ["WestNO_1", "WestNO_0"]
+        "#,
+    )
+    .unwrap();
+    let (_sim, agent, events) = play(
+        scenario.to_str().unwrap(),
+        0.005,
+        "[policy]\napprove_user_initiated = true\n",
+    );
+    assert_eq!(
+        ids(&events),
+        [
+            "document:1",
+            "moved-1:scheduled",
+            "document:2",
+            "moved-1:updated:3",
+            "document:3",
+            "policy:moved-1:accepted",
+            "moved-1:started",
+            "document:4",
+            "moved-1:completed",
+            "document:5"
+        ],
+        "{}",
+        agent.log()
+    );
+    assert_eq!(event(&events, "moved-1:scheduled")["affectsvm"], false);
+    assert_eq!(event(&events, "moved-1:updated:3")["affectsvm"], true);
+}
