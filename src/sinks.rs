@@ -2,9 +2,12 @@
 //! sink's configuration into a running [`Sink`]. Adding a sink is one crate, one variant here
 //! and one arm in [`SinkKind::build`].
 
+use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
-use sink_core::Sink;
+use sink_amqp::AmqpSinkConfig;
+use sink_core::{Event, Sink, SinkError};
 use sink_file::{FileSink, FileSinkConfig, StdoutSink, StdoutSinkConfig};
+use sink_nats::NatsSinkConfig;
 
 /// One `[[sinks]]` entry: a unique name plus the kind-specific settings.
 #[derive(Debug, Clone, PartialEq)]
@@ -22,6 +25,10 @@ pub enum SinkKind {
     File(FileSinkConfig),
     /// Standard output: JSON Lines, pretty JSON or a one-line summary.
     Stdout(StdoutSinkConfig),
+    /// NATS, core or JetStream (cargo feature `nats`).
+    Nats(NatsSinkConfig),
+    /// AMQP 0-9-1 / RabbitMQ with publisher confirms (cargo feature `amqp`).
+    Amqp(AmqpSinkConfig),
 }
 
 impl SinkKind {
@@ -30,18 +37,38 @@ impl SinkKind {
         match self {
             SinkKind::File(_) => "file",
             SinkKind::Stdout(_) => "stdout",
+            SinkKind::Nats(_) => "nats",
+            SinkKind::Amqp(_) => "amqp",
+        }
+    }
+
+    /// The cargo feature a kind needs, and whether this binary has it.
+    fn feature(&self) -> Option<(&'static str, bool)> {
+        match self {
+            SinkKind::File(_) | SinkKind::Stdout(_) => None,
+            SinkKind::Nats(_) => Some(("nats", cfg!(feature = "nats"))),
+            SinkKind::Amqp(_) => Some(("amqp", cfg!(feature = "amqp"))),
         }
     }
 
     /// Problems with this sink's settings, as (key under the sink, message).
     pub fn validate(&self) -> Vec<(&'static str, String)> {
+        if let Some((feature, false)) = self.feature() {
+            return vec![(
+                "kind",
+                format!(
+                    "this sched-relay was built without {} support; rebuild with `cargo build --release --features {feature}`",
+                    self.label()
+                ),
+            )];
+        }
         match self {
-            SinkKind::File(file) if file.path.as_os_str().is_empty() => {
-                vec![(
-                    "path",
-                    "must name a file, e.g. \"/var/log/sched-relay/events.jsonl\"".into(),
-                )]
-            }
+            SinkKind::File(file) if file.path.as_os_str().is_empty() => vec![(
+                "path",
+                "must name a file, e.g. \"/var/log/sched-relay/events.jsonl\"".into(),
+            )],
+            SinkKind::Nats(nats) => nats.validate(),
+            SinkKind::Amqp(amqp) => amqp.validate(),
             _ => Vec::new(),
         }
     }
@@ -51,7 +78,31 @@ impl SinkKind {
         match self {
             SinkKind::File(config) => Box::new(FileSink::new(config.clone())),
             SinkKind::Stdout(config) => Box::new(StdoutSink::new(config.clone())),
+            #[cfg(feature = "nats")]
+            SinkKind::Nats(config) => Box::new(sink_nats::NatsSink::new(config.clone())),
+            #[cfg(feature = "amqp")]
+            SinkKind::Amqp(config) => Box::new(sink_amqp::AmqpSink::new(config.clone())),
+            #[allow(unreachable_patterns)]
+            other => Box::new(NotCompiledIn(other.label())),
         }
+    }
+}
+
+/// Stands in for a sink whose cargo feature is off. Validation refuses such configurations
+/// before anything runs, so this only ever reports the same, clearly.
+struct NotCompiledIn(&'static str);
+
+#[async_trait]
+impl Sink for NotCompiledIn {
+    async fn deliver(&self, _batch: &[Event]) -> Result<(), SinkError> {
+        Err(SinkError::Permanent(format!(
+            "this sched-relay was built without {} support",
+            self.0
+        )))
+    }
+
+    async fn health_check(&self) -> Result<(), SinkError> {
+        self.deliver(&[]).await
     }
 }
 

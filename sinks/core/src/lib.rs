@@ -5,6 +5,10 @@
 //! Retry policy lives in one place (the agent's fan-out), so a sink never retries on its own:
 //! it reports each failure once, classified, and the fan-out decides.
 
+pub mod binding;
+pub mod secret;
+pub mod testing;
+
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;

@@ -1,0 +1,308 @@
+//! The AMQP client side of the sink.
+
+use async_trait::async_trait;
+use cloudevents::AttributesReader;
+use lapin::options::{
+    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
+    QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
+};
+use sink_core::binding::{self, expand_template};
+use sink_core::{Event, Sink, SinkError};
+use tokio::sync::Mutex;
+
+use crate::{AmqpSinkConfig, HeaderStyle};
+
+/// Publishes CloudEvents to an AMQP 0-9-1 exchange with publisher confirms. Connects on first
+/// use and again after any connection or channel failure.
+pub struct AmqpSink {
+    config: AmqpSinkConfig,
+    connection: Mutex<Option<(Connection, Channel)>>,
+}
+
+impl AmqpSink {
+    pub fn new(config: AmqpSinkConfig) -> Self {
+        AmqpSink {
+            config,
+            connection: Mutex::new(None),
+        }
+    }
+
+    fn uri(&self) -> Result<String, SinkError> {
+        let password = sink_core::secret::resolve(
+            self.config.password.as_ref(),
+            self.config.password_file.as_deref(),
+            "password",
+        )
+        .map_err(SinkError::Permanent)?;
+        let Some(password) = password else {
+            return Ok(self.config.url.clone());
+        };
+        let mut url = url::Url::parse(&self.config.url)
+            .map_err(|e| SinkError::Permanent(format!("url: {e}")))?;
+        url.set_password(Some(&password))
+            .map_err(|_| SinkError::Permanent("url: cannot carry a password".into()))?;
+        Ok(url.to_string())
+    }
+
+    /// A host:port/vhost description of the broker without credentials, for messages.
+    fn broker(&self) -> String {
+        url::Url::parse(&self.config.url)
+            .map(|url| {
+                format!(
+                    "{}:{}{}",
+                    url.host_str().unwrap_or("?"),
+                    url.port().unwrap_or(5672),
+                    url.path()
+                )
+            })
+            .unwrap_or_else(|_| "the broker".into())
+    }
+
+    async fn channel(&self) -> Result<Channel, SinkError> {
+        let mut slot = self.connection.lock().await;
+        if let Some((connection, channel)) = slot.as_ref()
+            && connection.status().connected()
+            && channel.status().connected()
+        {
+            return Ok(channel.clone());
+        }
+        *slot = None;
+        let timeout = self.config.timeout;
+        let connect = async {
+            let properties =
+                ConnectionProperties::default().with_connection_name("sched-relay".into());
+            let tls = lapin::tcp::OwnedTLSConfig {
+                identity: None,
+                cert_chain: match &self.config.ca_file {
+                    Some(path) => Some(std::fs::read_to_string(path).map_err(|e| {
+                        SinkError::Permanent(format!("cannot read ca_file {}: {e}", path.display()))
+                    })?),
+                    None => None,
+                },
+            };
+            let runtime = lapin::runtime::default_runtime()
+                .map_err(|e| SinkError::Permanent(format!("no async runtime for AMQP: {e}")))?;
+            let connection =
+                Connection::connect_with_config(&self.uri()?, properties, tls, runtime)
+                    .await
+                    .map_err(|e| self.classify(e, "cannot connect"))?;
+            let channel = connection
+                .create_channel()
+                .await
+                .map_err(|e| self.classify(e, "cannot open a channel"))?;
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await
+                .map_err(|e| self.classify(e, "cannot enable publisher confirms"))?;
+            Ok::<_, SinkError>((connection, channel))
+        };
+        let (connection, channel) =
+            tokio::time::timeout(timeout, connect).await.map_err(|_| {
+                SinkError::Retriable(format!(
+                    "no AMQP connection to {} within {timeout:?}",
+                    self.broker()
+                ))
+            })??;
+        if self.config.declare {
+            self.declare(&channel).await?;
+        }
+        *slot = Some((connection, channel.clone()));
+        Ok(channel)
+    }
+
+    async fn declare(&self, channel: &Channel) -> Result<(), SinkError> {
+        let config = &self.config;
+        let kind = match config.exchange_type.as_str() {
+            "direct" => ExchangeKind::Direct,
+            "fanout" => ExchangeKind::Fanout,
+            "headers" => ExchangeKind::Headers,
+            _ => ExchangeKind::Topic,
+        };
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        channel
+            .exchange_declare(
+                config.exchange.as_str().into(),
+                kind,
+                durable,
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| {
+                self.classify(e, &format!("cannot declare exchange {}", config.exchange))
+            })?;
+        if let Some(queue) = &config.queue {
+            let durable = QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            };
+            channel
+                .queue_declare(queue.as_str().into(), durable, FieldTable::default())
+                .await
+                .map_err(|e| self.classify(e, &format!("cannot declare queue {queue}")))?;
+            channel
+                .queue_bind(
+                    queue.as_str().into(),
+                    config.exchange.as_str().into(),
+                    config.binding_key.as_str().into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|e| self.classify(e, &format!("cannot bind queue {queue}")))?;
+        }
+        Ok(())
+    }
+
+    /// Access refused and missing exchanges are configuration problems; the rest (network,
+    /// broker restarts, channel closures) may clear up.
+    fn classify(&self, error: lapin::Error, what: &str) -> SinkError {
+        let text = error.to_string();
+        let message = format!("{what} on {}: {text}", self.broker());
+        if text.contains("ACCESS_REFUSED")
+            || text.contains("access refused")
+            || text.contains("403")
+        {
+            SinkError::Permanent(format!("{message} (check the user and password in url)"))
+        } else if text.contains("NOT_FOUND") || text.contains("404") {
+            SinkError::Permanent(format!(
+                "{message} (create the exchange, or set declare = true)"
+            ))
+        } else {
+            SinkError::Retriable(message)
+        }
+    }
+
+    fn properties(&self, event: &Event, encoded: &binding::Encoded) -> BasicProperties {
+        let mut headers = FieldTable::default();
+        for (name, value) in &encoded.headers {
+            headers.insert(
+                ShortString::from(name.as_str()),
+                AMQPValue::LongString(LongString::from(value.as_str())),
+            );
+        }
+        let timestamp = event
+            .time()
+            .map(|t| t.timestamp().max(0) as u64)
+            .unwrap_or_default();
+        BasicProperties::default()
+            .with_content_type(encoded.content_type.as_str().into())
+            .with_message_id(event.id().into())
+            .with_delivery_mode(2)
+            .with_timestamp(timestamp)
+            .with_app_id("sched-relay".into())
+            .with_headers(headers)
+    }
+
+    async fn forget_connection(&self) {
+        *self.connection.lock().await = None;
+    }
+}
+
+#[async_trait]
+impl Sink for AmqpSink {
+    async fn deliver(&self, batch: &[Event]) -> Result<(), SinkError> {
+        let channel = self.channel().await?;
+        let style = match self.config.header_style {
+            HeaderStyle::Rabbitmq => binding::AMQP_RABBITMQ,
+            HeaderStyle::Amqp1 => binding::AMQP_1_0,
+        };
+        let mandatory = BasicPublishOptions {
+            mandatory: true,
+            ..BasicPublishOptions::default()
+        };
+        let mut confirms = Vec::with_capacity(batch.len());
+        for event in batch {
+            let encoded = binding::encode(event, self.config.content_mode, style)?;
+            let routing_key = expand_template(&self.config.routing_key, event);
+            let published = channel
+                .basic_publish(
+                    self.config.exchange.as_str().into(),
+                    routing_key.as_str().into(),
+                    mandatory,
+                    &encoded.body,
+                    self.properties(event, &encoded),
+                )
+                .await;
+            match published {
+                Ok(confirm) => confirms.push((routing_key, confirm)),
+                Err(error) => {
+                    self.forget_connection().await;
+                    return Err(self.classify(error, "publish failed"));
+                }
+            }
+        }
+        let timeout = self.config.timeout;
+        for (routing_key, confirm) in confirms {
+            let confirmation = match tokio::time::timeout(timeout, confirm).await {
+                Err(_) => {
+                    self.forget_connection().await;
+                    return Err(SinkError::Retriable(format!(
+                        "no publisher confirm from {} within {timeout:?}",
+                        self.broker()
+                    )));
+                }
+                Ok(Err(error)) => {
+                    self.forget_connection().await;
+                    return Err(self.classify(error, "publish not confirmed"));
+                }
+                Ok(Ok(confirmation)) => confirmation,
+            };
+            match confirmation {
+                Confirmation::Ack(None) => {}
+                Confirmation::Ack(Some(_)) => {
+                    return Err(SinkError::Permanent(format!(
+                        "unroutable: no queue is bound to exchange {} for routing key {routing_key} (bind one, or set declare = true with a queue)",
+                        self.config.exchange
+                    )));
+                }
+                Confirmation::Nack(_) => {
+                    return Err(SinkError::Retriable(format!(
+                        "{} refused to store a message for {routing_key} (nack)",
+                        self.broker()
+                    )));
+                }
+                Confirmation::NotRequested => {
+                    return Err(SinkError::Retriable(
+                        "publisher confirms are not enabled on the channel".into(),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn health_check(&self) -> Result<(), SinkError> {
+        let channel = self.channel().await?;
+        if self.config.declare {
+            return Ok(());
+        }
+        let passive = ExchangeDeclareOptions {
+            passive: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        let checked = channel
+            .exchange_declare(
+                self.config.exchange.as_str().into(),
+                ExchangeKind::Topic,
+                passive,
+                FieldTable::default(),
+            )
+            .await;
+        if let Err(error) = checked {
+            // A failed passive declare closes the channel: start afresh next time.
+            self.forget_connection().await;
+            return Err(self.classify(
+                error,
+                &format!("exchange {} is not usable", self.config.exchange),
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,379 @@
+//! The AMQP sink against the real RabbitMQ on 127.0.0.1:5672 (AMQP_URL).
+
+use std::time::Duration;
+
+use cloudevents::{AttributesReader, Event, EventBuilder, EventBuilderV10};
+use lapin::options::{
+    BasicGetOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use sink_amqp::{AmqpSink, AmqpSinkConfig, HeaderStyle};
+use sink_core::Sink;
+use sink_core::binding::ContentMode;
+use sink_core::testing::{CuttableProxy, broker_available, live_migration_events, unique};
+
+const HOW: &str = "start it with: RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 rabbitmq-server -detached";
+
+fn url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+fn address() -> String {
+    let url = url::Url::parse(&url()).unwrap();
+    format!("{}:{}", url.host_str().unwrap(), url.port().unwrap_or(5672))
+}
+
+fn config(url: &str, exchange: &str) -> AmqpSinkConfig {
+    let mut config: AmqpSinkConfig = toml::from_str(&format!("url = \"{url}\"")).unwrap();
+    config.exchange = exchange.to_owned();
+    config.timeout = Duration::from_secs(2);
+    config
+}
+
+/// An exchange and a queue bound to it with `#`, both removed when the test ends.
+struct Topology {
+    channel: Channel,
+    exchange: String,
+    queue: String,
+}
+
+impl Topology {
+    async fn new() -> Topology {
+        let connection = Connection::connect(&url(), ConnectionProperties::default())
+            .await
+            .unwrap();
+        let channel = connection.create_channel().await.unwrap();
+        let exchange = unique("sr-test-x-");
+        let queue = unique("sr-test-q-");
+        channel
+            .exchange_declare(
+                exchange.as_str().into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        channel
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        channel
+            .queue_bind(
+                queue.as_str().into(),
+                exchange.as_str().into(),
+                "#".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        Topology {
+            channel,
+            exchange,
+            queue,
+        }
+    }
+
+    /// Takes every message now in the queue.
+    async fn drain(&self, expected: usize) -> Vec<lapin::message::BasicGetMessage> {
+        let mut messages = Vec::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while messages.len() < expected && tokio::time::Instant::now() < deadline {
+            match self
+                .channel
+                .basic_get(self.queue.as_str().into(), BasicGetOptions { no_ack: true })
+                .await
+                .unwrap()
+            {
+                Some(message) => messages.push(message),
+                None => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+        messages
+    }
+
+    async fn remove(self) {
+        let _ = self
+            .channel
+            .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
+            .await;
+        let _ = self
+            .channel
+            .exchange_delete(
+                self.exchange.as_str().into(),
+                ExchangeDeleteOptions::default(),
+            )
+            .await;
+    }
+}
+
+fn header_text(properties: &BasicProperties, name: &str) -> Option<String> {
+    let headers = properties.headers().as_ref()?;
+    match headers.inner().get(name)? {
+        AMQPValue::LongString(value) => Some(value.to_string()),
+        AMQPValue::ShortString(value) => Some(value.to_string()),
+        other => Some(format!("{other:?}")),
+    }
+}
+
+/// A binary-mode decoder written from the RabbitMQ binding's text: every `<prefix><name>`
+/// header is a context attribute (the required ones by name, the rest extensions), the
+/// `content_type` property is `datacontenttype`, and the body is `data`.
+fn decode_binary(message: &lapin::message::BasicGetMessage, prefix: &str) -> Event {
+    let properties = &message.delivery.properties;
+    let attribute = |name: &str| {
+        header_text(properties, &format!("{prefix}{name}"))
+            .unwrap_or_else(|| panic!("{prefix}{name} missing"))
+    };
+    assert_eq!(attribute("specversion"), "1.0");
+    let mut builder = EventBuilderV10::new()
+        .id(attribute("id"))
+        .source(attribute("source"))
+        .ty(attribute("type"))
+        .subject(attribute("subject"))
+        .time(attribute("time"));
+    let headers = properties.headers().as_ref().unwrap();
+    for name in headers.inner().keys() {
+        let name = name.as_str();
+        let Some(extension) = name.strip_prefix(prefix) else {
+            continue;
+        };
+        if !["specversion", "id", "source", "type", "subject", "time"].contains(&extension) {
+            builder = builder.extension(extension, header_text(properties, name).unwrap());
+        }
+    }
+    let content_type = properties.content_type().as_ref().unwrap().to_string();
+    let data: serde_json::Value = serde_json::from_slice(&message.delivery.data).unwrap();
+    builder.data(content_type, data).build().unwrap()
+}
+
+fn assert_same(received: &[Event], sent: &[Event]) {
+    let ids = |events: &[Event]| events.iter().map(|e| e.id().to_owned()).collect::<Vec<_>>();
+    assert_eq!(ids(received), ids(sent));
+    for (got, want) in received.iter().zip(sent) {
+        assert_eq!(
+            (got.ty(), got.source(), got.subject(), got.time()),
+            (want.ty(), want.source(), want.subject(), want.time())
+        );
+        for (name, value) in want.iter_extensions() {
+            assert_eq!(
+                got.extension(name).map(|v| v.to_string()),
+                Some(value.to_string()),
+                "{name}"
+            );
+        }
+        assert_eq!(got.data(), want.data(), "{}", want.id());
+        assert_eq!(got.datacontenttype(), want.datacontenttype());
+    }
+}
+
+#[tokio::test]
+async fn binary_mode_publishes_persistent_confirmed_messages_with_ce_headers() {
+    if !broker_available("RabbitMQ", &address(), HOW) {
+        return;
+    }
+    let topology = Topology::new().await;
+    let sink = AmqpSink::new(config(&url(), &topology.exchange));
+    sink.health_check().await.unwrap();
+    let events = live_migration_events("WestNO_0");
+    sink.deliver(&events).await.unwrap();
+
+    let messages = topology.drain(events.len()).await;
+    let routing_keys: Vec<String> = messages
+        .iter()
+        .map(|m| m.delivery.routing_key.to_string())
+        .collect();
+    assert_eq!(
+        routing_keys[..2],
+        ["WestNO_0.document", "WestNO_0.scheduled"]
+    );
+    let properties = &messages[1].delivery.properties;
+    assert_eq!(
+        properties.message_id().as_ref().unwrap().as_str(),
+        "C7061BAC-AFDC-4513-B24B-AA5F13A16123:scheduled"
+    );
+    assert_eq!(*properties.delivery_mode(), Some(2), "persistent");
+    assert_eq!(
+        properties.content_type().as_ref().unwrap().as_str(),
+        "application/json"
+    );
+    let received: Vec<Event> = messages.iter().map(|m| decode_binary(m, "ce-")).collect();
+    assert_same(&received, &events);
+    topology.remove().await;
+}
+
+#[tokio::test]
+async fn structured_mode_and_amqp_1_0_header_names_decode_too() {
+    if !broker_available("RabbitMQ", &address(), HOW) {
+        return;
+    }
+    let topology = Topology::new().await;
+    let events = live_migration_events("WestNO_0");
+
+    let mut structured = config(&url(), &topology.exchange);
+    structured.content_mode = ContentMode::Structured;
+    AmqpSink::new(structured).deliver(&events).await.unwrap();
+    let messages = topology.drain(events.len()).await;
+    assert!(
+        messages[0]
+            .delivery
+            .properties
+            .content_type()
+            .as_ref()
+            .unwrap()
+            .as_str()
+            .starts_with("application/cloudevents+json")
+    );
+    let received: Vec<Event> = messages
+        .iter()
+        .map(|m| serde_json::from_slice(&m.delivery.data).unwrap())
+        .collect();
+    assert_eq!(received, events);
+
+    let mut amqp1 = config(&url(), &topology.exchange);
+    amqp1.header_style = HeaderStyle::Amqp1;
+    AmqpSink::new(amqp1).deliver(&events).await.unwrap();
+    let messages = topology.drain(events.len()).await;
+    let received: Vec<Event> = messages
+        .iter()
+        .map(|m| decode_binary(m, "cloudEvents_"))
+        .collect();
+    assert_same(&received, &events);
+    topology.remove().await;
+}
+
+#[tokio::test]
+async fn an_unroutable_message_is_an_error_not_a_silent_drop() {
+    if !broker_available("RabbitMQ", &address(), HOW) {
+        return;
+    }
+    let topology = Topology::new().await;
+    let mut config = config(&url(), &topology.exchange);
+    config.routing_key = "{vmname}.{transition}".into();
+    // Rebind the queue to something no event uses.
+    topology
+        .channel
+        .queue_unbind(
+            topology.queue.as_str().into(),
+            topology.exchange.as_str().into(),
+            "#".into(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let error = AmqpSink::new(config)
+        .deliver(&live_migration_events("WestNO_0")[..1])
+        .await
+        .unwrap_err();
+    assert!(!error.is_retriable(), "{error}");
+    assert!(error.to_string().contains("unroutable"), "{error}");
+    topology.remove().await;
+}
+
+#[tokio::test]
+async fn a_missing_exchange_is_reported_by_the_health_check_and_declare_creates_it() {
+    if !broker_available("RabbitMQ", &address(), HOW) {
+        return;
+    }
+    let exchange = unique("sr-test-missing-");
+    let error = AmqpSink::new(config(&url(), &exchange))
+        .health_check()
+        .await
+        .unwrap_err();
+    assert!(!error.is_retriable(), "{error}");
+    assert!(error.to_string().contains("set declare = true"), "{error}");
+
+    let queue = unique("sr-test-declared-");
+    let mut declared = config(&url(), &exchange);
+    declared.declare = true;
+    declared.queue = Some(queue.clone());
+    let sink = AmqpSink::new(declared);
+    sink.health_check().await.unwrap();
+    let events = live_migration_events("WestNO_0");
+    sink.deliver(&events).await.unwrap();
+    let topology = Topology {
+        channel: Connection::connect(&url(), ConnectionProperties::default())
+            .await
+            .unwrap()
+            .create_channel()
+            .await
+            .unwrap(),
+        exchange,
+        queue,
+    };
+    assert_eq!(topology.drain(events.len()).await.len(), events.len());
+    topology.remove().await;
+}
+
+#[tokio::test]
+async fn a_wrong_password_is_a_clear_error_that_retrying_cannot_fix() {
+    if !broker_available("RabbitMQ", &address(), HOW) {
+        return;
+    }
+    let mut config = config(&url(), "amq.topic");
+    config.password = Some(sink_core::secret::Secret::new("definitely-wrong"));
+    let error = AmqpSink::new(config).health_check().await.unwrap_err();
+    assert!(!error.is_retriable(), "{error}");
+    assert!(
+        error.to_string().contains("check the user and password"),
+        "{error}"
+    );
+    assert!(
+        !error.to_string().contains("definitely-wrong"),
+        "the password never appears: {error}"
+    );
+}
+
+#[tokio::test]
+async fn delivery_resumes_after_the_network_to_the_broker_comes_back() {
+    if !broker_available("RabbitMQ", &address(), HOW) {
+        return;
+    }
+    let topology = Topology::new().await;
+    let proxy = CuttableProxy::start(&address()).await;
+    let proxied = url().replace(&address(), &proxy.address());
+    let sink = AmqpSink::new(config(&proxied, &topology.exchange));
+    let events = live_migration_events("WestNO_0");
+    sink.deliver(&events[..2]).await.unwrap();
+
+    proxy.cut();
+    let error = sink.deliver(&events[2..]).await.unwrap_err();
+    assert!(error.is_retriable(), "{error}");
+
+    proxy.restore().await;
+    let mut delivered = false;
+    for _ in 0..50 {
+        if sink.deliver(&events[2..]).await.is_ok() {
+            delivered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(delivered, "delivery did not resume");
+    // At least once: every event arrives, in order of first arrival; a repeat can only be
+    // an identical id of the batch that was in flight during the cut.
+    let messages = topology.drain(events.len()).await;
+    let mut seen: Vec<String> = Vec::new();
+    for message in &messages {
+        let id = message
+            .delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .unwrap()
+            .to_string();
+        if !seen.contains(&id) {
+            seen.push(id);
+        }
+    }
+    let expected: Vec<String> = events.iter().map(|e| e.id().to_owned()).collect();
+    assert_eq!(seen, expected);
+    topology.remove().await;
+}

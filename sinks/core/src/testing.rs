@@ -1,0 +1,183 @@
+//! Helpers for the sink crates' tests: the documentation's live migration as CloudEvents, and
+//! the rule for tests that need a real broker (fail under CI, skip with a message elsewhere).
+
+use cloudevents::{Event, EventBuilder, EventBuilderV10};
+
+/// The live-migration sequence as the agent publishes it for VM `vm`: document:1, then
+/// scheduled, started, completed of one Freeze, each followed by its document snapshot.
+pub fn live_migration_events(vm: &str) -> Vec<Event> {
+    let id = "C7061BAC-AFDC-4513-B24B-AA5F13A16123";
+    let source = format!("urn:sched-relay:vm:{vm}");
+    let document = |incarnation: i64, events: serde_json::Value| {
+        EventBuilderV10::new()
+            .id(format!("document:{incarnation}"))
+            .source(source.clone())
+            .ty("com.azure.scheduledevents.document")
+            .subject(incarnation.to_string())
+            .time(chrono::Utc::now())
+            .extension("incarnation", incarnation)
+            .extension("vmname", vm)
+            .extension("partitionkey", vm)
+            .data(
+                "application/json",
+                serde_json::json!({"DocumentIncarnation": incarnation, "Events": events}),
+            )
+            .build()
+            .expect("a valid event")
+    };
+    let azure_event = |status: &str, not_before: &str| {
+        serde_json::json!({"EventId": id, "EventStatus": status, "EventType": "Freeze",
+            "ResourceType": "VirtualMachine", "Resources": [vm, "WestNO_1"], "NotBefore": not_before,
+            "Description": "Virtual machine is being paused because of a memory-preserving Live Migration operation.",
+            "EventSource": "Platform", "DurationInSeconds": 5})
+    };
+    let transition = |kind: &str,
+                      incarnation: i64,
+                      status: &str,
+                      previous: Option<&str>,
+                      event: serde_json::Value| {
+        EventBuilderV10::new()
+            .id(format!("{id}:{kind}"))
+            .source(source.clone())
+            .ty(format!("com.azure.scheduledevents.{kind}"))
+            .subject(id)
+            .time(chrono::Utc::now())
+            .extension("incarnation", incarnation)
+            .extension("eventtype", "Freeze")
+            .extension("eventstatus", status)
+            .extension("eventsource", "Platform")
+            .extension("vmname", vm)
+            .extension("affectsvm", true)
+            .extension("partitionkey", id)
+            .data(
+                "application/json",
+                serde_json::json!({"incarnation": incarnation,
+                "vm": {"name": vm, "id": null, "resourceId": null}, "affectsVm": true,
+                "previousStatus": previous, "event": event}),
+            )
+            .build()
+            .expect("a valid event")
+    };
+    let scheduled = azure_event("Scheduled", "Mon, 11 Apr 2022 22:26:58 GMT");
+    let started = azure_event("Started", "");
+    vec![
+        document(1, serde_json::json!([])),
+        transition("scheduled", 2, "Scheduled", None, scheduled.clone()),
+        document(2, serde_json::json!([scheduled])),
+        transition("started", 3, "Started", Some("Scheduled"), started.clone()),
+        document(3, serde_json::json!([started.clone()])),
+        transition("completed", 4, "Started", Some("Started"), started),
+        document(4, serde_json::json!([])),
+    ]
+}
+
+/// Whether a broker answers on `address` (`host:port`). When it does not: under CI (the `CI`
+/// variable is set) the test fails, since CI must exercise the real broker; elsewhere the
+/// test is skipped with a line saying how to start the broker.
+pub fn broker_available(name: &str, address: &str, how_to_start: &str) -> bool {
+    use std::net::ToSocketAddrs;
+    let reachable = address
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut addrs| addrs.next())
+        .is_some_and(|addr| {
+            std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(2)).is_ok()
+        });
+    if reachable {
+        return true;
+    }
+    if std::env::var_os("CI").is_some() {
+        panic!("{name} is not reachable at {address} and CI is set: {how_to_start}");
+    }
+    eprintln!("skipped: {name} is not reachable at {address} ({how_to_start})");
+    false
+}
+
+/// A name no other test run uses, for subjects, queues, topics and streams.
+pub fn unique(prefix: &str) -> String {
+    format!(
+        "{prefix}{}{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() % 1_000_000_000)
+            .unwrap_or_default()
+    )
+}
+
+/// Fault injection for network loss: a TCP proxy in front of a real broker that a test can
+/// cut (every connection dropped, new ones refused) and restore on the same port. It stands
+/// for a partition or a broker host going away, which the shared test brokers cannot do
+/// without disturbing other tests.
+pub struct CuttableProxy {
+    port: u16,
+    upstream: String,
+    tasks: std::sync::Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+}
+
+impl CuttableProxy {
+    /// Starts forwarding a free loopback port to `upstream` (`host:port`).
+    pub async fn start(upstream: &str) -> CuttableProxy {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let proxy = CuttableProxy {
+            port,
+            upstream: upstream.to_owned(),
+            tasks: Default::default(),
+        };
+        proxy.restore().await;
+        proxy
+    }
+
+    /// The address clients should use instead of the upstream.
+    pub fn address(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Drops every connection and refuses new ones.
+    pub fn cut(&self) {
+        for task in self.tasks.lock().expect("not poisoned").drain(..) {
+            task.abort();
+        }
+    }
+
+    /// Listens again on the same port.
+    pub async fn restore(&self) {
+        let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
+        socket.set_reuseaddr(true).expect("SO_REUSEADDR");
+        let mut bound = None;
+        for _ in 0..50 {
+            match socket.bind(([127, 0, 0, 1], self.port).into()) {
+                Ok(()) => {
+                    bound = Some(());
+                    break;
+                }
+                Err(_) => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+            }
+        }
+        bound.expect("the proxy port can be bound again");
+        let listener = socket.listen(64).expect("listen");
+        let upstream = self.upstream.clone();
+        let tasks = self.tasks.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let upstream = upstream.clone();
+                let connection = tokio::spawn(async move {
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(&upstream).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+                tasks.lock().expect("not poisoned").push(connection);
+            }
+        });
+        self.tasks.lock().expect("not poisoned").push(accept);
+    }
+}
+
+impl Drop for CuttableProxy {
+    fn drop(&mut self) {
+        self.cut();
+    }
+}

@@ -1,0 +1,132 @@
+//! The NATS sink: publishes each CloudEvent on a subject built from a template, through core
+//! NATS (no acknowledgement: a message nobody is subscribed to is gone) or JetStream (the
+//! stream acknowledges each message; `Nats-Msg-Id` is the CloudEvents id, so a retried batch
+//! is de-duplicated by the stream). Headers follow the CloudEvents NATS binding (`ce-id`, ...).
+//!
+//! The configuration always compiles; the client needs the `client` feature.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use sink_core::binding::{ContentMode, unknown_template_fields};
+use sink_core::secret::Secret;
+
+#[cfg(feature = "client")]
+mod sink;
+#[cfg(feature = "client")]
+pub use sink::NatsSink;
+
+/// `kind = "nats"`.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NatsSinkConfig {
+    /// Server URL, or several separated by commas: `nats://127.0.0.1:4222`, `tls://host:4222`.
+    pub url: String,
+    /// Publish through JetStream and wait for the stream's acknowledgement (recommended).
+    /// A stream must capture the subjects (`nats stream add --subjects 'scheduledevents.>'`).
+    #[serde(default)]
+    pub jetstream: bool,
+    /// Subject template: `{vmname}`, `{transition}`, `{eventtype}`, `{eventid}`, `{type}`.
+    #[serde(default = "default_subject")]
+    pub subject: String,
+    /// `binary` (ce- headers, data as payload) or `structured` (the whole event as JSON).
+    #[serde(default)]
+    pub content_mode: ContentMode,
+    /// A `.creds` file (JWT + NKey), as issued by `nsc`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials_file: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<Secret>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_file: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password: Option<Secret>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password_file: Option<PathBuf>,
+    /// Require TLS even for `nats://` URLs.
+    #[serde(default)]
+    pub tls: bool,
+    /// A PEM file of CA certificates to trust (besides the system's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<PathBuf>,
+    /// Connect, flush and acknowledgement timeout.
+    #[serde(default = "default_timeout", with = "humantime_serde")]
+    pub timeout: Duration,
+}
+
+fn default_subject() -> String {
+    "scheduledevents.{vmname}.{transition}".into()
+}
+
+fn default_timeout() -> Duration {
+    Duration::from_secs(5)
+}
+
+impl NatsSinkConfig {
+    /// Problems, as (key, message), without touching the network.
+    pub fn validate(&self) -> Vec<(&'static str, String)> {
+        let mut problems = Vec::new();
+        for server in self.url.split(',') {
+            match url::Url::parse(server.trim()) {
+                Ok(url)
+                    if matches!(url.scheme(), "nats" | "tls" | "ws" | "wss") && url.has_host() => {}
+                _ => problems.push((
+                    "url",
+                    format!(
+                        "{server:?} is not a NATS URL; expected e.g. \"nats://127.0.0.1:4222\""
+                    ),
+                )),
+            }
+        }
+        let unknown = unknown_template_fields(&self.subject);
+        if !unknown.is_empty() || self.subject.is_empty() {
+            problems.push((
+                "subject",
+                format!("{:?}: unknown placeholders {unknown:?}", self.subject),
+            ));
+        }
+        if self.token.is_some() && self.token_file.is_some() {
+            problems.push(("token", "set token or token_file, not both".into()));
+        }
+        if self.password.is_some() && self.password_file.is_some() {
+            problems.push(("password", "set password or password_file, not both".into()));
+        }
+        if (self.password.is_some() || self.password_file.is_some()) && self.user.is_none() {
+            problems.push(("user", "a password needs a user".into()));
+        }
+        if self.timeout.is_zero() {
+            problems.push(("timeout", "must be more than 0s".into()));
+        }
+        problems
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(text: &str) -> NatsSinkConfig {
+        toml::from_str(text).unwrap()
+    }
+
+    #[test]
+    fn defaults_use_the_documented_subject_and_binary_mode() {
+        let config = config("url = \"nats://127.0.0.1:4222\"");
+        assert_eq!(config.subject, "scheduledevents.{vmname}.{transition}");
+        assert_eq!(config.content_mode, ContentMode::Binary);
+        assert!(!config.jetstream);
+        assert!(config.validate().is_empty());
+    }
+
+    #[test]
+    fn bad_settings_are_reported_by_key() {
+        let config = config(
+            "url = \"http://x\"\nsubject = \"a.{vm}\"\ntoken = \"t\"\ntoken_file = \"/t\"\npassword = \"p\"",
+        );
+        let keys: Vec<&str> = config.validate().iter().map(|(k, _)| *k).collect();
+        assert_eq!(keys, ["url", "subject", "token", "user"]);
+    }
+}

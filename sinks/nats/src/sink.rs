@@ -1,0 +1,192 @@
+//! The NATS client side of the sink.
+
+use async_nats::jetstream;
+use async_trait::async_trait;
+use sink_core::binding::{self, expand_template};
+use sink_core::{Event, Sink, SinkError};
+use tokio::sync::Mutex;
+
+use crate::NatsSinkConfig;
+
+/// Publishes CloudEvents to NATS. Connects on first use; after that the client reconnects
+/// by itself, and publishes made while disconnected time out and are retried by the fan-out.
+pub struct NatsSink {
+    config: NatsSinkConfig,
+    client: Mutex<Option<async_nats::Client>>,
+}
+
+impl NatsSink {
+    pub fn new(config: NatsSinkConfig) -> Self {
+        NatsSink {
+            config,
+            client: Mutex::new(None),
+        }
+    }
+
+    async fn client(&self) -> Result<async_nats::Client, SinkError> {
+        let mut slot = self.client.lock().await;
+        if let Some(client) = slot.as_ref() {
+            return Ok(client.clone());
+        }
+        let config = &self.config;
+        let mut options = async_nats::ConnectOptions::new()
+            .name("sched-relay")
+            .connection_timeout(config.timeout)
+            .request_timeout(Some(config.timeout))
+            .max_reconnects(None);
+        if let Some(path) = &config.credentials_file {
+            options = options.credentials_file(path).await.map_err(|e| {
+                SinkError::Permanent(format!(
+                    "cannot read credentials_file {}: {e}",
+                    path.display()
+                ))
+            })?;
+        }
+        if let Some(token) =
+            sink_core::secret::resolve(config.token.as_ref(), config.token_file.as_deref(), "token")
+                .map_err(SinkError::Permanent)?
+        {
+            options = options.token(token);
+        }
+        let password = sink_core::secret::resolve(
+            config.password.as_ref(),
+            config.password_file.as_deref(),
+            "password",
+        )
+        .map_err(SinkError::Permanent)?;
+        if let Some(user) = &config.user {
+            options = options.user_and_password(user.clone(), password.unwrap_or_default());
+        }
+        if config.tls {
+            options = options.require_tls(true);
+        }
+        if let Some(ca) = &config.ca_file {
+            options = options.add_root_certificates(ca.clone());
+        }
+        let servers: Vec<String> = config.url.split(',').map(|s| s.trim().to_owned()).collect();
+        let client = options.connect(servers).await.map_err(|error| {
+            use async_nats::ConnectErrorKind::*;
+            let message = format!("cannot connect to NATS at {}: {error}", config.url);
+            match error.kind() {
+                AuthorizationViolation | Authentication => SinkError::Permanent(format!(
+                    "{message} (check user/password, token or credentials_file)"
+                )),
+                Tls => SinkError::Permanent(format!("{message} (check tls and ca_file)")),
+                ServerParse => SinkError::Permanent(message),
+                _ => SinkError::Retriable(message),
+            }
+        })?;
+        *slot = Some(client.clone());
+        Ok(client)
+    }
+
+    fn headers(&self, event: &Event, encoded: &binding::Encoded) -> async_nats::HeaderMap {
+        let mut headers = async_nats::HeaderMap::new();
+        for (name, value) in &encoded.headers {
+            headers.insert(name.as_str(), value.as_str());
+        }
+        headers.insert("content-type", encoded.content_type.as_str());
+        if self.config.jetstream {
+            // The stream drops a message whose id it has seen within its duplicate window,
+            // so retrying a half-acknowledged batch does not duplicate the acknowledged part.
+            headers.insert("Nats-Msg-Id", cloudevents::AttributesReader::id(event));
+        }
+        headers
+    }
+
+    fn sample_subject(&self) -> String {
+        self.config
+            .subject
+            .replace("{vmname}", "healthcheck")
+            .replace("{transition}", "scheduled")
+            .replace("{eventtype}", "Freeze")
+            .replace("{eventid}", "healthcheck")
+            .replace("{type}", "com.azure.scheduledevents.scheduled")
+    }
+}
+
+#[async_trait]
+impl Sink for NatsSink {
+    async fn deliver(&self, batch: &[Event]) -> Result<(), SinkError> {
+        let client = self.client().await?;
+        let timeout = self.config.timeout;
+        if self.config.jetstream {
+            let context = jetstream::new(client);
+            let mut acks = Vec::with_capacity(batch.len());
+            for event in batch {
+                let encoded = binding::encode(event, self.config.content_mode, binding::NATS)?;
+                let subject = expand_template(&self.config.subject, event);
+                let ack = context
+                    .publish_with_headers(
+                        subject.clone(),
+                        self.headers(event, &encoded),
+                        encoded.body.into(),
+                    )
+                    .await
+                    .map_err(|e| {
+                        SinkError::Retriable(format!("JetStream publish to {subject} failed: {e}"))
+                    })?;
+                acks.push((subject, ack));
+            }
+            for (subject, ack) in acks {
+                match tokio::time::timeout(timeout, ack).await {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(error)) => {
+                        let hint = match error.kind() {
+                            jetstream::context::PublishErrorKind::StreamNotFound => {
+                                " (no stream captures this subject: create one, e.g. nats stream add --subjects 'scheduledevents.>')"
+                            }
+                            _ => "",
+                        };
+                        return Err(SinkError::Retriable(format!(
+                            "JetStream did not store {subject}: {error}{hint}"
+                        )));
+                    }
+                    Err(_) => {
+                        return Err(SinkError::Retriable(format!(
+                            "no JetStream acknowledgement for {subject} within {timeout:?}"
+                        )));
+                    }
+                }
+            }
+            return Ok(());
+        }
+        for event in batch {
+            let encoded = binding::encode(event, self.config.content_mode, binding::NATS)?;
+            let subject = expand_template(&self.config.subject, event);
+            client
+                .publish_with_headers(
+                    subject.clone(),
+                    self.headers(event, &encoded),
+                    encoded.body.into(),
+                )
+                .await
+                .map_err(|e| SinkError::Retriable(format!("publish to {subject} failed: {e}")))?;
+        }
+        // Core NATS has no acknowledgement: the most it can confirm is that the server has
+        // the bytes.
+        match tokio::time::timeout(timeout, client.flush()).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(error)) => Err(SinkError::Retriable(format!("NATS flush failed: {error}"))),
+            Err(_) => Err(SinkError::Retriable(format!(
+                "NATS flush not done within {timeout:?} (server down?)"
+            ))),
+        }
+    }
+
+    async fn health_check(&self) -> Result<(), SinkError> {
+        let client = self.client().await?;
+        if self.config.jetstream {
+            let subject = self.sample_subject();
+            jetstream::new(client)
+                .stream_by_subject(subject.clone())
+                .await
+                .map_err(|e| {
+                    SinkError::Permanent(format!(
+                        "no JetStream stream captures {subject}: {e} (create one, e.g. nats stream add --subjects 'scheduledevents.>')"
+                    ))
+                })?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,405 @@
+//! The NATS sink against a real nats-server: the shared one on 127.0.0.1:4222 (NATS_URL), and
+//! private ones this test starts and stops itself (NATS_SERVER_BIN, default nats-server).
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use cloudevents::{AttributesReader, Event};
+use futures_util::StreamExt;
+use sink_core::Sink;
+use sink_core::binding::ContentMode;
+use sink_core::testing::{broker_available, live_migration_events, unique};
+use sink_nats::{NatsSink, NatsSinkConfig};
+
+const HOW: &str = "start it with: nats-server -a 127.0.0.1 -p 4222 -js -sd /tmp/nats";
+
+fn shared_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+fn address(url: &str) -> String {
+    url.trim_start_matches("nats://").to_owned()
+}
+
+fn config(url: &str, subject: &str, jetstream: bool, mode: ContentMode) -> NatsSinkConfig {
+    let mut config: NatsSinkConfig = toml::from_str(&format!("url = \"{url}\"")).unwrap();
+    config.subject = subject.to_owned();
+    config.jetstream = jetstream;
+    config.content_mode = mode;
+    config.timeout = Duration::from_secs(1);
+    config
+}
+
+/// Decodes a NATS message with the CloudEvents SDK's HTTP reader: the NATS binding uses the
+/// same `ce-` header names, so nobody here wrote the decoder.
+fn decode(headers: Option<&async_nats::HeaderMap>, payload: &[u8]) -> Event {
+    let mut http_headers = http::HeaderMap::new();
+    if let Some(headers) = headers {
+        for (name, values) in headers.iter() {
+            let name = http::HeaderName::try_from(name.to_string()).unwrap();
+            http_headers.insert(name, values[0].as_str().parse().unwrap());
+        }
+    }
+    cloudevents::binding::http::to_event(&http_headers, payload.to_vec()).unwrap()
+}
+
+fn assert_same(received: &[Event], sent: &[Event]) {
+    assert_eq!(received.len(), sent.len());
+    for (got, want) in received.iter().zip(sent) {
+        assert_eq!(got.id(), want.id());
+        assert_eq!(got.ty(), want.ty());
+        assert_eq!(got.source(), want.source());
+        assert_eq!(got.subject(), want.subject());
+        assert_eq!(got.time(), want.time());
+        // Binary mode carries extensions as header text, so compare their text.
+        for (name, value) in want.iter_extensions() {
+            assert_eq!(
+                got.extension(name).map(|v| v.to_string()),
+                Some(value.to_string()),
+                "{name} of {}",
+                want.id()
+            );
+        }
+        let data = |event: &Event| -> serde_json::Value {
+            match event.data().unwrap() {
+                cloudevents::Data::Json(value) => value.clone(),
+                cloudevents::Data::Binary(bytes) => serde_json::from_slice(bytes).unwrap(),
+                cloudevents::Data::String(text) => serde_json::from_str(text).unwrap(),
+            }
+        };
+        assert_eq!(data(got), data(want), "{}", want.id());
+    }
+}
+
+async fn receive(
+    subscriber: &mut async_nats::Subscriber,
+    count: usize,
+) -> Vec<async_nats::Message> {
+    let mut messages = Vec::new();
+    while messages.len() < count {
+        let message = tokio::time::timeout(Duration::from_secs(5), subscriber.next())
+            .await
+            .expect("messages arrive within 5 s")
+            .unwrap();
+        messages.push(message);
+    }
+    messages
+}
+
+#[tokio::test]
+async fn core_nats_delivers_the_live_migration_in_order_with_binding_headers() {
+    let url = shared_url();
+    if !broker_available("NATS", &address(&url), HOW) {
+        return;
+    }
+    let prefix = unique("srtest");
+    let client = async_nats::connect(url.as_str()).await.unwrap();
+    let mut subscriber = client.subscribe(format!("{prefix}.>")).await.unwrap();
+    client.flush().await.unwrap();
+
+    let sink = NatsSink::new(config(
+        &url,
+        &format!("{prefix}.{{vmname}}.{{transition}}"),
+        false,
+        ContentMode::Binary,
+    ));
+    sink.health_check().await.unwrap();
+    let events = live_migration_events("WestNO_0");
+    sink.deliver(&events).await.unwrap();
+
+    let messages = receive(&mut subscriber, events.len()).await;
+    let subjects: Vec<String> = messages.iter().map(|m| m.subject.to_string()).collect();
+    assert_eq!(subjects[1], format!("{prefix}.WestNO_0.scheduled"));
+    assert_eq!(subjects[0], format!("{prefix}.WestNO_0.document"));
+    let headers = messages[1].headers.as_ref().unwrap();
+    for name in [
+        "ce-specversion",
+        "ce-id",
+        "ce-source",
+        "ce-type",
+        "ce-subject",
+        "ce-time",
+        "ce-incarnation",
+        "ce-vmname",
+        "content-type",
+    ] {
+        assert!(headers.get(name).is_some(), "{name} missing");
+    }
+    assert_eq!(
+        headers.get("ce-id").unwrap().as_str(),
+        "C7061BAC-AFDC-4513-B24B-AA5F13A16123:scheduled"
+    );
+    let received: Vec<Event> = messages
+        .iter()
+        .map(|m| decode(m.headers.as_ref(), &m.payload))
+        .collect();
+    assert_same(&received, &events);
+}
+
+#[tokio::test]
+async fn structured_mode_carries_the_whole_event_as_json() {
+    let url = shared_url();
+    if !broker_available("NATS", &address(&url), HOW) {
+        return;
+    }
+    let prefix = unique("srtest");
+    let client = async_nats::connect(url.as_str()).await.unwrap();
+    let mut subscriber = client.subscribe(format!("{prefix}.>")).await.unwrap();
+    client.flush().await.unwrap();
+    let sink = NatsSink::new(config(
+        &url,
+        &format!("{prefix}.{{transition}}"),
+        false,
+        ContentMode::Structured,
+    ));
+    let events = live_migration_events("WestNO_0");
+    sink.deliver(&events).await.unwrap();
+    let messages = receive(&mut subscriber, events.len()).await;
+    let content_type = messages[0]
+        .headers
+        .as_ref()
+        .unwrap()
+        .get("content-type")
+        .unwrap()
+        .as_str()
+        .to_owned();
+    assert!(
+        content_type.starts_with("application/cloudevents+json"),
+        "{content_type}"
+    );
+    let received: Vec<Event> = messages
+        .iter()
+        .map(|m| decode(m.headers.as_ref(), &m.payload))
+        .collect();
+    assert_eq!(received, events);
+}
+
+async fn create_stream(
+    url: &str,
+    name: &str,
+    subjects: &str,
+) -> async_nats::jetstream::stream::Stream {
+    let client = async_nats::connect(url).await.unwrap();
+    async_nats::jetstream::new(client)
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: name.to_owned(),
+            subjects: vec![subjects.to_owned()],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+}
+
+async fn stored_ids(stream: &async_nats::jetstream::stream::Stream, count: u64) -> Vec<String> {
+    let mut ids = Vec::new();
+    for sequence in 1..=count {
+        let message = stream.get_raw_message(sequence).await.unwrap();
+        ids.push(message.headers.get("ce-id").unwrap().as_str().to_owned());
+    }
+    ids
+}
+
+#[tokio::test]
+async fn jetstream_acknowledges_each_event_and_a_retried_batch_is_not_stored_twice() {
+    let url = shared_url();
+    if !broker_available("NATS", &address(&url), HOW) {
+        return;
+    }
+    let prefix = unique("srtest");
+    let mut stream = create_stream(&url, &prefix.to_uppercase(), &format!("{prefix}.>")).await;
+    let sink = NatsSink::new(config(
+        &url,
+        &format!("{prefix}.{{vmname}}.{{transition}}"),
+        true,
+        ContentMode::Binary,
+    ));
+    sink.health_check().await.unwrap();
+    let events = live_migration_events("WestNO_0");
+    sink.deliver(&events).await.unwrap();
+    sink.deliver(&events).await.unwrap(); // the fan-out retrying a batch
+    let info = stream.info().await.unwrap();
+    assert_eq!(
+        info.state.messages,
+        events.len() as u64,
+        "Nats-Msg-Id de-duplicates the retry"
+    );
+    let expected: Vec<String> = events.iter().map(|e| e.id().to_owned()).collect();
+    assert_eq!(stored_ids(&stream, events.len() as u64).await, expected);
+    stream.purge().await.unwrap();
+    let client = async_nats::connect(url.as_str()).await.unwrap();
+    async_nats::jetstream::new(client)
+        .delete_stream(prefix.to_uppercase())
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn jetstream_health_check_says_when_no_stream_captures_the_subject() {
+    let url = shared_url();
+    if !broker_available("NATS", &address(&url), HOW) {
+        return;
+    }
+    let sink = NatsSink::new(config(
+        &url,
+        &format!("{}.{{vmname}}", unique("nostream")),
+        true,
+        ContentMode::Binary,
+    ));
+    let error = sink.health_check().await.unwrap_err().to_string();
+    assert!(error.contains("no JetStream stream captures"), "{error}");
+    let error = sink
+        .deliver(&live_migration_events("vm")[..1])
+        .await
+        .unwrap_err();
+    assert!(
+        error.is_retriable(),
+        "nothing is dropped while the stream is missing: {error}"
+    );
+}
+
+/// A nats-server this test owns, on its own port and store directory.
+struct PrivateNats {
+    child: Option<Child>,
+    port: u16,
+    store: tempfile::TempDir,
+    extra: Vec<String>,
+}
+
+impl PrivateNats {
+    fn start(extra: &[&str]) -> Option<PrivateNats> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut server = PrivateNats {
+            child: None,
+            port,
+            store: tempfile::tempdir().unwrap(),
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+        };
+        server.restart().then_some(server)
+    }
+
+    fn restart(&mut self) -> bool {
+        let binary = std::env::var("NATS_SERVER_BIN").unwrap_or_else(|_| "nats-server".into());
+        let spawned = Command::new(&binary)
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
+            .arg(self.store.path())
+            .args(&self.extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        let child = match spawned {
+            Ok(child) => child,
+            Err(error) if std::env::var_os("CI").is_some() => {
+                panic!("cannot run {binary}: {error}")
+            }
+            Err(error) => {
+                eprintln!("skipped: cannot run {binary}: {error}");
+                return false;
+            }
+        };
+        self.child = Some(child);
+        let address = format!("127.0.0.1:{}", self.port);
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(&address).is_ok() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("private nats-server did not listen on {address}");
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for PrivateNats {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+#[tokio::test]
+async fn delivery_resumes_after_the_server_restarts_and_nothing_is_lost_or_doubled() {
+    let Some(mut server) = PrivateNats::start(&[]) else {
+        return;
+    };
+    let stream = create_stream(&server.url(), "RESTART", "restart.>").await;
+    let sink = NatsSink::new(config(
+        &server.url(),
+        "restart.{transition}",
+        true,
+        ContentMode::Binary,
+    ));
+    let events = live_migration_events("WestNO_0");
+    sink.deliver(&events[..2]).await.unwrap();
+
+    server.stop();
+    let error = sink.deliver(&events[2..]).await.unwrap_err();
+    assert!(error.is_retriable(), "{error}");
+
+    assert!(server.restart());
+    // What the fan-out does: retry the same batch with backoff until it is acknowledged.
+    let mut delivered = false;
+    for _ in 0..50 {
+        if sink.deliver(&events[2..]).await.is_ok() {
+            delivered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(delivered, "delivery did not resume after the restart");
+    let expected: Vec<String> = events.iter().map(|e| e.id().to_owned()).collect();
+    let mut stream = stream;
+    assert_eq!(
+        stream.info().await.unwrap().state.messages,
+        events.len() as u64
+    );
+    assert_eq!(stored_ids(&stream, events.len() as u64).await, expected);
+}
+
+#[tokio::test]
+async fn a_refused_login_is_a_clear_error_that_retrying_cannot_fix() {
+    let Some(server) = PrivateNats::start(&["--user", "relay", "--pass", "right"]) else {
+        return;
+    };
+    let mut config = config(
+        &server.url(),
+        "auth.{transition}",
+        false,
+        ContentMode::Binary,
+    );
+    config.user = Some("relay".into());
+    config.password = Some(sink_core::secret::Secret::new("wrong"));
+    let sink = NatsSink::new(config);
+    let error = sink.health_check().await.unwrap_err();
+    assert!(!error.is_retriable(), "{error}");
+    assert!(error.to_string().contains("check user/password"), "{error}");
+
+    let mut good = self::config(
+        &server.url(),
+        "auth.{transition}",
+        false,
+        ContentMode::Binary,
+    );
+    good.user = Some("relay".into());
+    good.password = Some(sink_core::secret::Secret::new("right"));
+    NatsSink::new(good).health_check().await.unwrap();
+}
