@@ -19,6 +19,9 @@ use tokio::task::JoinSet;
 
 use crate::config::DeliveryConfig;
 
+/// The longest `Retry-After` a destination can impose.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
+
 /// A sink with its name, ready to be driven by the fan-out.
 pub struct NamedSink {
     pub name: String,
@@ -152,11 +155,17 @@ impl Worker {
                     return true;
                 }
                 Err(error) if error.is_retriable() => {
-                    let wait = backoff(
-                        attempt,
-                        self.delivery.retry_initial,
-                        self.delivery.retry_max,
-                    );
+                    // A destination that says when to come back is believed, within an hour.
+                    let wait = error
+                        .retry_after()
+                        .map(|after| after.min(MAX_RETRY_AFTER))
+                        .unwrap_or_else(|| {
+                            backoff(
+                                attempt,
+                                self.delivery.retry_initial,
+                                self.delivery.retry_max,
+                            )
+                        });
                     metrics::counter!("sched_relay_sink_retried_total", "sink" => self.name.clone()).increment(1);
                     tracing::warn!(sink = %self.name, attempt = attempt + 1, retry_in = ?wait, error = %error, "Delivery failed, will retry");
                     attempt = attempt.saturating_add(1);
@@ -287,6 +296,30 @@ mod tests {
         assert_eq!(ids(&flaky.delivered()), ["1", "2", "3"]);
         assert_eq!(ids(&healthy.delivered()), ["1", "2", "3"]);
         assert!(flaky.attempts() >= 4);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_retry_after_from_the_destination_is_honoured_over_the_backoff() {
+        let dir = tempfile::tempdir().unwrap();
+        let sink = RecordingSink::new();
+        sink.fail_next([SinkError::RetryAfter {
+            message: "429".into(),
+            after: Duration::from_secs(120),
+        }]);
+        let fanout = Fanout::start(
+            vec![NamedSink {
+                name: "hook".into(),
+                sink: Box::new(sink.clone()),
+            }],
+            &fast_delivery(),
+            dir.path(),
+        );
+        fanout.publish(&[event("1")]);
+        tokio::time::sleep(Duration::from_secs(119)).await;
+        assert!(sink.delivered().is_empty(), "retried before Retry-After");
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(ids(&sink.delivered()), ["1"]);
+        fanout.shutdown(Duration::from_secs(1)).await;
     }
 
     #[tokio::test]

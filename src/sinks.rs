@@ -6,8 +6,10 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use sink_amqp::AmqpSinkConfig;
 use sink_core::{Event, Sink, SinkError};
+use sink_exec::{ExecSink, ExecSinkConfig};
 use sink_file::{FileSink, FileSinkConfig, StdoutSink, StdoutSinkConfig};
 use sink_nats::NatsSinkConfig;
+use sink_webhook::WebhookSinkConfig;
 
 /// One `[[sinks]]` entry: a unique name plus the kind-specific settings.
 #[derive(Debug, Clone, PartialEq)]
@@ -29,6 +31,10 @@ pub enum SinkKind {
     Nats(NatsSinkConfig),
     /// AMQP 0-9-1 / RabbitMQ with publisher confirms (cargo feature `amqp`).
     Amqp(AmqpSinkConfig),
+    /// HTTP POST, one request per event or per batch (cargo feature `webhook`).
+    Webhook(WebhookSinkConfig),
+    /// A local command per event (drain scripts).
+    Exec(ExecSinkConfig),
 }
 
 impl SinkKind {
@@ -39,15 +45,18 @@ impl SinkKind {
             SinkKind::Stdout(_) => "stdout",
             SinkKind::Nats(_) => "nats",
             SinkKind::Amqp(_) => "amqp",
+            SinkKind::Webhook(_) => "webhook",
+            SinkKind::Exec(_) => "exec",
         }
     }
 
     /// The cargo feature a kind needs, and whether this binary has it.
     fn feature(&self) -> Option<(&'static str, bool)> {
         match self {
-            SinkKind::File(_) | SinkKind::Stdout(_) => None,
+            SinkKind::File(_) | SinkKind::Stdout(_) | SinkKind::Exec(_) => None,
             SinkKind::Nats(_) => Some(("nats", cfg!(feature = "nats"))),
             SinkKind::Amqp(_) => Some(("amqp", cfg!(feature = "amqp"))),
+            SinkKind::Webhook(_) => Some(("webhook", cfg!(feature = "webhook"))),
         }
     }
 
@@ -69,6 +78,8 @@ impl SinkKind {
             )],
             SinkKind::Nats(nats) => nats.validate(),
             SinkKind::Amqp(amqp) => amqp.validate(),
+            SinkKind::Webhook(webhook) => webhook.validate(),
+            SinkKind::Exec(exec) => exec.validate(),
             _ => Vec::new(),
         }
     }
@@ -82,6 +93,9 @@ impl SinkKind {
             SinkKind::Nats(config) => Box::new(sink_nats::NatsSink::new(config.clone())),
             #[cfg(feature = "amqp")]
             SinkKind::Amqp(config) => Box::new(sink_amqp::AmqpSink::new(config.clone())),
+            #[cfg(feature = "webhook")]
+            SinkKind::Webhook(config) => Box::new(sink_webhook::WebhookSink::new(config.clone())),
+            SinkKind::Exec(config) => Box::new(ExecSink::new(config.clone())),
             #[allow(unreachable_patterns)]
             other => Box::new(NotCompiledIn(other.label())),
         }

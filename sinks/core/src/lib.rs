@@ -34,6 +34,12 @@ pub enum SinkError {
     /// The destination is down, slow or overloaded; the same batch may succeed later.
     #[error("{0} (will retry)")]
     Retriable(String),
+    /// As `Retriable`, and the destination said when to come back (HTTP `Retry-After`).
+    #[error("{message} (will retry in {after:?}, as asked)")]
+    RetryAfter {
+        message: String,
+        after: std::time::Duration,
+    },
     /// The destination refused the batch for a reason retrying cannot change (bad
     /// configuration, message rejected); the batch goes to the dead-letter file.
     #[error("{0} (not retriable)")]
@@ -43,7 +49,15 @@ pub enum SinkError {
 impl SinkError {
     /// Whether retrying the same batch can help.
     pub fn is_retriable(&self) -> bool {
-        matches!(self, SinkError::Retriable(_))
+        matches!(self, SinkError::Retriable(_) | SinkError::RetryAfter { .. })
+    }
+
+    /// How long the destination asked us to wait before the next try, if it said.
+    pub fn retry_after(&self) -> Option<std::time::Duration> {
+        match self {
+            SinkError::RetryAfter { after, .. } => Some(*after),
+            _ => None,
+        }
     }
 
     /// Classifies an I/O error: a full disk or an interrupted write may clear up, a missing

@@ -1,0 +1,292 @@
+//! The exec sink: runs a local command for each CloudEvent, the drain-script hook operators
+//! know from other maintenance handlers, so a VM can prepare itself (stop taking traffic,
+//! flush caches, fail over) as well as tell the fleet.
+//!
+//! The command is run directly (no shell) with the structured event as JSON on stdin and
+//! `EVENT_ID`, `EVENT_TYPE`, `EVENT_STATUS`, `NOT_BEFORE`, `TRANSITION`, `CE_ID`, `CE_TYPE`,
+//! `VM_NAME`, `AFFECTS_VM` and `INCARNATION` in its environment. Exit 0 is delivered; an exit
+//! status listed in `retry_exit_codes` (default 75, EX_TEMPFAIL) or a timeout is retried; any
+//! other status sends the event to the dead-letter file with the command's stderr.
+
+use std::collections::BTreeMap;
+use std::process::Stdio;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use cloudevents::{AttributesReader, Data};
+use serde::{Deserialize, Serialize};
+use sink_core::{Event, Sink, SinkError};
+use tokio::io::AsyncWriteExt;
+
+/// `kind = "exec"`.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ExecSinkConfig {
+    /// The program and its arguments, e.g. `["/usr/local/bin/drain", "--graceful"]`.
+    pub command: Vec<String>,
+    /// Run only for these transitions (`scheduled`, `started`, ...); empty: every event,
+    /// `document` snapshots included.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub transitions: Vec<String>,
+    /// Killed and retried after this long.
+    #[serde(default = "default_timeout", with = "humantime_serde")]
+    pub timeout: Duration,
+    /// Exit statuses that mean "try again later".
+    #[serde(default = "default_retry_exit_codes")]
+    pub retry_exit_codes: Vec<i32>,
+    /// Extra environment variables.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+}
+
+fn default_timeout() -> Duration {
+    Duration::from_secs(60)
+}
+
+fn default_retry_exit_codes() -> Vec<i32> {
+    vec![75]
+}
+
+impl ExecSinkConfig {
+    pub fn validate(&self) -> Vec<(&'static str, String)> {
+        let mut problems = Vec::new();
+        if self
+            .command
+            .first()
+            .is_none_or(|program| program.is_empty())
+        {
+            problems.push((
+                "command",
+                "must name a program, e.g. [\"/usr/local/bin/drain\"]".to_owned(),
+            ));
+        }
+        if self.timeout.is_zero() {
+            problems.push(("timeout", "must be more than 0s".to_owned()));
+        }
+        problems
+    }
+}
+
+/// Runs the configured command once per event, in order.
+pub struct ExecSink {
+    config: ExecSinkConfig,
+}
+
+impl ExecSink {
+    pub fn new(config: ExecSinkConfig) -> Self {
+        ExecSink { config }
+    }
+
+    fn environment(event: &Event) -> Vec<(&'static str, String)> {
+        let extension = |name: &str| {
+            event
+                .extension(name)
+                .map(|v| v.to_string())
+                .unwrap_or_default()
+        };
+        let transition = event
+            .ty()
+            .rsplit_once(".scheduledevents.")
+            .map(|(_, rest)| rest.to_owned())
+            .unwrap_or_else(|| event.ty().rsplit('.').next().unwrap_or_default().to_owned());
+        let not_before = match event.data() {
+            Some(Data::Json(data)) => data["event"]["NotBefore"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+            _ => String::new(),
+        };
+        vec![
+            ("EVENT_ID", event.subject().unwrap_or_default().to_owned()),
+            ("EVENT_TYPE", extension("eventtype")),
+            ("EVENT_STATUS", extension("eventstatus")),
+            ("NOT_BEFORE", not_before),
+            ("TRANSITION", transition),
+            ("CE_ID", event.id().to_owned()),
+            ("CE_TYPE", event.ty().to_owned()),
+            ("VM_NAME", extension("vmname")),
+            ("AFFECTS_VM", extension("affectsvm")),
+            ("INCARNATION", extension("incarnation")),
+        ]
+    }
+
+    async fn run(&self, event: &Event) -> Result<(), SinkError> {
+        let environment = Self::environment(event);
+        let transition = environment
+            .iter()
+            .find(|(k, _)| *k == "TRANSITION")
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default();
+        if !self.config.transitions.is_empty() && !self.config.transitions.contains(&transition) {
+            return Ok(());
+        }
+        let program = &self.config.command[0];
+        let mut child = tokio::process::Command::new(program)
+            .args(&self.config.command[1..])
+            .envs(environment)
+            .envs(&self.config.env)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| SinkError::Permanent(format!("cannot run {program}: {e}")))?;
+        let body = sink_core::binding::structured_json(event)?;
+        if let Some(mut stdin) = child.stdin.take() {
+            // A command that does not read stdin closes it early; that is its right.
+            let _ = stdin.write_all(&body).await;
+        }
+        let timeout = self.config.timeout;
+        let output = match tokio::time::timeout(timeout, child.wait_with_output()).await {
+            Err(_) => {
+                return Err(SinkError::Retriable(format!(
+                    "{program} did not finish within {timeout:?} for {} (killed)",
+                    event.id()
+                )));
+            }
+            Ok(Err(error)) => {
+                return Err(SinkError::Retriable(format!("{program} failed: {error}")));
+            }
+            Ok(Ok(output)) => output,
+        };
+        if output.status.success() {
+            return Ok(());
+        }
+        let stderr: String = String::from_utf8_lossy(&output.stderr)
+            .chars()
+            .take(300)
+            .collect();
+        let message = format!(
+            "{program} exited with {} for {}: {}",
+            output.status,
+            event.id(),
+            stderr.trim()
+        );
+        match output.status.code() {
+            Some(code) if self.config.retry_exit_codes.contains(&code) => {
+                Err(SinkError::Retriable(message))
+            }
+            // Killed by a signal: treat like a timeout, it may well succeed next time.
+            None => Err(SinkError::Retriable(message)),
+            Some(_) => Err(SinkError::Permanent(message)),
+        }
+    }
+}
+
+#[async_trait]
+impl Sink for ExecSink {
+    async fn deliver(&self, batch: &[Event]) -> Result<(), SinkError> {
+        for event in batch {
+            self.run(event).await?;
+        }
+        Ok(())
+    }
+
+    async fn health_check(&self) -> Result<(), SinkError> {
+        let program = std::path::Path::new(&self.config.command[0]);
+        if program.components().count() > 1 && !program.is_file() {
+            return Err(SinkError::Permanent(format!(
+                "{} does not exist",
+                program.display()
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sink_core::testing::live_migration_events;
+
+    fn sink(script: &str, extra: &str) -> ExecSink {
+        let timeout = if extra.contains("timeout") {
+            ""
+        } else {
+            "timeout = \"2s\""
+        };
+        let config: ExecSinkConfig = toml::from_str(&format!(
+            "command = [\"/bin/sh\", \"-c\", {script:?}]\n{timeout}\n{extra}"
+        ))
+        .unwrap();
+        assert!(config.validate().is_empty());
+        ExecSink::new(config)
+    }
+
+    #[tokio::test]
+    async fn the_command_sees_the_event_on_stdin_and_its_facts_in_the_environment() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out");
+        let script = format!(
+            "printf '%s|%s|%s|%s|%s|%s\\n' \"$EVENT_ID\" \"$EVENT_TYPE\" \"$EVENT_STATUS\" \"$NOT_BEFORE\" \"$TRANSITION\" \"$(cat | head -c 20)\" >> {}",
+            out.display()
+        );
+        let events = live_migration_events("WestNO_0");
+        sink(&script, "transitions = [\"scheduled\", \"completed\"]")
+            .deliver(&events)
+            .await
+            .unwrap();
+        let lines: Vec<String> = std::fs::read_to_string(&out)
+            .unwrap()
+            .lines()
+            .map(str::to_owned)
+            .collect();
+        assert_eq!(
+            lines,
+            [
+                "C7061BAC-AFDC-4513-B24B-AA5F13A16123|Freeze|Scheduled|Mon, 11 Apr 2022 22:26:58 GMT|scheduled|{\"specversion\":\"1.0\"",
+                "C7061BAC-AFDC-4513-B24B-AA5F13A16123|Freeze|Started||completed|{\"specversion\":\"1.0\"",
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn exit_statuses_decide_delivered_retry_or_dead_letter() {
+        let one = &live_migration_events("vm")[1..2];
+        sink("exit 0", "").deliver(one).await.unwrap();
+        let retry = sink("echo busy >&2; exit 75", "")
+            .deliver(one)
+            .await
+            .unwrap_err();
+        assert!(
+            retry.is_retriable() && retry.to_string().contains("busy"),
+            "{retry}"
+        );
+        let refused = sink("echo broken >&2; exit 3", "")
+            .deliver(one)
+            .await
+            .unwrap_err();
+        assert!(
+            !refused.is_retriable() && refused.to_string().contains("broken"),
+            "{refused}"
+        );
+        let slow = sink("sleep 10", "timeout = \"200ms\"")
+            .deliver(one)
+            .await
+            .unwrap_err();
+        assert!(
+            slow.is_retriable() && slow.to_string().contains("killed"),
+            "{slow}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_missing_program_is_reported_and_not_retried() {
+        let config: ExecSinkConfig = toml::from_str("command = [\"/nonexistent/drain\"]").unwrap();
+        let sink = ExecSink::new(config);
+        assert!(
+            sink.health_check()
+                .await
+                .unwrap_err()
+                .to_string()
+                .contains("does not exist")
+        );
+        assert!(
+            !sink
+                .deliver(&live_migration_events("vm")[..1])
+                .await
+                .unwrap_err()
+                .is_retriable()
+        );
+    }
+}

@@ -1,0 +1,281 @@
+//! The HTTP client side of the webhook sink.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use cloudevents::AttributesReader;
+use hmac::{Hmac, Mac};
+use reqwest::header::{
+    AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER,
+};
+use reqwest::{StatusCode, redirect};
+use sha2::Sha256;
+use sink_core::binding::{self, BATCH_CONTENT_TYPE};
+use sink_core::{Event, Sink, SinkError};
+
+use crate::WebhookSinkConfig;
+
+/// The longest part of an error answer quoted in logs and dead letters.
+const BODY_EXCERPT: usize = 300;
+
+/// POSTs CloudEvents to one URL.
+pub struct WebhookSink {
+    config: WebhookSinkConfig,
+    client: reqwest::Client,
+    /// Headers every request carries (custom headers, bearer token), built once.
+    common: HeaderMap,
+    hmac_key: Option<Vec<u8>>,
+    /// A configuration problem found while building; reported on every attempt.
+    broken: Option<String>,
+}
+
+/// The signature header value for `body`: `sha256=<hex HMAC-SHA256(key, body)>`.
+pub fn signature(key: &[u8], body: &[u8]) -> String {
+    let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes keys of any length");
+    mac.update(body);
+    let digest = mac.finalize().into_bytes();
+    let hex: String = digest.iter().map(|byte| format!("{byte:02x}")).collect();
+    format!("sha256={hex}")
+}
+
+impl WebhookSink {
+    pub fn new(config: WebhookSinkConfig) -> Self {
+        // One process-wide provider (ring) for every rustls user; a second install is a no-op.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let mut broken = None;
+        let mut builder = reqwest::Client::builder()
+            .redirect(redirect::Policy::none())
+            .timeout(config.timeout)
+            .user_agent(concat!("sched-relay/", env!("CARGO_PKG_VERSION")));
+        if let Some(path) = &config.ca_file {
+            match std::fs::read(path)
+                .map_err(|e| e.to_string())
+                .and_then(|pem| reqwest::Certificate::from_pem(&pem).map_err(|e| e.to_string()))
+            {
+                Ok(certificate) => builder = builder.add_root_certificate(certificate),
+                Err(error) => broken = Some(format!("ca_file {}: {error}", path.display())),
+            }
+        }
+        let client = builder.build().unwrap_or_else(|error| {
+            broken = Some(format!("cannot build the HTTP client: {error}"));
+            reqwest::Client::new()
+        });
+        let mut common = HeaderMap::new();
+        for (name, value) in &config.headers {
+            match (
+                HeaderName::try_from(name.as_str()),
+                HeaderValue::try_from(value.as_str()),
+            ) {
+                (Ok(name), Ok(value)) => {
+                    common.insert(name, value);
+                }
+                _ => {
+                    broken = Some(format!(
+                        "headers: {name:?} cannot be sent as an HTTP header"
+                    ))
+                }
+            }
+        }
+        match sink_core::secret::resolve(
+            config.bearer_token.as_ref(),
+            config.bearer_token_file.as_deref(),
+            "bearer_token",
+        ) {
+            Ok(Some(token)) => match HeaderValue::try_from(format!("Bearer {token}")) {
+                Ok(mut value) => {
+                    value.set_sensitive(true);
+                    common.insert(AUTHORIZATION, value);
+                }
+                Err(_) => broken = Some("bearer_token: not a valid header value".into()),
+            },
+            Ok(None) => {}
+            Err(error) => broken = Some(error),
+        }
+        let hmac_key = match sink_core::secret::resolve(
+            config.hmac_key.as_ref(),
+            config.hmac_key_file.as_deref(),
+            "hmac_key",
+        ) {
+            Ok(key) => key.map(String::into_bytes),
+            Err(error) => {
+                broken = Some(error);
+                None
+            }
+        };
+        WebhookSink {
+            config,
+            client,
+            common,
+            hmac_key,
+            broken,
+        }
+    }
+
+    async fn post(&self, headers: HeaderMap, body: Vec<u8>, what: &str) -> Result<(), SinkError> {
+        let mut request = self
+            .client
+            .post(&self.config.url)
+            .headers(self.common.clone())
+            .headers(headers);
+        if let Some(key) = &self.hmac_key {
+            request = request.header(self.config.hmac_header.as_str(), signature(key, &body));
+        }
+        let url = &self.config.url;
+        let response = request.body(body).send().await.map_err(|error| {
+            if error.is_timeout() {
+                SinkError::Retriable(format!(
+                    "POST {url} ({what}) timed out after {:?}",
+                    self.config.timeout
+                ))
+            } else {
+                SinkError::Retriable(format!(
+                    "POST {url} ({what}) failed: {}",
+                    error_chain(&error)
+                ))
+            }
+        })?;
+        let status = response.status();
+        if status.is_success() {
+            return Ok(());
+        }
+        let retry_after = response
+            .headers()
+            .get(RETRY_AFTER)
+            .and_then(|value| value.to_str().ok())
+            .and_then(parse_retry_after);
+        let text = response.text().await.unwrap_or_default();
+        let excerpt: String = text.chars().take(BODY_EXCERPT).collect();
+        let message = format!("POST {url} ({what}) answered {status}: {excerpt}");
+        if status == StatusCode::TOO_MANY_REQUESTS || status.is_server_error() {
+            return Err(match retry_after {
+                Some(after) => SinkError::RetryAfter { message, after },
+                None => SinkError::Retriable(message),
+            });
+        }
+        if status.is_redirection() {
+            return Err(SinkError::Permanent(format!(
+                "{message} (redirects are not followed: set url to the final address)"
+            )));
+        }
+        Err(SinkError::Permanent(message))
+    }
+}
+
+/// `Retry-After` as seconds (`120`) or as an HTTP date.
+fn parse_retry_after(value: &str) -> Option<Duration> {
+    if let Ok(seconds) = value.trim().parse::<u64>() {
+        return Some(Duration::from_secs(seconds));
+    }
+    let date = chrono::DateTime::parse_from_rfc2822(value.trim()).ok()?;
+    let wait = date.with_timezone(&chrono::Utc) - chrono::Utc::now();
+    Some(wait.to_std().unwrap_or_default())
+}
+
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text = format!("{text}: {cause}");
+        source = cause.source();
+    }
+    text
+}
+
+fn header_map(pairs: &[(String, String)], content_type: &str) -> Result<HeaderMap, SinkError> {
+    let mut headers = HeaderMap::new();
+    for (name, value) in pairs {
+        let name = HeaderName::try_from(name.as_str())
+            .map_err(|e| SinkError::Permanent(format!("header {name}: {e}")))?;
+        let value = HeaderValue::try_from(value.as_str())
+            .map_err(|e| SinkError::Permanent(format!("header {name}: {e}")))?;
+        headers.insert(name, value);
+    }
+    headers.insert(
+        CONTENT_TYPE,
+        HeaderValue::try_from(content_type)
+            .map_err(|e| SinkError::Permanent(format!("content type: {e}")))?,
+    );
+    Ok(headers)
+}
+
+#[async_trait]
+impl Sink for WebhookSink {
+    async fn deliver(&self, batch: &[Event]) -> Result<(), SinkError> {
+        if let Some(problem) = &self.broken {
+            return Err(SinkError::Permanent(problem.clone()));
+        }
+        if self.config.batch {
+            let body = binding::batch_json(batch)?;
+            let what = format!("batch of {}", batch.len());
+            return self
+                .post(header_map(&[], BATCH_CONTENT_TYPE)?, body, &what)
+                .await;
+        }
+        for event in batch {
+            let encoded = binding::encode(event, self.config.content_mode, binding::HTTP)?;
+            let headers = header_map(&encoded.headers, &encoded.content_type)?;
+            self.post(headers, encoded.body, event.id()).await?;
+        }
+        Ok(())
+    }
+
+    async fn health_check(&self) -> Result<(), SinkError> {
+        if let Some(problem) = &self.broken {
+            return Err(SinkError::Permanent(problem.clone()));
+        }
+        // A webhook has no side-effect-free probe; check that the host answers at all.
+        let url = url::Url::parse(&self.config.url)
+            .map_err(|e| SinkError::Permanent(format!("url: {e}")))?;
+        let host = url.host_str().unwrap_or_default().to_owned();
+        let port = url.port_or_known_default().unwrap_or(443);
+        let connect = tokio::net::lookup_host((host.as_str(), port));
+        let mut addresses = tokio::time::timeout(self.config.timeout, connect)
+            .await
+            .map_err(|_| {
+                SinkError::Retriable(format!(
+                    "cannot resolve {host} within {:?}",
+                    self.config.timeout
+                ))
+            })?
+            .map_err(|e| SinkError::Retriable(format!("cannot resolve {host}: {e}")))?;
+        let address = addresses
+            .next()
+            .ok_or_else(|| SinkError::Retriable(format!("{host} has no address")))?;
+        tokio::time::timeout(self.config.timeout, tokio::net::TcpStream::connect(address))
+            .await
+            .map_err(|_| {
+                SinkError::Retriable(format!(
+                    "{host}:{port} did not accept a connection within {:?}",
+                    self.config.timeout
+                ))
+            })?
+            .map_err(|e| SinkError::Retriable(format!("{host}:{port} is unreachable: {e}")))?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_reads_seconds_and_http_dates() {
+        assert_eq!(parse_retry_after("120"), Some(Duration::from_secs(120)));
+        let soon = (chrono::Utc::now() + chrono::Duration::seconds(60)).to_rfc2822();
+        let wait = parse_retry_after(&soon).unwrap();
+        assert!(
+            wait <= Duration::from_secs(60) && wait >= Duration::from_secs(55),
+            "{wait:?}"
+        );
+        assert_eq!(parse_retry_after("soon"), None);
+    }
+
+    #[test]
+    fn signature_is_hex_hmac_sha256_of_the_body() {
+        // RFC 4231 test case 2.
+        assert_eq!(
+            signature(b"Jefe", b"what do ya want for nothing?"),
+            "sha256=5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
+    }
+}

@@ -1,0 +1,256 @@
+//! The webhook sink against a local HTTP server that answers as scripted: 200, 429 with
+//! Retry-After, 500, slow, 400 and a redirect, and records what it received.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use cloudevents::{AttributesReader, Event};
+use sink_core::Sink;
+use sink_core::binding::ContentMode;
+use sink_core::testing::live_migration_events;
+use sink_webhook::{WebhookSink, WebhookSinkConfig, signature};
+
+#[derive(Clone)]
+enum Answer {
+    Status(u16),
+    RetryAfter(u16, &'static str),
+    Slow(Duration),
+    Redirect,
+}
+
+#[derive(Clone, Default)]
+struct Server {
+    script: Arc<Mutex<VecDeque<Answer>>>,
+    received: Arc<Mutex<Vec<(HeaderMap, Bytes)>>>,
+}
+
+impl Server {
+    async fn start(script: Vec<Answer>) -> (Server, String) {
+        let server = Server {
+            script: Arc::new(Mutex::new(script.into())),
+            ..Server::default()
+        };
+        let state = server.clone();
+        let app = axum::Router::new().fallback(move |headers: HeaderMap, body: Bytes| {
+            let state = state.clone();
+            async move {
+                state.received.lock().unwrap().push((headers, body));
+                let answer = state
+                    .script
+                    .lock()
+                    .unwrap()
+                    .pop_front()
+                    .unwrap_or(Answer::Status(200));
+                let response: Response = match answer {
+                    Answer::Status(code) => (
+                        StatusCode::from_u16(code).unwrap(),
+                        format!("answer {code}"),
+                    )
+                        .into_response(),
+                    Answer::RetryAfter(code, after) => (
+                        StatusCode::from_u16(code).unwrap(),
+                        [("retry-after", after)],
+                        "slow down",
+                    )
+                        .into_response(),
+                    Answer::Slow(delay) => {
+                        tokio::time::sleep(delay).await;
+                        StatusCode::OK.into_response()
+                    }
+                    Answer::Redirect => (
+                        StatusCode::MOVED_PERMANENTLY,
+                        [("location", "http://elsewhere.invalid/")],
+                    )
+                        .into_response(),
+                };
+                response
+            }
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/events", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        (server, url)
+    }
+
+    fn received(&self) -> Vec<(HeaderMap, Bytes)> {
+        self.received.lock().unwrap().clone()
+    }
+}
+
+fn config(url: &str) -> WebhookSinkConfig {
+    let mut config: WebhookSinkConfig = toml::from_str(&format!("url = \"{url}\"")).unwrap();
+    config.timeout = Duration::from_millis(500);
+    config
+}
+
+fn decode(headers: &HeaderMap, body: &Bytes) -> Event {
+    cloudevents::binding::http::to_event(headers, body.to_vec()).unwrap()
+}
+
+#[tokio::test]
+async fn each_event_is_posted_in_order_in_binary_mode_and_decodes_with_the_sdk() {
+    let (server, url) = Server::start(vec![]).await;
+    let sink = WebhookSink::new(config(&url));
+    sink.health_check().await.unwrap();
+    let events = live_migration_events("WestNO_0");
+    sink.deliver(&events).await.unwrap();
+    let received = server.received();
+    assert_eq!(received.len(), events.len());
+    let (headers, _) = &received[1];
+    for name in [
+        "ce-specversion",
+        "ce-id",
+        "ce-source",
+        "ce-type",
+        "ce-subject",
+        "ce-time",
+        "ce-incarnation",
+        "ce-affectsvm",
+    ] {
+        assert!(headers.contains_key(name), "{name} missing");
+    }
+    assert_eq!(headers["content-type"], "application/json");
+    for ((headers, body), sent) in received.iter().zip(&events) {
+        let got = decode(headers, body);
+        assert_eq!(
+            (got.id(), got.ty(), got.source(), got.time()),
+            (sent.id(), sent.ty(), sent.source(), sent.time())
+        );
+        for (name, value) in sent.iter_extensions() {
+            assert_eq!(
+                got.extension(name).map(|v| v.to_string()),
+                Some(value.to_string())
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn structured_and_batch_modes_carry_whole_events() {
+    let (server, url) = Server::start(vec![]).await;
+    let events = live_migration_events("WestNO_0");
+    let mut structured = config(&url);
+    structured.content_mode = ContentMode::Structured;
+    WebhookSink::new(structured)
+        .deliver(&events[..2])
+        .await
+        .unwrap();
+    let mut batch = config(&url);
+    batch.batch = true;
+    WebhookSink::new(batch).deliver(&events).await.unwrap();
+
+    let received = server.received();
+    assert_eq!(received.len(), 3, "two structured requests, then one batch");
+    assert!(
+        received[0].0["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("application/cloudevents+json")
+    );
+    assert_eq!(decode(&received[0].0, &received[0].1), events[0]);
+    assert!(
+        received[2].0["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("application/cloudevents-batch+json")
+    );
+    let decoded: Vec<Event> = serde_json::from_slice(&received[2].1).unwrap();
+    assert_eq!(decoded, events);
+}
+
+#[tokio::test]
+async fn too_many_requests_asks_for_the_wait_the_server_gave() {
+    let (_server, url) = Server::start(vec![
+        Answer::RetryAfter(429, "7"),
+        Answer::RetryAfter(503, "2"),
+    ])
+    .await;
+    let sink = WebhookSink::new(config(&url));
+    let events = live_migration_events("vm");
+    let error = sink.deliver(&events[..1]).await.unwrap_err();
+    assert_eq!(error.retry_after(), Some(Duration::from_secs(7)), "{error}");
+    let error = sink.deliver(&events[..1]).await.unwrap_err();
+    assert_eq!(error.retry_after(), Some(Duration::from_secs(2)), "{error}");
+    sink.deliver(&events[..1]).await.unwrap();
+}
+
+#[tokio::test]
+async fn server_errors_and_timeouts_are_retried_but_client_errors_are_not() {
+    let (_server, url) = Server::start(vec![
+        Answer::Status(500),
+        Answer::Slow(Duration::from_secs(2)),
+        Answer::Status(400),
+        Answer::Redirect,
+    ])
+    .await;
+    let sink = WebhookSink::new(config(&url));
+    let one = &live_migration_events("vm")[..1];
+
+    let error = sink.deliver(one).await.unwrap_err();
+    assert!(
+        error.is_retriable() && error.to_string().contains("500"),
+        "{error}"
+    );
+    let error = sink.deliver(one).await.unwrap_err();
+    assert!(
+        error.is_retriable() && error.to_string().contains("timed out"),
+        "{error}"
+    );
+    let error = sink.deliver(one).await.unwrap_err();
+    assert!(!error.is_retriable(), "{error}");
+    assert!(
+        error.to_string().contains("400") && error.to_string().contains("answer 400"),
+        "the reason is kept: {error}"
+    );
+    let error = sink.deliver(one).await.unwrap_err();
+    assert!(
+        !error.is_retriable() && error.to_string().contains("redirects are not followed"),
+        "{error}"
+    );
+}
+
+#[tokio::test]
+async fn bodies_are_signed_and_custom_headers_and_token_are_sent() {
+    let (server, url) = Server::start(vec![]).await;
+    let mut config = config(&url);
+    config.hmac_key = Some(sink_core::secret::Secret::new("shared-secret"));
+    config.bearer_token = Some(sink_core::secret::Secret::new("tok"));
+    config.headers.insert("X-Fleet".into(), "west".into());
+    WebhookSink::new(config)
+        .deliver(&live_migration_events("vm")[..2])
+        .await
+        .unwrap();
+    for (headers, body) in server.received() {
+        assert_eq!(
+            headers["x-signature-256"],
+            signature(b"shared-secret", &body)
+        );
+        assert_eq!(headers["authorization"], "Bearer tok");
+        assert_eq!(headers["x-fleet"], "west");
+    }
+}
+
+#[tokio::test]
+async fn an_unreachable_endpoint_is_retriable_and_reported_by_the_health_check() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let sink = WebhookSink::new(config(&format!("http://127.0.0.1:{port}/events")));
+    let error = sink.health_check().await.unwrap_err();
+    assert!(
+        error.is_retriable() && error.to_string().contains("unreachable"),
+        "{error}"
+    );
+    assert!(
+        sink.deliver(&live_migration_events("vm")[..1])
+            .await
+            .unwrap_err()
+            .is_retriable()
+    );
+}
