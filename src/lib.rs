@@ -17,3 +17,13 @@ pub mod sinks;
 
 pub use agent::{AgentError, run};
 pub use config::Config;
+
+/// Chooses the process-wide TLS crypto provider (rustls with ring, the one lapin and
+/// async-nats use too) before any HTTP client is built. Cargo unifies reqwest's features
+/// across the workspace, so once the webhook sink brings TLS in, every reqwest client needs
+/// a provider; installing twice is harmless. Without the webhook feature there is no TLS in
+/// reqwest and nothing to do.
+pub fn install_crypto_provider() {
+    #[cfg(feature = "webhook")]
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}

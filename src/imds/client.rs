@@ -109,6 +109,7 @@ impl ImdsClient {
         request_timeout: Duration,
         first_call_timeout: Duration,
     ) -> Result<Self, ImdsError> {
+        crate::install_crypto_provider();
         let http = reqwest::Client::builder()
             .no_proxy()
             .redirect(redirect::Policy::none())

@@ -93,6 +93,7 @@ pub fn blocking_get(url: &str, headers: &[(&str, &str)]) -> (u16, String) {
         .enable_all()
         .build()
         .unwrap();
+    sched_relay::install_crypto_provider();
     runtime.block_on(async {
         let client = reqwest::Client::builder().no_proxy().build().unwrap();
         let mut request = client.get(url);
