@@ -8,6 +8,7 @@ use sink_amqp::AmqpSinkConfig;
 use sink_core::{Event, Sink, SinkError};
 use sink_exec::{ExecSink, ExecSinkConfig};
 use sink_file::{FileSink, FileSinkConfig, StdoutSink, StdoutSinkConfig};
+use sink_kafka::KafkaSinkConfig;
 use sink_nats::NatsSinkConfig;
 use sink_webhook::WebhookSinkConfig;
 
@@ -35,6 +36,8 @@ pub enum SinkKind {
     Webhook(WebhookSinkConfig),
     /// A local command per event (drain scripts).
     Exec(ExecSinkConfig),
+    /// Kafka, idempotent acks=all producer (cargo feature `kafka`).
+    Kafka(KafkaSinkConfig),
 }
 
 impl SinkKind {
@@ -47,6 +50,7 @@ impl SinkKind {
             SinkKind::Amqp(_) => "amqp",
             SinkKind::Webhook(_) => "webhook",
             SinkKind::Exec(_) => "exec",
+            SinkKind::Kafka(_) => "kafka",
         }
     }
 
@@ -57,6 +61,7 @@ impl SinkKind {
             SinkKind::Nats(_) => Some(("nats", cfg!(feature = "nats"))),
             SinkKind::Amqp(_) => Some(("amqp", cfg!(feature = "amqp"))),
             SinkKind::Webhook(_) => Some(("webhook", cfg!(feature = "webhook"))),
+            SinkKind::Kafka(_) => Some(("kafka", cfg!(feature = "kafka"))),
         }
     }
 
@@ -80,6 +85,7 @@ impl SinkKind {
             SinkKind::Amqp(amqp) => amqp.validate(),
             SinkKind::Webhook(webhook) => webhook.validate(),
             SinkKind::Exec(exec) => exec.validate(),
+            SinkKind::Kafka(kafka) => kafka.validate(),
             _ => Vec::new(),
         }
     }
@@ -96,6 +102,8 @@ impl SinkKind {
             #[cfg(feature = "webhook")]
             SinkKind::Webhook(config) => Box::new(sink_webhook::WebhookSink::new(config.clone())),
             SinkKind::Exec(config) => Box::new(ExecSink::new(config.clone())),
+            #[cfg(feature = "kafka")]
+            SinkKind::Kafka(config) => Box::new(sink_kafka::KafkaSink::new(config.clone())),
             #[allow(unreachable_patterns)]
             other => Box::new(NotCompiledIn(other.label())),
         }

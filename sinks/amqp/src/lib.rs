@@ -20,6 +20,8 @@ use sink_core::secret::Secret;
 mod sink;
 #[cfg(feature = "client")]
 pub use sink::AmqpSink;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 /// Which header names binary mode uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]

@@ -3,12 +3,9 @@
 use std::time::Duration;
 
 use cloudevents::{AttributesReader, Event, EventBuilder, EventBuilderV10};
-use lapin::options::{
-    BasicGetOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
-    QueueDeclareOptions, QueueDeleteOptions,
-};
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+use sink_amqp::testing::Topology;
 use sink_amqp::{AmqpSink, AmqpSinkConfig, HeaderStyle};
 use sink_core::Sink;
 use sink_core::binding::ContentMode;
@@ -30,88 +27,6 @@ fn config(url: &str, exchange: &str) -> AmqpSinkConfig {
     config.exchange = exchange.to_owned();
     config.timeout = Duration::from_secs(2);
     config
-}
-
-/// An exchange and a queue bound to it with `#`, both removed when the test ends.
-struct Topology {
-    channel: Channel,
-    exchange: String,
-    queue: String,
-}
-
-impl Topology {
-    async fn new() -> Topology {
-        let connection = Connection::connect(&url(), ConnectionProperties::default())
-            .await
-            .unwrap();
-        let channel = connection.create_channel().await.unwrap();
-        let exchange = unique("sr-test-x-");
-        let queue = unique("sr-test-q-");
-        channel
-            .exchange_declare(
-                exchange.as_str().into(),
-                ExchangeKind::Topic,
-                ExchangeDeclareOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
-        channel
-            .queue_declare(
-                queue.as_str().into(),
-                QueueDeclareOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
-        channel
-            .queue_bind(
-                queue.as_str().into(),
-                exchange.as_str().into(),
-                "#".into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
-        Topology {
-            channel,
-            exchange,
-            queue,
-        }
-    }
-
-    /// Takes every message now in the queue.
-    async fn drain(&self, expected: usize) -> Vec<lapin::message::BasicGetMessage> {
-        let mut messages = Vec::new();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        while messages.len() < expected && tokio::time::Instant::now() < deadline {
-            match self
-                .channel
-                .basic_get(self.queue.as_str().into(), BasicGetOptions { no_ack: true })
-                .await
-                .unwrap()
-            {
-                Some(message) => messages.push(message),
-                None => tokio::time::sleep(Duration::from_millis(50)).await,
-            }
-        }
-        messages
-    }
-
-    async fn remove(self) {
-        let _ = self
-            .channel
-            .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
-            .await;
-        let _ = self
-            .channel
-            .exchange_delete(
-                self.exchange.as_str().into(),
-                ExchangeDeleteOptions::default(),
-            )
-            .await;
-    }
 }
 
 fn header_text(properties: &BasicProperties, name: &str) -> Option<String> {
@@ -179,7 +94,7 @@ async fn binary_mode_publishes_persistent_confirmed_messages_with_ce_headers() {
     if !broker_available("RabbitMQ", &address(), HOW) {
         return;
     }
-    let topology = Topology::new().await;
+    let topology = Topology::new(&url()).await;
     let sink = AmqpSink::new(config(&url(), &topology.exchange));
     sink.health_check().await.unwrap();
     let events = live_migration_events("WestNO_0");
@@ -214,7 +129,7 @@ async fn structured_mode_and_amqp_1_0_header_names_decode_too() {
     if !broker_available("RabbitMQ", &address(), HOW) {
         return;
     }
-    let topology = Topology::new().await;
+    let topology = Topology::new(&url()).await;
     let events = live_migration_events("WestNO_0");
 
     let mut structured = config(&url(), &topology.exchange);
@@ -254,7 +169,7 @@ async fn an_unroutable_message_is_an_error_not_a_silent_drop() {
     if !broker_available("RabbitMQ", &address(), HOW) {
         return;
     }
-    let topology = Topology::new().await;
+    let topology = Topology::new(&url()).await;
     let mut config = config(&url(), &topology.exchange);
     config.routing_key = "{vmname}.{transition}".into();
     // Rebind the queue to something no event uses.
@@ -336,7 +251,7 @@ async fn delivery_resumes_after_the_network_to_the_broker_comes_back() {
     if !broker_available("RabbitMQ", &address(), HOW) {
         return;
     }
-    let topology = Topology::new().await;
+    let topology = Topology::new(&url()).await;
     let proxy = CuttableProxy::start(&address()).await;
     let proxied = url().replace(&address(), &proxy.address());
     let sink = AmqpSink::new(config(&proxied, &topology.exchange));

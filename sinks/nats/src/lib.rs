@@ -16,6 +16,8 @@ use sink_core::secret::Secret;
 mod sink;
 #[cfg(feature = "client")]
 pub use sink::NatsSink;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 /// `kind = "nats"`.
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]

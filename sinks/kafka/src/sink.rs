@@ -1,0 +1,245 @@
+//! The librdkafka side of the Kafka sink.
+
+use std::sync::Mutex;
+
+use async_trait::async_trait;
+use cloudevents::AttributesReader;
+use rdkafka::client::ClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use sink_core::binding;
+use sink_core::{Event, Sink, SinkError};
+
+use crate::KafkaSinkConfig;
+
+/// Keeps the last error librdkafka reported for its connections (a refused login, an
+/// unreachable broker): the calls themselves only say "transport failure".
+#[derive(Clone, Default)]
+struct LastError(std::sync::Arc<Mutex<Option<ReportedError>>>);
+
+/// An error code (when librdkafka has one) and its reason text.
+type ReportedError = (Option<RDKafkaErrorCode>, String);
+
+impl ClientContext for LastError {
+    fn error(&self, error: KafkaError, reason: &str) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some((error.rdkafka_error_code(), reason.to_owned()));
+    }
+}
+
+impl LastError {
+    fn get(&self) -> Option<ReportedError> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+type RelayProducer = FutureProducer<LastError>;
+
+/// Produces CloudEvents to one topic. librdkafka keeps its own connections and reconnects by
+/// itself; a message it cannot deliver within `timeout` is reported and retried by the fan-out.
+/// An idempotent producer can enter a fatal state (fenced, or a sequence gap after a
+/// timeout); it is then replaced by a new one, so delivery resumes instead of failing forever.
+pub struct KafkaSink {
+    config: KafkaSinkConfig,
+    producer: Mutex<Result<RelayProducer, String>>,
+    /// Shared with every producer this sink creates.
+    last_error: LastError,
+}
+
+impl KafkaSink {
+    pub fn new(config: KafkaSinkConfig) -> Self {
+        let last_error = LastError::default();
+        let producer = Mutex::new(Self::producer(&config, &last_error));
+        KafkaSink {
+            config,
+            producer,
+            last_error,
+        }
+    }
+
+    fn producer(config: &KafkaSinkConfig, last_error: &LastError) -> Result<RelayProducer, String> {
+        let mut client = ClientConfig::new();
+        for (key, value) in &config.options {
+            client.set(key, value);
+        }
+        client
+            .set("bootstrap.servers", &config.brokers)
+            .set("client.id", "sched-relay")
+            .set("acks", "all")
+            .set("enable.idempotence", "true")
+            .set("message.timeout.ms", config.timeout.as_millis().to_string())
+            .set("security.protocol", &config.security_protocol);
+        if !config.options.contains_key("allow.auto.create.topics") {
+            // A typo in `topic` must be an error, not a new topic (the producer's default).
+            client.set("allow.auto.create.topics", "false");
+        }
+        if let Some(mechanism) = &config.sasl_mechanism {
+            client.set("sasl.mechanism", mechanism);
+        }
+        if let Some(user) = &config.sasl_username {
+            client.set("sasl.username", user);
+        }
+        let password = sink_core::secret::resolve(
+            config.sasl_password.as_ref(),
+            config.sasl_password_file.as_deref(),
+            "sasl_password",
+        )?;
+        if let Some(password) = password {
+            client.set("sasl.password", password);
+        }
+        if let Some(ca) = &config.ca_file {
+            client.set("ssl.ca.location", ca.display().to_string());
+        }
+        client
+            .create_with_context(last_error.clone())
+            .map_err(|e| format!("cannot create the Kafka producer: {e}"))
+    }
+
+    fn current_producer(&self) -> Result<RelayProducer, SinkError> {
+        let slot = self.producer.lock().unwrap_or_else(|p| p.into_inner());
+        slot.clone().map_err(SinkError::Permanent)
+    }
+
+    /// After a fatal producer error, starts over with a new producer (a new producer id).
+    fn replace_if_fatal(&self, producer: &RelayProducer, error: &KafkaError) -> bool {
+        use RDKafkaErrorCode::*;
+        let fenced = matches!(
+            error.rdkafka_error_code(),
+            Some(ProducerFenced | InvalidProducerEpoch | OutOfOrderSequenceNumber)
+        );
+        if !fenced && producer.client().fatal_error().is_none() {
+            return false;
+        }
+        *self.producer.lock().unwrap_or_else(|p| p.into_inner()) =
+            Self::producer(&self.config, &self.last_error);
+        true
+    }
+
+    /// Authorization, authentication and malformed messages cannot be fixed by retrying;
+    /// everything else (timeouts, unreachable brokers, leader changes) can.
+    fn classify(&self, error: &KafkaError, what: &str) -> SinkError {
+        use RDKafkaErrorCode::*;
+        let last = self.last_error.get();
+        let mut message = format!(
+            "{what} (topic {}, brokers {}): {error}",
+            self.config.topic, self.config.brokers
+        );
+        if let Some((_, reason)) = &last {
+            message = format!("{message}; the connection reported: {reason}");
+        }
+        let authentication = last.as_ref().is_some_and(|(code, reason)| {
+            matches!(
+                code,
+                Some(Authentication | SaslAuthenticationFailed | UnsupportedSASLMechanism)
+            ) || reason.contains("SASL")
+                || reason.contains("uthenticat")
+        });
+        let permanent = matches!(
+            error.rdkafka_error_code(),
+            Some(
+                MessageSizeTooLarge
+                    | InvalidMessage
+                    | InvalidMessageSize
+                    | TopicAuthorizationFailed
+                    | ClusterAuthorizationFailed
+                    | SaslAuthenticationFailed
+                    | Authentication
+                    | InvalidTopic
+                    | UnsupportedSASLMechanism
+            )
+        );
+        if authentication {
+            SinkError::Permanent(format!(
+                "{message} (check security_protocol, sasl_mechanism, sasl_username and sasl_password)"
+            ))
+        } else if permanent {
+            SinkError::Permanent(message)
+        } else {
+            SinkError::Retriable(message)
+        }
+    }
+}
+
+#[async_trait]
+impl Sink for KafkaSink {
+    async fn deliver(&self, batch: &[Event]) -> Result<(), SinkError> {
+        let producer = self.current_producer()?;
+        let mut deliveries = Vec::with_capacity(batch.len());
+        for event in batch {
+            let encoded = binding::encode(event, self.config.content_mode, binding::KAFKA)?;
+            let mut headers = OwnedHeaders::new_with_capacity(encoded.headers.len() + 1);
+            for (name, value) in &encoded.headers {
+                headers = headers.insert(Header {
+                    key: name,
+                    value: Some(value.as_bytes()),
+                });
+            }
+            headers = headers.insert(Header {
+                key: "content-type",
+                value: Some(encoded.content_type.as_bytes()),
+            });
+            let key = event
+                .extension("partitionkey")
+                .map(|v| v.to_string())
+                .or_else(|| event.subject().map(str::to_owned))
+                .unwrap_or_else(|| event.id().to_owned());
+            let record = FutureRecord::to(&self.config.topic)
+                .key(&key)
+                .payload(&encoded.body)
+                .headers(headers);
+            // Enqueue everything first, then wait for the reports in order: one round trip
+            // for the batch, and idempotence keeps the order within a partition.
+            match producer.send_result(record) {
+                Ok(delivery) => deliveries.push((event.id().to_owned(), delivery)),
+                Err((error, _)) => {
+                    return Err(self.classify(&error, "cannot queue a message"));
+                }
+            }
+        }
+        for (id, delivery) in deliveries {
+            match delivery.await {
+                Ok(Ok(_)) => {}
+                Ok(Err((error, _))) if self.replace_if_fatal(&producer, &error) => {
+                    return Err(SinkError::Retriable(format!(
+                        "{id} not delivered: {error}; the producer was in a fatal state and has been replaced"
+                    )));
+                }
+                Ok(Err((error, _))) => {
+                    return Err(self.classify(&error, &format!("{id} not delivered")));
+                }
+                Err(_) => {
+                    return Err(SinkError::Retriable(format!(
+                        "{id}: the producer dropped the delivery report"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn health_check(&self) -> Result<(), SinkError> {
+        let producer = self.current_producer()?;
+        let fetching = producer.clone();
+        let topic = self.config.topic.clone();
+        let timeout = self.config.timeout;
+        let metadata = tokio::task::spawn_blocking(move || {
+            fetching.client().fetch_metadata(Some(&topic), timeout)
+        })
+        .await
+        .map_err(|e| SinkError::Retriable(format!("metadata task failed: {e}")))?
+        .map_err(|e| self.classify(&e, "cannot fetch metadata"))?;
+        let topic = metadata
+            .topics()
+            .iter()
+            .find(|t| t.name() == self.config.topic);
+        match topic {
+            Some(topic) if topic.error().is_none() && !topic.partitions().is_empty() => Ok(()),
+            _ => Err(SinkError::Permanent(format!(
+                "topic {} does not exist on {} (create it, e.g. kafka-topics.sh --create --topic {})",
+                self.config.topic, self.config.brokers, self.config.topic
+            ))),
+        }
+    }
+}

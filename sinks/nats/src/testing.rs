@@ -1,0 +1,109 @@
+//! Helpers for tests that consume what the NATS sink published (this crate's tests and the
+//! agent's end-to-end tests): JetStream streams, and nats-server instances a test owns.
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+pub async fn create_stream(
+    url: &str,
+    name: &str,
+    subjects: &str,
+) -> async_nats::jetstream::stream::Stream {
+    let client = async_nats::connect(url).await.unwrap();
+    async_nats::jetstream::new(client)
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: name.to_owned(),
+            subjects: vec![subjects.to_owned()],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+}
+
+pub async fn stored_ids(stream: &async_nats::jetstream::stream::Stream, count: u64) -> Vec<String> {
+    let mut ids = Vec::new();
+    for sequence in 1..=count {
+        let message = stream.get_raw_message(sequence).await.unwrap();
+        ids.push(message.headers.get("ce-id").unwrap().as_str().to_owned());
+    }
+    ids
+}
+
+/// A nats-server this test owns, on its own port and store directory.
+pub struct PrivateNats {
+    child: Option<Child>,
+    port: u16,
+    store: tempfile::TempDir,
+    extra: Vec<String>,
+}
+
+impl PrivateNats {
+    pub fn start(extra: &[&str]) -> Option<PrivateNats> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut server = PrivateNats {
+            child: None,
+            port,
+            store: tempfile::tempdir().unwrap(),
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+        };
+        server.restart().then_some(server)
+    }
+
+    pub fn restart(&mut self) -> bool {
+        let binary = std::env::var("NATS_SERVER_BIN").unwrap_or_else(|_| "nats-server".into());
+        let spawned = Command::new(&binary)
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
+            .arg(self.store.path())
+            .args(&self.extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        let child = match spawned {
+            Ok(child) => child,
+            Err(error) if std::env::var_os("CI").is_some() => {
+                panic!("cannot run {binary}: {error}")
+            }
+            Err(error) => {
+                eprintln!("skipped: cannot run {binary}: {error}");
+                return false;
+            }
+        };
+        self.child = Some(child);
+        let address = format!("127.0.0.1:{}", self.port);
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(&address).is_ok() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("private nats-server did not listen on {address}");
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for PrivateNats {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
