@@ -1,11 +1,14 @@
-# Multi-stage build: the agent is one static-ish binary on a slim base, run as non-root.
+# Multi-stage build: the agent is one binary on a slim base, run as non-root.
+# FEATURES picks the sinks compiled in (nats, amqp, webhook are the defaults; kafka builds
+# librdkafka from source with OpenSSL).
 FROM rust:1-bookworm AS build
+ARG FEATURES=kafka
 WORKDIR /src
 COPY . .
-RUN cargo build --release --locked --bin sched-relay
+RUN cargo build --release --locked --bin sched-relay --features "$FEATURES"
 
 FROM debian:bookworm-slim
-RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates \
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates libssl3 \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --system --uid 10001 --home-dir /var/lib/sched-relay sched-relay \
     && mkdir -p /var/lib/sched-relay /var/log/sched-relay \

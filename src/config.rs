@@ -516,9 +516,21 @@ fn extract_all(figment: &Figment) -> Result<Config, ConfigErrors> {
         "imds", "identity", "events", "state", "policy", "delivery", "log", "sinks",
     ];
     for key in root.keys().filter(|key| !SECTIONS.contains(&key.as_str())) {
+        let variable = std::env::vars().map(|(name, _)| name).find(|name| {
+            name.strip_prefix(ENV_PREFIX).is_some_and(|rest| {
+                rest.to_ascii_lowercase().split("__").next() == Some(key.as_str())
+            })
+        });
+        let origin = match variable {
+            Some(name) => format!(" (from the environment variable {name})"),
+            None => String::new(),
+        };
         problems.push(problem(
             key.clone(),
-            format!("unknown section; expected one of {}", SECTIONS.join(", ")),
+            format!(
+                "unknown section{origin}; expected one of {}",
+                SECTIONS.join(", ")
+            ),
         ));
     }
     fn section<T: serde::de::DeserializeOwned + Default>(

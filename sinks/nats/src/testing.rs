@@ -38,12 +38,18 @@ pub struct PrivateNats {
 }
 
 impl PrivateNats {
+    /// Starts a server on a free port.
     pub fn start(extra: &[&str]) -> Option<PrivateNats> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
             .unwrap()
             .port();
+        PrivateNats::start_on(port, extra)
+    }
+
+    /// Starts a server on `port` (e.g. one a client was configured for while it was down).
+    pub fn start_on(port: u16, extra: &[&str]) -> Option<PrivateNats> {
         let mut server = PrivateNats {
             child: None,
             port,
