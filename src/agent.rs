@@ -65,20 +65,16 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         "Agent starting"
     );
 
-    let mut sinks = Vec::with_capacity(config.sinks.len());
-    for entry in &config.sinks {
-        let sink = entry.kind.build();
-        match sink.health_check().await {
-            Ok(()) => tracing::info!(sink = %entry.name, kind = entry.kind.label(), "Sink ready"),
-            Err(error) => {
-                tracing::error!(sink = %entry.name, kind = entry.kind.label(), error = %error, "Sink health check failed; events for it will be retried or dead-lettered")
-            }
-        }
-        sinks.push(NamedSink {
+    // Health checks run in each sink's own task (see fanout): a broker that is slow to answer
+    // must not hold back the first poll, since a Preempt notice can be 30 s.
+    let sinks = config
+        .sinks
+        .iter()
+        .map(|entry| NamedSink {
             name: entry.name.clone(),
-            sink,
-        });
-    }
+            sink: entry.kind.build(),
+        })
+        .collect();
     let fanout = Fanout::start(sinks, &config.delivery, &config.state.dir);
 
     let mut poller = Poller {

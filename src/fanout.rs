@@ -113,6 +113,20 @@ struct Worker {
 
 impl Worker {
     async fn run(mut self) {
+        // Checked here, concurrently with the other sinks and with polling; events queue
+        // meanwhile. A failed check is reported, and delivery is tried all the same: the
+        // retry and dead-letter rules decide what happens to the events.
+        let checked = tokio::select! {
+            result = self.sink.health_check() => Some(result),
+            _ = self.give_up.changed() => None,
+        };
+        match checked {
+            Some(Ok(())) => tracing::info!(sink = %self.name, "Sink ready"),
+            Some(Err(error)) => {
+                tracing::error!(sink = %self.name, error = %error, "Sink health check failed; its events will be retried or dead-lettered")
+            }
+            None => {}
+        }
         let mut batch: Vec<Event> = Vec::with_capacity(self.delivery.batch_size);
         while let Some(first) = self.queue.recv().await {
             batch.push((*first).clone());
@@ -139,10 +153,16 @@ impl Worker {
     async fn deliver(&mut self, batch: &[Event]) -> bool {
         let mut attempt: u32 = 0;
         loop {
-            if *self.give_up.borrow() {
+            if *self.give_up.borrow_and_update() {
                 return false;
             }
-            match self.sink.deliver(batch).await {
+            // At the shutdown deadline an attempt in flight is abandoned: the batch goes to
+            // the dead-letter file (it may also have arrived: at least once).
+            let result = tokio::select! {
+                result = self.sink.deliver(batch) => result,
+                _ = self.give_up.changed() => return false,
+            };
+            match result {
                 Ok(()) => {
                     metrics::counter!("sched_relay_sink_delivered_total", "sink" => self.name.clone())
                         .increment(batch.len() as u64);

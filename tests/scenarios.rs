@@ -507,3 +507,33 @@ fn policy_judges_an_event_again_when_an_update_brings_this_vm_into_resources() {
     assert_eq!(event(&events, "moved-1:scheduled")["affectsvm"], false);
     assert_eq!(event(&events, "moved-1:updated:3")["affectsvm"], true);
 }
+
+#[cfg(feature = "nats")]
+#[test]
+fn a_broker_that_hangs_does_not_delay_polling() {
+    // A "broker" that accepts connections and never says a word: the NATS client waits out
+    // its whole connect timeout (30 s here). Polling must not wait behind it.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = silent.local_addr().unwrap();
+    let _hold = std::thread::spawn(move || {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = silent.accept() {
+            held.push(stream);
+        }
+    });
+    let sim = SimProcess::start("live-migration", 0.005);
+    let started = std::time::Instant::now();
+    let mut agent = AgentProcess::start(
+        &sim.url,
+        &format!(
+            "[[sinks]]\nname = \"bus\"\nkind = \"nats\"\nurl = \"nats://{address}\"\ntimeout = \"30s\"\n"
+        ),
+    );
+    agent.wait_for_id("document:1", Duration::from_secs(15));
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "the first document waited for the broker"
+    );
+    // Nor does it hold back shutdown beyond delivery.shutdown_timeout (10 s).
+    assert!(agent.stop().success(), "{}", agent.log());
+}
