@@ -19,6 +19,7 @@ use crate::event::{ApprovalOutcome, EventFactory};
 use crate::fanout::{Fanout, NamedSink};
 use crate::imds::{Document, EventStatus, Identity, ImdsClient, ImdsError, discover_endpoint};
 use crate::policy::{self, Decision};
+use crate::store::{Outbox, StoreError};
 
 /// After this long without a good answer, an operator has to look: log at ERROR.
 const IMDS_FAILING_ALERT: Duration = Duration::from_secs(30);
@@ -34,10 +35,23 @@ pub enum AgentError {
     StateDir { path: String, error: std::io::Error },
     #[error(transparent)]
     Imds(#[from] ImdsError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// How `run` starts, beyond the configuration.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RunOptions {
+    /// Move an existing (say, damaged) state store aside and start afresh.
+    pub fresh_state: bool,
 }
 
 /// Runs the agent until `shutdown` completes, then drains the sinks and returns.
-pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), AgentError> {
+pub async fn run(
+    config: Config,
+    options: RunOptions,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), AgentError> {
     check_state_dir(&config.state.dir).map_err(|error| AgentError::StateDir {
         path: config.state.dir.display().to_string(),
         error,
@@ -75,14 +89,51 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             sink: entry.kind.build(),
         })
         .collect();
-    let fanout = Fanout::start(sinks, &config.delivery, &config.state.dir);
+    let outbox = Outbox::open(
+        &config.state.dir,
+        config.delivery.queue_capacity,
+        options.fresh_state,
+    )?;
+    // Restart recovery: the first document fetched is compared with the last one processed,
+    // so whatever changed while the agent was down still yields its transitions.
+    let previous = match outbox.last_document()? {
+        None => None,
+        Some(raw) => match Document::from_value(raw) {
+            Ok(parsed) => {
+                tracing::info!(
+                    incarnation = parsed.document.incarnation,
+                    "Resuming after the last processed document"
+                );
+                Some(parsed.document)
+            }
+            Err(error) => {
+                return Err(StoreError::Corrupt {
+                    path: config
+                        .state
+                        .dir
+                        .join(crate::store::FILE_NAME)
+                        .display()
+                        .to_string(),
+                    what: "last document",
+                    reason: error.to_string(),
+                }
+                .into());
+            }
+        },
+    };
+    let fanout = Fanout::start(
+        sinks,
+        &config.delivery,
+        &config.state.dir,
+        std::sync::Arc::new(outbox),
+    );
 
     let mut poller = Poller {
         client,
         factory,
         fanout,
         config: config.clone(),
-        previous: None,
+        previous,
         approvals: HashMap::new(),
     };
     poller.poll_until(shutdown).await;
@@ -215,7 +266,7 @@ impl Poller {
                     for warning in &parsed.warnings {
                         tracing::warn!(incarnation = parsed.document.incarnation, warning = %warning, "Tolerated an odd field in the document");
                     }
-                    let new_document = self.on_document(parsed.document);
+                    let new_document = self.on_document(parsed.document).await;
                     self.apply_policy(new_document).await;
                     interval
                 }
@@ -247,8 +298,9 @@ impl Poller {
     }
 
     /// Diffs a fetched document against the previous one and publishes what changed.
-    /// Returns whether the document was new (a new incarnation).
-    fn on_document(&mut self, document: Document) -> bool {
+    /// Returns whether the document was new (a new incarnation) and is now processed: its
+    /// events are durable in the outbox.
+    async fn on_document(&mut self, document: Document) -> bool {
         if let Some(previous) = &self.previous {
             if previous.incarnation == document.incarnation {
                 return false;
@@ -268,6 +320,11 @@ impl Poller {
             self.config.events.document_events,
             Utc::now(),
         );
+        if let Err(error) = self.fanout.publish(&events, Some(&document.raw)).await {
+            // Not processed: the next poll derives the same transitions again.
+            tracing::error!(incarnation = document.incarnation, error = %error, "Cannot store the transitions of a new document; it will be processed again");
+            return false;
+        }
         for event in &events {
             let transition = event.ty().rsplit('.').next().unwrap_or_default();
             if transition == "document" {
@@ -292,7 +349,6 @@ impl Poller {
             metrics::counter!("sched_relay_transitions_total", "transition" => transition.to_owned()).increment(1);
         }
         metrics::gauge!("sched_relay_incarnation").set(document.incarnation as f64);
-        self.fanout.publish(&events);
         self.approvals.retain(|id, _| document.event(id).is_some());
         self.previous = Some(document);
         true
@@ -389,7 +445,9 @@ impl Poller {
                 }
             }
         }
-        self.fanout.publish(&outcomes);
+        if let Err(error) = self.fanout.publish(&outcomes, None).await {
+            tracing::error!(error = %error, "Cannot store the approval outcome events");
+        }
     }
 }
 

@@ -102,7 +102,7 @@ pub async fn run() -> Result<DemoReport, DemoError> {
             }
         }
     };
-    crate::agent::run(config, finished).await?;
+    crate::agent::run(config, crate::agent::RunOptions::default(), finished).await?;
     if timed_out {
         return Err(DemoError::Timeout(DEMO_DEADLINE));
     }

@@ -1,26 +1,28 @@
-//! Fan-out: every event goes to every sink, each through its own bounded queue and its own
-//! task, so a slow or broken sink never delays the others. The task batches what is queued,
-//! retries retriable failures with exponential backoff and full jitter, and writes what can
-//! never be delivered to a dead-letter file (`<state.dir>/dead-letter/<sink>.jsonl`), with the
-//! reason, instead of dropping it.
-//!
-//! Queues live in memory: what is queued when the process dies is lost. The durable outbox
-//! (issue 5) replaces them. Until then, a full queue and an expired shutdown drain both write
-//! to the dead-letter file, so nothing vanishes silently.
+//! Fan-out: every event goes to every sink through the durable outbox (see `store`). Each sink
+//! has its own task that reads its part of the outbox in order, delivers in batches, and
+//! removes events only once the sink confirmed them, so a slow or broken sink never delays
+//! the others and a crash or restart loses nothing. Retriable failures are retried with
+//! exponential backoff and full jitter (or the wait the destination asked for); what can never
+//! be delivered goes to a dead-letter file (`<state.dir>/dead-letter/<sink>.jsonl`) with the
+//! reason.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use cloudevents::AttributesReader;
+use serde_json::Value;
 use sink_core::{Event, Sink, SinkError};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
 
 use crate::config::DeliveryConfig;
+use crate::store::{Outbox, StoreError};
 
 /// The longest `Retry-After` a destination can impose.
 const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
+/// How long a task waits before reading the outbox again after a store error.
+const STORE_RETRY: Duration = Duration::from_secs(1);
 
 /// A sink with its name, ready to be driven by the fan-out.
 pub struct NamedSink {
@@ -28,76 +30,118 @@ pub struct NamedSink {
     pub sink: Box<dyn Sink>,
 }
 
+/// What the delivery tasks are asked to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Deliver, and wait for more.
+    Run,
+    /// Deliver what is stored, then stop.
+    Drain,
+    /// Stop now; what is undelivered stays in the outbox for the next start.
+    Stop,
+}
+
 /// The running fan-out.
 pub struct Fanout {
-    queues: Vec<(String, mpsc::Sender<Arc<Event>>)>,
+    outbox: Arc<Outbox>,
+    names: Vec<String>,
+    wakers: Vec<Arc<Notify>>,
     dead_letter_dir: PathBuf,
-    give_up: watch::Sender<bool>,
+    mode: watch::Sender<Mode>,
     tasks: JoinSet<()>,
 }
 
 impl Fanout {
-    /// Starts one delivery task per sink.
-    pub fn start(sinks: Vec<NamedSink>, delivery: &DeliveryConfig, state_dir: &Path) -> Fanout {
+    /// Starts one delivery task per sink. Events already in the outbox (from before a
+    /// restart) are delivered first.
+    pub fn start(
+        sinks: Vec<NamedSink>,
+        delivery: &DeliveryConfig,
+        state_dir: &Path,
+        outbox: Arc<Outbox>,
+    ) -> Fanout {
         let dead_letter_dir = state_dir.join("dead-letter");
-        let (give_up, give_up_rx) = watch::channel(false);
+        let (mode, mode_rx) = watch::channel(Mode::Run);
         let mut tasks = JoinSet::new();
-        let mut queues = Vec::new();
+        let mut names = Vec::new();
+        let mut wakers = Vec::new();
         for NamedSink { name, sink } in sinks {
-            let (tx, rx) = mpsc::channel(delivery.queue_capacity);
+            let wake = Arc::new(Notify::new());
             let worker = Worker {
                 dead_letter: DeadLetter::new(&dead_letter_dir, &name),
                 name: name.clone(),
                 sink,
-                queue: rx,
+                outbox: outbox.clone(),
+                wake: wake.clone(),
                 delivery: delivery.clone(),
-                give_up: give_up_rx.clone(),
+                mode: mode_rx.clone(),
             };
             tasks.spawn(worker.run());
-            queues.push((name, tx));
+            names.push(name);
+            wakers.push(wake);
         }
         Fanout {
-            queues,
+            outbox,
+            names,
+            wakers,
             dead_letter_dir,
-            give_up,
+            mode,
             tasks,
         }
     }
 
-    /// Queues events for every sink, in order. Never waits for a sink: a full queue sends the
-    /// event to that sink's dead-letter file and says so loudly.
-    pub fn publish(&self, events: &[Event]) {
-        for event in events {
-            let event = Arc::new(event.clone());
-            for (name, queue) in &self.queues {
-                if let Err(error) = queue.try_send(event.clone()) {
-                    let reason = match error {
-                        mpsc::error::TrySendError::Full(_) => {
-                            "queue full (raise delivery.queue_capacity or fix the sink)"
-                        }
-                        mpsc::error::TrySendError::Closed(_) => "sink task stopped",
-                    };
-                    tracing::error!(sink = %name, event_id = %event.id(), reason, "Event not queued, written to the dead-letter file");
-                    metrics::counter!("sched_relay_sink_dead_lettered_total", "sink" => name.clone()).increment(1);
-                    DeadLetter::new(&self.dead_letter_dir, name)
-                        .write(std::slice::from_ref(&event), reason);
-                }
-            }
+    /// Stores events for every sink (with the document they came from, which is then
+    /// processed) durably, and wakes the sinks. Never waits for a sink. When this returns an
+    /// error nothing was stored: the caller must not treat the document as processed.
+    pub async fn publish(
+        &self,
+        events: &[Event],
+        document: Option<&Value>,
+    ) -> Result<(), StoreError> {
+        let outbox = self.outbox.clone();
+        let names = self.names.clone();
+        let events_owned = events.to_vec();
+        let document = document.cloned();
+        let overflow = tokio::task::spawn_blocking(move || {
+            outbox.commit(&names, &events_owned, document.as_ref())
+        })
+        .await
+        .map_err(|e| StoreError::Io {
+            path: "outbox".into(),
+            reason: format!("store task failed: {e}"),
+        })??;
+        for (sink, event) in overflow {
+            let reason =
+                "outbox full for this sink (raise delivery.queue_capacity or fix the sink)";
+            tracing::error!(sink = %sink, event_id = %event.id(), reason, "Event not stored for this sink, written to its dead-letter file");
+            metrics::counter!("sched_relay_sink_dead_lettered_total", "sink" => sink.clone())
+                .increment(1);
+            DeadLetter::new(&self.dead_letter_dir, &sink)
+                .write(std::slice::from_ref(&event), reason);
         }
+        for wake in &self.wakers {
+            wake.notify_one();
+        }
+        Ok(())
     }
 
-    /// Stops taking events, lets every sink drain for at most `timeout`, then makes the
-    /// stragglers dead-letter what they still hold and waits for them.
+    /// Lets every sink deliver what is stored for at most `timeout`, then stops them. What is
+    /// still undelivered stays in the outbox and goes out after the next start.
     pub async fn shutdown(mut self, timeout: Duration) {
-        self.queues.clear();
+        let _ = self.mode.send(Mode::Drain);
         let drained = tokio::time::timeout(timeout, async {
             while self.tasks.join_next().await.is_some() {}
         })
         .await;
         if drained.is_err() {
-            tracing::warn!(timeout = ?timeout, "Sinks did not drain in time; undelivered events go to the dead-letter files");
-            let _ = self.give_up.send(true);
+            let _ = self.mode.send(Mode::Stop);
             while self.tasks.join_next().await.is_some() {}
+            for name in &self.names {
+                let depth = self.outbox.depth(name).unwrap_or_default();
+                if depth > 0 {
+                    tracing::warn!(sink = %name, undelivered = depth, "Sink not drained in time; its events stay in the outbox for the next start");
+                }
+            }
         }
     }
 }
@@ -105,62 +149,129 @@ impl Fanout {
 struct Worker {
     name: String,
     sink: Box<dyn Sink>,
-    queue: mpsc::Receiver<Arc<Event>>,
+    outbox: Arc<Outbox>,
+    wake: Arc<Notify>,
     delivery: DeliveryConfig,
     dead_letter: DeadLetter,
-    give_up: watch::Receiver<bool>,
+    mode: watch::Receiver<Mode>,
 }
 
 impl Worker {
     async fn run(mut self) {
-        // Checked here, concurrently with the other sinks and with polling; events queue
-        // meanwhile. A failed check is reported, and delivery is tried all the same: the
-        // retry and dead-letter rules decide what happens to the events.
+        // Checked here, concurrently with the other sinks and with polling. A failed check is
+        // reported, and delivery is tried all the same: the retry rules decide.
         let checked = tokio::select! {
             result = self.sink.health_check() => Some(result),
-            _ = self.give_up.changed() => None,
+            _ = self.stopped() => None,
         };
         match checked {
             Some(Ok(())) => tracing::info!(sink = %self.name, "Sink ready"),
             Some(Err(error)) => {
                 tracing::error!(sink = %self.name, error = %error, "Sink health check failed; its events will be retried or dead-lettered")
             }
-            None => {}
+            None => return,
         }
-        let mut batch: Vec<Event> = Vec::with_capacity(self.delivery.batch_size);
-        while let Some(first) = self.queue.recv().await {
-            batch.push((*first).clone());
-            while batch.len() < self.delivery.batch_size {
-                match self.queue.try_recv() {
-                    Ok(next) => batch.push((*next).clone()),
-                    Err(_) => break,
-                }
-            }
-            if !self.deliver(&batch).await {
-                self.dead_letter.write(&batch, "shutdown before delivery");
-                while let Ok(rest) = self.queue.try_recv() {
-                    self.dead_letter
-                        .write(std::slice::from_ref(&rest), "shutdown before delivery");
-                }
+        loop {
+            if *self.mode.borrow() == Mode::Stop {
                 return;
             }
-            batch.clear();
+            // Register for a wake-up before reading, so an event stored in between is not missed.
+            let wake = self.wake.clone();
+            let woken = wake.notified();
+            let pending = match self.read().await {
+                Ok(pending) => pending,
+                Err(error) => {
+                    tracing::error!(sink = %self.name, error = %error, "Cannot read the outbox; will try again");
+                    tokio::select! {
+                        _ = tokio::time::sleep(STORE_RETRY) => continue,
+                        _ = self.stopped() => return,
+                    }
+                }
+            };
+            if pending.is_empty() {
+                if *self.mode.borrow() == Mode::Drain {
+                    return;
+                }
+                let mut mode = self.mode.clone();
+                tokio::select! {
+                    _ = woken => {}
+                    _ = mode.changed() => {}
+                }
+                continue;
+            }
+            let mut batch = Vec::with_capacity(pending.len());
+            let mut seqs = Vec::with_capacity(pending.len());
+            for stored in pending {
+                match stored.event {
+                    Ok(event) => {
+                        batch.push(event);
+                        seqs.push(stored.seq);
+                    }
+                    Err(reason) => {
+                        tracing::error!(sink = %self.name, seq = stored.seq, reason = %reason, "An unreadable event in the outbox; dropped from it and logged here in full");
+                        self.forget(&[stored.seq]).await;
+                    }
+                }
+            }
+            if batch.is_empty() {
+                continue;
+            }
+            if !self.deliver(&batch).await {
+                return; // stopped: the batch stays in the outbox
+            }
+            self.forget(&seqs).await;
         }
     }
 
-    /// Delivers one batch, retrying while retrying can help. Returns false when told to give
-    /// up (shutdown timeout) before the batch was delivered or dead-lettered.
+    async fn read(&self) -> Result<Vec<crate::store::Stored>, StoreError> {
+        let outbox = self.outbox.clone();
+        let name = self.name.clone();
+        let max = self.delivery.batch_size;
+        tokio::task::spawn_blocking(move || outbox.pending(&name, max))
+            .await
+            .map_err(|e| StoreError::Io {
+                path: "outbox".into(),
+                reason: format!("store task failed: {e}"),
+            })?
+    }
+
+    /// Removes delivered (or dead-lettered) events. If that fails they are delivered again
+    /// later: at least once, with the same ids.
+    async fn forget(&self, seqs: &[u64]) {
+        let outbox = self.outbox.clone();
+        let name = self.name.clone();
+        let seqs = seqs.to_vec();
+        let removed = tokio::task::spawn_blocking(move || outbox.remove(&name, &seqs)).await;
+        if let Ok(Err(error)) | Err(error) = removed.map_err(|e| StoreError::Io {
+            path: "outbox".into(),
+            reason: e.to_string(),
+        }) {
+            tracing::error!(sink = %self.name, error = %error, "Cannot remove delivered events from the outbox; they will be sent again");
+        }
+    }
+
+    /// Completes when the fan-out is told to stop now.
+    fn stopped(&self) -> impl std::future::Future<Output = ()> + 'static {
+        let mut mode = self.mode.clone();
+        async move {
+            while *mode.borrow_and_update() != Mode::Stop {
+                if mode.changed().await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Delivers one batch, retrying while retrying can help. Returns false when told to stop
+    /// before the batch was delivered or dead-lettered.
     async fn deliver(&mut self, batch: &[Event]) -> bool {
         let mut attempt: u32 = 0;
         loop {
-            if *self.give_up.borrow_and_update() {
-                return false;
-            }
-            // At the shutdown deadline an attempt in flight is abandoned: the batch goes to
-            // the dead-letter file (it may also have arrived: at least once).
+            // At the shutdown deadline an attempt in flight is abandoned; the batch stays in
+            // the outbox (it may also have arrived: at least once).
             let result = tokio::select! {
                 result = self.sink.deliver(batch) => result,
-                _ = self.give_up.changed() => return false,
+                _ = self.stopped() => return false,
             };
             match result {
                 Ok(()) => {
@@ -191,7 +302,7 @@ impl Worker {
                     attempt = attempt.saturating_add(1);
                     tokio::select! {
                         _ = tokio::time::sleep(wait) => {}
-                        _ = self.give_up.changed() => return false,
+                        _ = self.stopped() => return false,
                     }
                 }
                 Err(error) => {
@@ -276,6 +387,18 @@ mod tests {
         events.iter().map(|e| e.id().to_owned()).collect()
     }
 
+    fn start(dir: &Path, sinks: Vec<(&str, RecordingSink)>, delivery: &DeliveryConfig) -> Fanout {
+        let outbox = Arc::new(Outbox::open(dir, delivery.queue_capacity, false).unwrap());
+        let sinks = sinks
+            .into_iter()
+            .map(|(name, sink)| NamedSink {
+                name: name.into(),
+                sink: Box::new(sink),
+            })
+            .collect();
+        Fanout::start(sinks, delivery, dir, outbox)
+    }
+
     #[test]
     fn backoff_doubles_up_to_the_ceiling_with_jitter() {
         let initial = Duration::from_millis(100);
@@ -296,22 +419,16 @@ mod tests {
         let flaky = RecordingSink::new();
         flaky.fail_next((0..3).map(|_| SinkError::Retriable("broker down".into())));
         let healthy = RecordingSink::new();
-        let fanout = Fanout::start(
-            vec![
-                NamedSink {
-                    name: "flaky".into(),
-                    sink: Box::new(flaky.clone()),
-                },
-                NamedSink {
-                    name: "healthy".into(),
-                    sink: Box::new(healthy.clone()),
-                },
-            ],
-            &fast_delivery(),
+        let fanout = start(
             dir.path(),
+            vec![("flaky", flaky.clone()), ("healthy", healthy.clone())],
+            &fast_delivery(),
         );
-        fanout.publish(&[event("1"), event("2")]);
-        fanout.publish(&[event("3")]);
+        fanout
+            .publish(&[event("1"), event("2")], None)
+            .await
+            .unwrap();
+        fanout.publish(&[event("3")], None).await.unwrap();
         fanout.shutdown(Duration::from_secs(5)).await;
         assert_eq!(ids(&flaky.delivered()), ["1", "2", "3"]);
         assert_eq!(ids(&healthy.delivered()), ["1", "2", "3"]);
@@ -326,15 +443,8 @@ mod tests {
             message: "429".into(),
             after: Duration::from_secs(120),
         }]);
-        let fanout = Fanout::start(
-            vec![NamedSink {
-                name: "hook".into(),
-                sink: Box::new(sink.clone()),
-            }],
-            &fast_delivery(),
-            dir.path(),
-        );
-        fanout.publish(&[event("1")]);
+        let fanout = start(dir.path(), vec![("hook", sink.clone())], &fast_delivery());
+        fanout.publish(&[event("1")], None).await.unwrap();
         tokio::time::sleep(Duration::from_secs(119)).await;
         assert!(sink.delivered().is_empty(), "retried before Retry-After");
         tokio::time::sleep(Duration::from_secs(2)).await;
@@ -347,17 +457,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let sink = RecordingSink::new();
         sink.fail_next([SinkError::Permanent("schema rejected".into())]);
-        let fanout = Fanout::start(
-            vec![NamedSink {
-                name: "picky".into(),
-                sink: Box::new(sink.clone()),
-            }],
-            &fast_delivery(),
-            dir.path(),
-        );
-        fanout.publish(&[event("1")]);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        fanout.publish(&[event("2")]);
+        let fanout = start(dir.path(), vec![("picky", sink.clone())], &fast_delivery());
+        fanout.publish(&[event("1")], None).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        fanout.publish(&[event("2")], None).await.unwrap();
         fanout.shutdown(Duration::from_secs(5)).await;
         assert_eq!(ids(&sink.delivered()), ["2"]);
         let dead = std::fs::read_to_string(dir.path().join("dead-letter/picky.jsonl")).unwrap();
@@ -372,64 +475,68 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_sink_that_never_recovers_is_dead_lettered_at_shutdown_and_does_not_block_others() {
+    async fn what_a_dead_sink_could_not_take_is_kept_and_delivered_after_a_restart() {
         let dir = tempfile::tempdir().unwrap();
         let down = RecordingSink::new();
         down.fail_next((0..10_000).map(|_| SinkError::Retriable("down".into())));
         let healthy = RecordingSink::new();
-        let fanout = Fanout::start(
-            vec![
-                NamedSink {
-                    name: "down".into(),
-                    sink: Box::new(down.clone()),
-                },
-                NamedSink {
-                    name: "healthy".into(),
-                    sink: Box::new(healthy.clone()),
-                },
-            ],
-            &fast_delivery(),
+        let fanout = start(
             dir.path(),
+            vec![("down", down.clone()), ("healthy", healthy.clone())],
+            &fast_delivery(),
         );
-        fanout.publish(&[event("1"), event("2")]);
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        fanout
+            .publish(&[event("1"), event("2")], None)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(
             ids(&healthy.delivered()),
             ["1", "2"],
             "the healthy sink is not held back"
         );
         fanout.shutdown(Duration::from_millis(100)).await;
-        let dead = std::fs::read_to_string(dir.path().join("dead-letter/down.jsonl")).unwrap();
-        assert_eq!(dead.lines().count(), 2);
         assert!(down.delivered().is_empty());
+        assert!(
+            !dir.path().join("dead-letter/down.jsonl").exists(),
+            "kept, not dead-lettered"
+        );
+
+        // The next start: the sink is back, and gets what it missed, in order; the healthy
+        // sink gets nothing twice.
+        let back = RecordingSink::new();
+        let healthy_again = RecordingSink::new();
+        let fanout = start(
+            dir.path(),
+            vec![("down", back.clone()), ("healthy", healthy_again.clone())],
+            &fast_delivery(),
+        );
+        fanout.shutdown(Duration::from_secs(5)).await;
+        assert_eq!(ids(&back.delivered()), ["1", "2"]);
+        assert!(healthy_again.delivered().is_empty());
     }
 
     #[tokio::test]
-    async fn a_full_queue_dead_letters_instead_of_blocking() {
+    async fn a_full_outbox_dead_letters_instead_of_blocking() {
         let dir = tempfile::tempdir().unwrap();
         let down = RecordingSink::new();
         down.fail_next((0..10_000).map(|_| SinkError::Retriable("down".into())));
         let delivery = DeliveryConfig {
-            queue_capacity: 1,
+            queue_capacity: 2,
             batch_size: 1,
             ..fast_delivery()
         };
-        let fanout = Fanout::start(
-            vec![NamedSink {
-                name: "down".into(),
-                sink: Box::new(down.clone()),
-            }],
-            &delivery,
-            dir.path(),
-        );
-        fanout.publish(&[event("1")]);
-        tokio::time::sleep(Duration::from_millis(20)).await; // the worker holds "1"
-        fanout.publish(&[event("2"), event("3")]); // "2" fills the queue, "3" overflows
+        let fanout = start(dir.path(), vec![("down", down.clone())], &delivery);
+        fanout
+            .publish(&[event("1"), event("2"), event("3")], None)
+            .await
+            .unwrap();
         let dead = std::fs::read_to_string(dir.path().join("dead-letter/down.jsonl")).unwrap();
         assert!(
-            dead.contains("\"id\":\"3\"") && dead.contains("queue full"),
+            dead.contains("\"id\":\"3\"") && dead.contains("outbox full"),
             "{dead}"
         );
+        assert!(!dead.contains("\"id\":\"1\""));
         fanout.shutdown(Duration::from_millis(50)).await;
     }
 }

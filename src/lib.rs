@@ -14,8 +14,9 @@ pub mod imds;
 pub mod policy;
 pub mod simulator;
 pub mod sinks;
+pub mod store;
 
-pub use agent::{AgentError, run};
+pub use agent::{AgentError, RunOptions, run};
 pub use config::Config;
 
 /// Chooses the process-wide TLS crypto provider (rustls with ring, the one lapin and

@@ -31,6 +31,10 @@ enum Command {
         /// Configuration file (default /etc/sched-relay/config.toml when it exists).
         #[arg(long, env = "SCHED_RELAY_CONFIG")]
         config: Option<PathBuf>,
+        /// Move a damaged state store aside (never deleted) and start afresh; its undelivered
+        /// events are then not delivered.
+        #[arg(long)]
+        fresh_state: bool,
     },
     /// Validate the configuration and print it with secrets redacted; exit 2 on problems.
     CheckConfig {
@@ -129,7 +133,10 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     let format = cli.log_format.unwrap_or_default();
     match cli.command {
-        Command::Run { config } => {
+        Command::Run {
+            config,
+            fresh_state,
+        } => {
             let config = match load_config(config.as_deref()) {
                 Ok(config) => config,
                 Err(code) => return code,
@@ -138,7 +145,8 @@ async fn main() -> ExitCode {
                 &config.log.level,
                 cli.log_format.unwrap_or(config.log.format),
             );
-            match sched_relay::run(config, shutdown_signal()).await {
+            let options = sched_relay::RunOptions { fresh_state };
+            match sched_relay::run(config, options, shutdown_signal()).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(error) => {
                     tracing::error!(error = %error, "Agent failed");

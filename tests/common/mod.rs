@@ -112,6 +112,8 @@ pub struct AgentProcess {
     pub dir: tempfile::TempDir,
     pub events_file: PathBuf,
     stderr_file: PathBuf,
+    config_path: PathBuf,
+    env: Vec<(String, String)>,
 }
 
 impl AgentProcess {
@@ -151,21 +153,73 @@ path = "{events}"
         let config_path = dir.path().join("config.toml");
         std::fs::write(&config_path, config).unwrap();
         let stderr_file = dir.path().join("agent.log");
-        let child = Command::new(BINARY)
-            .args(["run", "--config"])
-            .arg(&config_path)
-            .env_remove("RUST_LOG")
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&stderr_file).unwrap())
-            .spawn()
-            .expect("the sched-relay binary starts");
-        AgentProcess {
-            child: Some(child),
+        let mut agent = AgentProcess {
+            child: None,
             dir,
             events_file,
             stderr_file,
+            config_path,
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        };
+        agent.spawn(&[]);
+        agent
+    }
+
+    /// Starts the binary with this agent's configuration and state (again, after a stop).
+    pub fn spawn(&mut self, extra_args: &[&str]) {
+        assert!(self.child.is_none(), "the agent is already running");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.stderr_file)
+            .unwrap();
+        let child = Command::new(BINARY)
+            .args(["run", "--config"])
+            .arg(&self.config_path)
+            .args(extra_args)
+            .env_remove("RUST_LOG")
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("the sched-relay binary starts");
+        self.child = Some(child);
+    }
+
+    /// kill -9: no shutdown, no drain, nothing flushed.
+    pub fn kill9(&mut self) {
+        let mut child = self.child.take().expect("running");
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    /// Waits for the process to end by itself.
+    pub fn wait(&mut self, timeout: Duration) -> ExitStatus {
+        let mut child = self.child.take().expect("running");
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("the agent did not exit within {timeout:?}:\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Sends a signal (`TERM`, `INT`) without waiting.
+    pub fn signal(&self, signal: &str) {
+        let child = self.child.as_ref().expect("running");
+        let status = Command::new("kill")
+            .args([&format!("-{signal}"), &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
     }
 
     /// The structured CloudEvents the file sink holds so far.
@@ -201,26 +255,8 @@ path = "{events}"
 
     /// Sends SIGTERM and waits for the exit status.
     pub fn stop(&mut self) -> ExitStatus {
-        let mut child = self.child.take().expect("stopped once");
-        let status = Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success());
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                return status;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                panic!(
-                    "the agent did not stop within 20 s of SIGTERM:\n{}",
-                    self.log()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        self.signal("TERM");
+        self.wait(Duration::from_secs(20))
     }
 }
 
