@@ -32,6 +32,19 @@ fn scheduled_started_completed(event_id: &str) -> Vec<String> {
     .to_vec()
 }
 
+/// Plays a scenario of one Azure event with no policy and checks the full cycle:
+/// document:1, scheduled, document:2, started, document:3, completed, document:4.
+fn play_full_cycle(scenario: &str, scale: f64, id: &str) -> Vec<Value> {
+    let (_sim, agent, events) = play(scenario, scale, "");
+    assert_eq!(
+        ids(&events),
+        scheduled_started_completed(id),
+        "{}",
+        agent.log()
+    );
+    events
+}
+
 fn assert_common_attributes(events: &[Value], source: &str) {
     for event in events {
         assert_eq!(event["specversion"], "1.0", "{event}");
@@ -166,14 +179,8 @@ fn user_initiated_reboot_is_approved_at_once_by_policy() {
 
 #[test]
 fn redeploy_starts_at_not_before_without_approval() {
-    let (_sim, agent, events) = play("redeploy", 0.005, "");
     let id = "8e6a4b2c-1d3f-4e5a-9b7c-0d1e2f3a4b02";
-    assert_eq!(
-        ids(&events),
-        scheduled_started_completed(id),
-        "{}",
-        agent.log()
-    );
+    let events = play_full_cycle("redeploy", 0.005, id);
     assert_eq!(
         event(&events, &format!("{id}:scheduled"))["eventtype"],
         "Redeploy"
@@ -182,14 +189,8 @@ fn redeploy_starts_at_not_before_without_approval() {
 
 #[test]
 fn spot_preempt_with_thirty_seconds_notice_is_seen_before_it_starts() {
-    let (_sim, agent, events) = play("spot-preempt", 0.05, "");
     let id = "c1a2b3d4-e5f6-4a7b-8c9d-0e1f2a3b4c03";
-    assert_eq!(
-        ids(&events),
-        scheduled_started_completed(id),
-        "{}",
-        agent.log()
-    );
+    let events = play_full_cycle("spot-preempt", 0.05, id);
     let scheduled = event(&events, &format!("{id}:scheduled"));
     assert_eq!(scheduled["eventtype"], "Preempt");
     assert_eq!(
@@ -202,14 +203,8 @@ fn spot_preempt_with_thirty_seconds_notice_is_seen_before_it_starts() {
 
 #[test]
 fn scale_set_terminate_is_reported_for_the_instance() {
-    let (_sim, agent, events) = play("scaleset-terminate", 0.005, "");
     let id = "d9e8f7a6-b5c4-4d3e-8f2a-1b0c9d8e7f04";
-    assert_eq!(
-        ids(&events),
-        scheduled_started_completed(id),
-        "{}",
-        agent.log()
-    );
+    let events = play_full_cycle("scaleset-terminate", 0.005, id);
     assert_eq!(
         event(&events, &format!("{id}:scheduled"))["eventtype"],
         "Terminate"
@@ -536,4 +531,40 @@ fn a_broker_that_hangs_does_not_delay_polling() {
     );
     // Nor does it hold back shutdown beyond delivery.shutdown_timeout (10 s).
     assert!(agent.stop().success(), "{}", agent.log());
+}
+
+#[test]
+fn an_incarnation_that_goes_backwards_is_survived_and_invents_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let scenario = dir.path().join("reset.toml");
+    std::fs::write(
+        &scenario,
+        r#"
+        incarnation_reset_after = "3m"
+        [[events]]
+        id = "reset-1"
+        type = "Reboot"
+        resources = ["WestNO_0"]
+        appear_after = "2m"
+        notice = "4m"
+        started_for = "2m"
+        "#,
+    )
+    .unwrap();
+    let (_sim, agent, events) = play(scenario.to_str().unwrap(), 0.005, "");
+    let transitions: Vec<String> = ids(&events)
+        .into_iter()
+        .filter(|id| !id.starts_with("document:"))
+        .collect();
+    assert_eq!(
+        transitions,
+        ["reset-1:scheduled", "reset-1:started", "reset-1:completed"],
+        "{}",
+        agent.log()
+    );
+    assert!(
+        agent.log().contains("DocumentIncarnation went backwards"),
+        "{}",
+        agent.log()
+    );
 }

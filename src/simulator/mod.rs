@@ -80,6 +80,7 @@ struct State {
     events: Vec<EventState>,
     faults: Vec<FaultState>,
     first_get_done: bool,
+    incarnation_reset_done: bool,
     last_served_incarnation: Option<u64>,
     requests: Vec<RecordedRequest>,
 }
@@ -117,6 +118,7 @@ impl State {
             events,
             faults,
             first_get_done: false,
+            incarnation_reset_done: false,
             last_served_incarnation: None,
             requests: Vec::new(),
             scenario,
@@ -135,6 +137,13 @@ impl State {
     fn advance(&mut self, now: Instant) {
         let scale = self.scenario.time_scale;
         let start = self.started;
+        if let Some(reset) = self.scenario.incarnation_reset_after
+            && !self.incarnation_reset_done
+            && now >= start + reset.mul_f64(scale)
+        {
+            self.incarnation_reset_done = true;
+            self.incarnation = self.scenario.start_incarnation;
+        }
         let mut changed = false;
         for event in &mut self.events {
             let scaled = |d: Duration| d.mul_f64(scale);

@@ -25,6 +25,10 @@ pub struct Scenario {
     /// The first Scheduled Events request waits this long, as when the service is enabled.
     #[serde(default, with = "humantime_serde")]
     pub first_call_delay: Option<Duration>,
+    /// At this moment DocumentIncarnation starts again from `start_incarnation`, as after the
+    /// service was disabled (24 h without a request) and enabled again.
+    #[serde(default, with = "humantime_serde")]
+    pub incarnation_reset_after: Option<Duration>,
     #[serde(default)]
     pub events: Vec<SimEvent>,
     #[serde(default)]

@@ -31,20 +31,26 @@ impl SimProcess {
             ])
             .args(["--time-scale", &time_scale.to_string()])
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(Stdio::piped())
             .spawn()
             .expect("the sched-relay binary starts");
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap())
             .read_line(&mut line)
             .unwrap();
-        let url = line
+        let Some(url) = line
             .trim()
             .rsplit(' ')
             .next()
             .filter(|url| url.starts_with("http://"))
-            .unwrap_or_else(|| panic!("unexpected first line from the simulator: {line:?}"))
-            .to_owned();
+            .map(str::to_owned)
+        else {
+            let mut stderr = String::new();
+            let _ = std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr);
+            panic!("the simulator did not start: {line:?}\n{stderr}");
+        };
+        // Its logs are not needed once it listens; drop the pipe so it never fills up.
+        drop(child.stderr.take());
         SimProcess { child, url }
     }
 

@@ -1,0 +1,385 @@
+//! The fault-injection driver: random scenarios played by the simulator with random IMDS
+//! faults, while the agent is killed with -9 and restarted at random moments and its brokers
+//! become unreachable and come back (RabbitMQ and NATS behind a network-cutting proxy, a
+//! private Kafka broker behind another). A checker compares what every sink received with the
+//! scenario's ground truth: every transition present, in order per Azure event, none
+//! invented, repeats only as identical ids.
+//!
+//! CI runs one round with a fixed seed; `scripts/chaos --minutes N --seed S` runs rounds until
+//! the time is up and prints the totals. CHAOS_SEED and CHAOS_MINUTES set both.
+
+mod common;
+
+use std::collections::{BTreeMap, HashSet};
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+use common::{AgentProcess, SimProcess};
+use sink_amqp::testing::{Topology, message_ids};
+use sink_core::testing::{CuttableProxy, broker_available, unique};
+use sink_kafka::testing::PrivateTansu;
+use sink_nats::testing::{create_stream, stored_ids};
+
+const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// One Azure event's planned life, and the transitions it must yield.
+struct Planned {
+    id: String,
+    expected: Vec<&'static str>,
+}
+
+/// A random scenario (TOML) whose phase changes for one event are at least `GAP` apart, so
+/// that an agent down for a kill and restart, or behind a burst of IMDS faults, still sees
+/// every phase.
+fn random_scenario(rng: &mut fastrand::Rng, round: u64) -> (String, Vec<Planned>, usize) {
+    const GAP: f64 = 2.5;
+    let mut toml = String::from("description = \"chaos\"\n[vm]\nname = \"WestNO_0\"\n");
+    let mut planned = Vec::new();
+    let types = ["Freeze", "Reboot", "Redeploy", "Preempt", "Terminate"];
+    let count = rng.usize(3..7);
+    let mut end: f64 = 0.0;
+    for index in 0..count {
+        let id = format!("chaos-{round}-{index}");
+        let appear = 1.0 + rng.f64() * 6.0;
+        let host_failure = rng.u8(0..5) == 0;
+        let cancelled = !host_failure && rng.u8(0..4) == 0;
+        let updates = if host_failure { 0 } else { rng.usize(0..3) };
+        let resources = if rng.bool() {
+            "[\"WestNO_0\", \"WestNO_1\"]"
+        } else {
+            "[\"WestNO_2\"]"
+        };
+        let _ = write!(
+            toml,
+            "\n[[events]]\nid = \"{id}\"\ntype = \"{}\"\nresources = {resources}\nappear_after = \"{}ms\"\nduration_in_seconds = 5\n",
+            types[rng.usize(0..types.len())],
+            (appear * 1000.0) as u64
+        );
+        let mut expected = Vec::new();
+        let mut last = appear;
+        // Keys of the event first: after a [[events.updates]] table, keys belong to the update.
+        let mut update_tables = String::new();
+        if host_failure {
+            expected.push("started");
+            let _ = writeln!(
+                toml,
+                "status = \"Started\"\nstarted_for = \"{}ms\"",
+                (GAP * 1000.0) as u64
+            );
+            last += GAP;
+            expected.push("completed");
+        } else {
+            expected.push("scheduled");
+            for update in 1..=updates {
+                let _ = write!(
+                    update_tables,
+                    "[[events.updates]]\nafter = \"{}ms\"\nduration_in_seconds = {}\n",
+                    (GAP * update as f64 * 1000.0) as u64,
+                    5 + update
+                );
+                expected.push("updated");
+            }
+            let phase = GAP * (updates as f64 + 1.0);
+            if cancelled {
+                let _ = writeln!(
+                    toml,
+                    "notice = \"1h\"\ncancel_after = \"{}ms\"",
+                    (phase * 1000.0) as u64
+                );
+                expected.push("cancelled");
+                last += phase;
+            } else {
+                let _ = writeln!(
+                    toml,
+                    "notice = \"{}ms\"\nstarted_for = \"{}ms\"",
+                    (phase * 1000.0) as u64,
+                    (GAP * 1000.0) as u64
+                );
+                expected.push("started");
+                expected.push("completed");
+                last += phase + GAP;
+            }
+        }
+        toml.push_str(&update_tables);
+        end = end.max(last);
+        planned.push(Planned { id, expected });
+    }
+    // A few short fault bursts, spread over the scenario.
+    let faults = rng.usize(1..4);
+    for _ in 0..faults {
+        let after = (rng.f64() * end * 1000.0) as u64;
+        match rng.u8(0..3) {
+            0 => {
+                let _ = write!(
+                    toml,
+                    "\n[[faults]]\nkind = \"status\"\nstatus = 503\nafter = \"{after}ms\"\ncount = {}\n",
+                    rng.u8(1..3)
+                );
+            }
+            1 => {
+                let _ = write!(
+                    toml,
+                    "\n[[faults]]\nkind = \"malformed\"\nafter = \"{after}ms\"\n"
+                );
+            }
+            _ => {
+                let _ = write!(
+                    toml,
+                    "\n[[faults]]\nkind = \"delay\"\ndelay = \"300ms\"\nafter = \"{after}ms\"\n"
+                );
+            }
+        }
+    }
+    (toml, planned, faults)
+}
+
+/// Each Azure event's transition kinds in order of first arrival of each id.
+fn kinds_by_event(ids: &[String]) -> BTreeMap<String, Vec<String>> {
+    let mut seen = HashSet::new();
+    let mut by_event: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for id in ids {
+        if id.starts_with("document:") || !seen.insert(id.clone()) {
+            continue;
+        }
+        let mut parts = id.splitn(3, ':');
+        let event = parts.next().unwrap_or_default().to_owned();
+        let kind = parts.next().unwrap_or_default().to_owned();
+        by_event.entry(event).or_default().push(kind);
+    }
+    by_event
+}
+
+#[derive(Default, Debug)]
+struct Totals {
+    rounds: u64,
+    documents: usize,
+    transitions: usize,
+    imds_faults: usize,
+    agent_kills: usize,
+    broker_cuts: usize,
+    lost: usize,
+}
+
+async fn round(rng: &mut fastrand::Rng, number: u64, totals: &mut Totals) {
+    let (scenario_text, planned, faults) = random_scenario(rng, number);
+    let work = tempfile::tempdir().unwrap();
+    let scenario = work.path().join("scenario.toml");
+    std::fs::write(&scenario, &scenario_text).unwrap();
+
+    // Brokers, each behind something the driver can take away.
+    let nats_proxy = CuttableProxy::start("127.0.0.1:4222").await;
+    let prefix = unique("chaos");
+    let mut stream = create_stream(
+        "nats://127.0.0.1:4222",
+        &prefix.to_uppercase(),
+        &format!("{prefix}.>"),
+    )
+    .await;
+    let rabbit_proxy = CuttableProxy::start("127.0.0.1:5672").await;
+    let topology = Topology::new(AMQP_URL).await;
+    let kafka_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let kafka_proxy = CuttableProxy::start(&format!("127.0.0.1:{kafka_port}")).await;
+    let Some(_kafka) = PrivateTansu::start(kafka_port, &kafka_proxy.address()) else {
+        return;
+    };
+    sink_kafka::testing::create_topic(&kafka_proxy.address(), "chaos", 1).await;
+
+    let sinks = format!(
+        r#"
+[delivery]
+retry_initial = "100ms"
+retry_max = "500ms"
+
+[[sinks]]
+name = "bus"
+kind = "nats"
+url = "nats://{nats}"
+jetstream = true
+subject = "{prefix}.{{vmname}}.{{transition}}"
+timeout = "1s"
+
+[[sinks]]
+name = "rabbit"
+kind = "amqp"
+url = "amqp://guest:guest@{rabbit}/%2f"
+exchange = "{exchange}"
+timeout = "1s"
+
+[[sinks]]
+name = "kafka"
+kind = "kafka"
+brokers = "{kafka}"
+topic = "chaos"
+timeout = "2s"
+"#,
+        nats = nats_proxy.address(),
+        rabbit = rabbit_proxy.address(),
+        exchange = topology.exchange,
+        kafka = kafka_proxy.address(),
+    );
+    let sim = SimProcess::start(scenario.to_str().unwrap(), 1.0);
+    let mut agent = AgentProcess::start(&sim.url, &sinks);
+    let proxies = [&nats_proxy, &rabbit_proxy, &kafka_proxy];
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        tokio::time::sleep(Duration::from_millis(rng.u64(300..1500))).await;
+        let state = tokio::task::block_in_place(|| sim.state());
+        let over = state["phases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|p| p[1] == "gone");
+        if over || Instant::now() > deadline {
+            break;
+        }
+        if rng.bool() {
+            tokio::task::block_in_place(|| {
+                agent.kill9();
+                agent.spawn(&[]);
+            });
+            totals.agent_kills += 1;
+        } else {
+            let proxy = proxies[rng.usize(0..proxies.len())];
+            proxy.cut();
+            tokio::time::sleep(Duration::from_millis(rng.u64(500..3000))).await;
+            proxy.restore().await;
+            totals.broker_cuts += 1;
+        }
+    }
+    let last = tokio::task::block_in_place(|| sim.wait_finished(Duration::from_secs(30)));
+    let file_events = tokio::task::block_in_place(|| {
+        agent.wait_for_id(&format!("document:{last}"), Duration::from_secs(10))
+    });
+    let file_ids = common::ids(&file_events);
+    let expected_count = file_ids.iter().collect::<HashSet<_>>().len();
+
+    // Every broker catches up with everything the agent stored.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut nats_ids = Vec::new();
+    while Instant::now() < deadline {
+        let stored = stream.info().await.unwrap().state.messages;
+        nats_ids = stored_ids(&stream, stored).await;
+        if nats_ids.iter().collect::<HashSet<_>>().len() >= expected_count {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let mut amqp_ids = Vec::new();
+    while Instant::now() < deadline
+        && amqp_ids.iter().collect::<HashSet<_>>().len() < expected_count
+    {
+        amqp_ids.extend(message_ids(&topology.drain(expected_count).await));
+    }
+    let address = kafka_proxy.address();
+    let kafka_records = tokio::task::spawn_blocking(move || {
+        sink_kafka::testing::read_all(&address, "chaos", 1, expected_count)
+    })
+    .await
+    .unwrap();
+    let kafka_ids: Vec<String> = kafka_records
+        .iter()
+        .map(|r| {
+            r.headers
+                .iter()
+                .find(|(k, _)| k == "ce_id")
+                .map(|(_, v)| v.clone())
+                .unwrap_or_default()
+        })
+        .collect();
+    assert!(
+        tokio::task::block_in_place(|| agent.stop()).success(),
+        "{}",
+        agent.log()
+    );
+
+    let truth: BTreeMap<String, Vec<String>> = planned
+        .iter()
+        .map(|p| {
+            (
+                p.id.clone(),
+                p.expected.iter().map(|k| k.to_string()).collect(),
+            )
+        })
+        .collect();
+    let context = format!(
+        "round {number}\n{scenario_text}\nagent log:\n{}",
+        agent.log()
+    );
+    for (sink, received) in [
+        ("file", &file_ids),
+        ("nats", &nats_ids),
+        ("amqp", &amqp_ids),
+        ("kafka", &kafka_ids),
+    ] {
+        let got = kinds_by_event(received);
+        let lost: usize = truth
+            .iter()
+            .map(|(id, kinds)| {
+                kinds
+                    .len()
+                    .saturating_sub(got.get(id).map_or(0, |g| g.len()))
+            })
+            .sum();
+        totals.lost += lost;
+        assert_eq!(
+            got, truth,
+            "{sink} differs from the ground truth ({lost} lost)\n{context}"
+        );
+    }
+    totals.rounds += 1;
+    totals.imds_faults += faults;
+    totals.documents += file_ids
+        .iter()
+        .filter(|id| id.starts_with("document:"))
+        .collect::<HashSet<_>>()
+        .len();
+    totals.transitions += truth.values().map(Vec::len).sum::<usize>();
+    topology.remove().await;
+    let _ = stream.purge().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_faults_kills_and_outages_lose_and_invent_nothing() {
+    if !(broker_available(
+        "NATS",
+        "127.0.0.1:4222",
+        "nats-server -a 127.0.0.1 -p 4222 -js",
+    ) && broker_available("RabbitMQ", "127.0.0.1:5672", "rabbitmq-server -detached"))
+    {
+        return;
+    }
+    let seed: u64 = std::env::var("CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2026);
+    let minutes: f64 = std::env::var("CHAOS_MINUTES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0.0);
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let until = Instant::now() + Duration::from_secs_f64(minutes * 60.0);
+    let mut totals = Totals::default();
+    let mut number = 0;
+    loop {
+        round(&mut rng, number, &mut totals).await;
+        number += 1;
+        if Instant::now() >= until {
+            break;
+        }
+    }
+    println!(
+        "chaos: seed {seed}: {} rounds, {} documents, {} transitions, {} IMDS faults, {} agent kills (-9), {} broker outages, lost = {}",
+        totals.rounds,
+        totals.documents,
+        totals.transitions,
+        totals.imds_faults,
+        totals.agent_kills,
+        totals.broker_cuts,
+        totals.lost
+    );
+    assert_eq!(totals.lost, 0);
+}
