@@ -53,6 +53,23 @@ fn flaky_exec_sink(flag: &Path, out: &Path) -> String {
     )
 }
 
+/// Waits until the sink that was down has received everything the file sink has, stops the
+/// agent, and returns the file sink's ids.
+fn wait_for_backlog(agent: &mut AgentProcess, out: &Path) -> Vec<String> {
+    let expected = ids(&agent.events());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while read_events(out).len() < expected.len() {
+        assert!(
+            Instant::now() < deadline,
+            "the backlog was not delivered:\n{}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(agent.stop().success(), "{}", agent.log());
+    expected
+}
+
 #[test]
 fn an_event_that_finished_while_the_agent_was_down_still_yields_completed() {
     let sim = SimProcess::start("live-migration", 0.01);
@@ -180,17 +197,7 @@ fn sigterm_keeps_what_a_down_sink_missed_and_the_next_start_delivers_it_in_order
 
     std::fs::write(&flag, "").unwrap();
     agent.spawn(&[]);
-    let expected = ids(&agent.events());
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while read_events(&out).len() < expected.len() {
-        assert!(
-            Instant::now() < deadline,
-            "the backlog was not delivered:\n{}",
-            agent.log()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    assert!(agent.stop().success());
+    let expected = wait_for_backlog(&mut agent, &out);
     assert_eq!(
         ids(&read_events(&out)),
         expected,
@@ -259,16 +266,6 @@ fn a_second_signal_exits_at_once_and_loses_nothing_already_stored() {
 
     std::fs::write(&flag, "").unwrap();
     agent.spawn(&[]);
-    let expected = ids(&agent.events());
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while read_events(&out).len() < expected.len() {
-        assert!(
-            Instant::now() < deadline,
-            "the backlog was not delivered:\n{}",
-            agent.log()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    assert!(agent.stop().success());
+    let expected = wait_for_backlog(&mut agent, &out);
     assert_eq!(ids(&read_events(&out)), expected);
 }

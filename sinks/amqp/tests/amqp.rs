@@ -9,7 +9,9 @@ use sink_amqp::testing::Topology;
 use sink_amqp::{AmqpSink, AmqpSinkConfig, HeaderStyle};
 use sink_core::Sink;
 use sink_core::binding::ContentMode;
-use sink_core::testing::{CuttableProxy, broker_available, live_migration_events, unique};
+use sink_core::testing::{
+    CuttableProxy, assert_same_events, broker_available, live_migration_events, unique,
+};
 
 const HOW: &str = "start it with: RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 rabbitmq-server -detached";
 
@@ -69,26 +71,6 @@ fn decode_binary(message: &lapin::message::BasicGetMessage, prefix: &str) -> Eve
     builder.data(content_type, data).build().unwrap()
 }
 
-fn assert_same(received: &[Event], sent: &[Event]) {
-    let ids = |events: &[Event]| events.iter().map(|e| e.id().to_owned()).collect::<Vec<_>>();
-    assert_eq!(ids(received), ids(sent));
-    for (got, want) in received.iter().zip(sent) {
-        assert_eq!(
-            (got.ty(), got.source(), got.subject(), got.time()),
-            (want.ty(), want.source(), want.subject(), want.time())
-        );
-        for (name, value) in want.iter_extensions() {
-            assert_eq!(
-                got.extension(name).map(|v| v.to_string()),
-                Some(value.to_string()),
-                "{name}"
-            );
-        }
-        assert_eq!(got.data(), want.data(), "{}", want.id());
-        assert_eq!(got.datacontenttype(), want.datacontenttype());
-    }
-}
-
 #[tokio::test]
 async fn binary_mode_publishes_persistent_confirmed_messages_with_ce_headers() {
     if !broker_available("RabbitMQ", &address(), HOW) {
@@ -120,7 +102,7 @@ async fn binary_mode_publishes_persistent_confirmed_messages_with_ce_headers() {
         "application/json"
     );
     let received: Vec<Event> = messages.iter().map(|m| decode_binary(m, "ce-")).collect();
-    assert_same(&received, &events);
+    assert_same_events(&received, &events);
     topology.remove().await;
 }
 
@@ -160,7 +142,7 @@ async fn structured_mode_and_amqp_1_0_header_names_decode_too() {
         .iter()
         .map(|m| decode_binary(m, "cloudEvents_"))
         .collect();
-    assert_same(&received, &events);
+    assert_same_events(&received, &events);
     topology.remove().await;
 }
 

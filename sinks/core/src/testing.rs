@@ -71,6 +71,49 @@ pub fn live_migration_events(vm: &str) -> Vec<Event> {
     ]
 }
 
+/// Asserts that events decoded from a protocol carry what was sent: the same ids in the same
+/// order, the same required attributes, every extension (as text, since binary mode carries
+/// extensions as header strings), and the same data.
+pub fn assert_same_events(received: &[Event], sent: &[Event]) {
+    use cloudevents::AttributesReader;
+    let ids = |events: &[Event]| events.iter().map(|e| e.id().to_owned()).collect::<Vec<_>>();
+    assert_eq!(ids(received), ids(sent));
+    let data = |event: &Event| -> Option<serde_json::Value> {
+        match event.data()? {
+            cloudevents::Data::Json(value) => Some(value.clone()),
+            cloudevents::Data::Binary(bytes) => serde_json::from_slice(bytes).ok(),
+            cloudevents::Data::String(text) => serde_json::from_str(text).ok(),
+        }
+    };
+    for (got, want) in received.iter().zip(sent) {
+        let context = want.id();
+        assert_eq!(
+            (got.ty(), got.source(), got.subject(), got.time()),
+            (want.ty(), want.source(), want.subject(), want.time()),
+            "{context}"
+        );
+        for (name, value) in want.iter_extensions() {
+            assert_eq!(
+                got.extension(name).map(|v| v.to_string()),
+                Some(value.to_string()),
+                "{name} of {context}"
+            );
+        }
+        assert_eq!(data(got), data(want), "data of {context}");
+    }
+}
+
+/// Waits until something listens on `127.0.0.1:port` (a server a test just started).
+pub fn wait_for_port(port: u16, what: &str) {
+    for _ in 0..100 {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    panic!("{what} did not listen on 127.0.0.1:{port}");
+}
+
 /// Whether a broker answers on `address` (`host:port`). When it does not: under CI (the `CI`
 /// variable is set) the test fails, since CI must exercise the real broker; elsewhere the
 /// test is skipped with a line saying how to start the broker.

@@ -133,13 +133,8 @@ impl PrivateTansu {
                 return None;
             }
         };
-        for _ in 0..100 {
-            if std::net::TcpStream::connect(("127.0.0.1", listen)).is_ok() {
-                return Some(PrivateTansu { child });
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("private tansu did not listen on {listen}");
+        sink_core::testing::wait_for_port(listen, "the private tansu");
+        Some(PrivateTansu { child })
     }
 }
 

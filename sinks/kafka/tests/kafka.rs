@@ -7,7 +7,9 @@ use std::time::Duration;
 use cloudevents::{AttributesReader, Event, EventBuilder, EventBuilderV10};
 use sink_core::Sink;
 use sink_core::binding::ContentMode;
-use sink_core::testing::{CuttableProxy, broker_available, live_migration_events, unique};
+use sink_core::testing::{
+    CuttableProxy, assert_same_events, broker_available, live_migration_events, unique,
+};
 use sink_kafka::testing::{HOW, PrivateTansu, Record, create_topic, read_all};
 use sink_kafka::{KafkaSink, KafkaSinkConfig};
 
@@ -56,25 +58,6 @@ fn decode_binary(record: &Record) -> Event {
         .unwrap()
 }
 
-fn assert_same(received: &[Event], sent: &[Event]) {
-    let ids = |events: &[Event]| events.iter().map(|e| e.id().to_owned()).collect::<Vec<_>>();
-    assert_eq!(ids(received), ids(sent));
-    for (got, want) in received.iter().zip(sent) {
-        assert_eq!(
-            (got.ty(), got.source(), got.subject(), got.time()),
-            (want.ty(), want.source(), want.subject(), want.time())
-        );
-        for (name, value) in want.iter_extensions() {
-            assert_eq!(
-                got.extension(name).map(|v| v.to_string()),
-                Some(value.to_string()),
-                "{name}"
-            );
-        }
-        assert_eq!(got.data(), want.data());
-    }
-}
-
 #[tokio::test]
 async fn binary_mode_produces_ordered_keyed_records_with_ce_headers() {
     if !broker_available("Kafka", &brokers(), HOW) {
@@ -119,7 +102,7 @@ async fn binary_mode_produces_ordered_keyed_records_with_ce_headers() {
         );
     }
     let received: Vec<Event> = records.iter().map(decode_binary).collect();
-    assert_same(&received, &events);
+    assert_same_events(&received, &events);
 }
 
 #[tokio::test]

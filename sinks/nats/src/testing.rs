@@ -2,7 +2,6 @@
 //! agent's end-to-end tests): JetStream streams, and nats-server instances a test owns.
 
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
 
 pub async fn create_stream(
     url: &str,
@@ -86,14 +85,8 @@ impl PrivateNats {
             }
         };
         self.child = Some(child);
-        let address = format!("127.0.0.1:{}", self.port);
-        for _ in 0..100 {
-            if std::net::TcpStream::connect(&address).is_ok() {
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("private nats-server did not listen on {address}");
+        sink_core::testing::wait_for_port(self.port, "the private nats-server");
+        true
     }
 
     pub fn stop(&mut self) {

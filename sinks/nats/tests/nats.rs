@@ -7,7 +7,7 @@ use cloudevents::{AttributesReader, Event};
 use futures_util::StreamExt;
 use sink_core::Sink;
 use sink_core::binding::ContentMode;
-use sink_core::testing::{broker_available, live_migration_events, unique};
+use sink_core::testing::{assert_same_events, broker_available, live_migration_events, unique};
 use sink_nats::testing::{PrivateNats, create_stream, stored_ids};
 use sink_nats::{NatsSink, NatsSinkConfig};
 
@@ -41,34 +41,6 @@ fn decode(headers: Option<&async_nats::HeaderMap>, payload: &[u8]) -> Event {
         }
     }
     cloudevents::binding::http::to_event(&http_headers, payload.to_vec()).unwrap()
-}
-
-fn assert_same(received: &[Event], sent: &[Event]) {
-    assert_eq!(received.len(), sent.len());
-    for (got, want) in received.iter().zip(sent) {
-        assert_eq!(got.id(), want.id());
-        assert_eq!(got.ty(), want.ty());
-        assert_eq!(got.source(), want.source());
-        assert_eq!(got.subject(), want.subject());
-        assert_eq!(got.time(), want.time());
-        // Binary mode carries extensions as header text, so compare their text.
-        for (name, value) in want.iter_extensions() {
-            assert_eq!(
-                got.extension(name).map(|v| v.to_string()),
-                Some(value.to_string()),
-                "{name} of {}",
-                want.id()
-            );
-        }
-        let data = |event: &Event| -> serde_json::Value {
-            match event.data().unwrap() {
-                cloudevents::Data::Json(value) => value.clone(),
-                cloudevents::Data::Binary(bytes) => serde_json::from_slice(bytes).unwrap(),
-                cloudevents::Data::String(text) => serde_json::from_str(text).unwrap(),
-            }
-        };
-        assert_eq!(data(got), data(want), "{}", want.id());
-    }
 }
 
 async fn receive(
@@ -133,7 +105,7 @@ async fn core_nats_delivers_the_live_migration_in_order_with_binding_headers() {
         .iter()
         .map(|m| decode(m.headers.as_ref(), &m.payload))
         .collect();
-    assert_same(&received, &events);
+    assert_same_events(&received, &events);
 }
 
 #[tokio::test]
