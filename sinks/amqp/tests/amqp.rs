@@ -9,6 +9,7 @@ use sink_amqp::testing::Topology;
 use sink_amqp::{AmqpSink, AmqpSinkConfig, HeaderStyle};
 use sink_core::Sink;
 use sink_core::binding::ContentMode;
+use sink_core::testing::deliver_until_accepted;
 use sink_core::testing::{
     CuttableProxy, assert_same_events, broker_available, live_migration_events, unique,
 };
@@ -245,15 +246,7 @@ async fn delivery_resumes_after_the_network_to_the_broker_comes_back() {
     assert!(error.is_retriable(), "{error}");
 
     proxy.restore().await;
-    let mut delivered = false;
-    for _ in 0..50 {
-        if sink.deliver(&events[2..]).await.is_ok() {
-            delivered = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    assert!(delivered, "delivery did not resume");
+    deliver_until_accepted(&sink, &events[2..], 50).await;
     // At least once: every event arrives, in order of first arrival; a repeat can only be
     // an identical id of the batch that was in flight during the cut.
     let messages = topology.drain(events.len()).await;

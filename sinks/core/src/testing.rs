@@ -103,6 +103,40 @@ pub fn assert_same_events(received: &[Event], sent: &[Event]) {
     }
 }
 
+/// What the fan-out does after a failure, for sink tests: retries the batch every 200 ms,
+/// up to `attempts` times, until the sink accepts it. Panics if it never does.
+pub async fn deliver_until_accepted(sink: &dyn crate::Sink, batch: &[Event], attempts: usize) {
+    let mut last = None;
+    for _ in 0..attempts {
+        match sink.deliver(batch).await {
+            Ok(()) => return,
+            Err(error) => last = Some(error),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    panic!("delivery did not resume after {attempts} attempts; last error: {last:?}");
+}
+
+/// Starts a server a test owns. When it cannot be run: under CI the test fails, elsewhere it
+/// is skipped (`None`) with a line saying why.
+pub fn spawn_or_skip(
+    command: &mut std::process::Command,
+    what: &str,
+) -> Option<std::process::Child> {
+    match command
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+    {
+        Ok(child) => Some(child),
+        Err(error) if std::env::var_os("CI").is_some() => panic!("cannot run {what}: {error}"),
+        Err(error) => {
+            eprintln!("skipped: cannot run {what}: {error}");
+            None
+        }
+    }
+}
+
 /// Waits until something listens on `127.0.0.1:port` (a server a test just started).
 pub fn wait_for_port(port: u16, what: &str) {
     for _ in 0..100 {

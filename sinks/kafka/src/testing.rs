@@ -1,7 +1,7 @@
 //! Helpers for tests that consume what the Kafka sink produced: topics, a reader that
 //! assigns partitions (a consumer-group join takes seconds), and tansu instances a test owns.
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::Duration;
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -111,7 +111,8 @@ impl PrivateTansu {
                 env!("CARGO_MANIFEST_DIR")
             )
         });
-        let spawned = Command::new(&binary)
+        let mut command = Command::new(&binary);
+        command
             .args([
                 "broker",
                 "--listener-url",
@@ -119,20 +120,8 @@ impl PrivateTansu {
             ])
             .args(["--advertised-listener-url", &format!("tcp://{advertise}")])
             .args(["--storage-engine", "memory://tansu/"])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn();
-        let child = match spawned {
-            Ok(child) => child,
-            Err(error) if std::env::var_os("CI").is_some() => {
-                panic!("cannot run {binary}: {error} ({HOW})")
-            }
-            Err(error) => {
-                eprintln!("skipped: cannot run {binary}: {error} ({HOW})");
-                return None;
-            }
-        };
+            .args(extra);
+        let child = sink_core::testing::spawn_or_skip(&mut command, &format!("{binary} ({HOW})"))?;
         sink_core::testing::wait_for_port(listen, "the private tansu");
         Some(PrivateTansu { child })
     }

@@ -7,6 +7,7 @@ use std::time::Duration;
 use cloudevents::{AttributesReader, Event, EventBuilder, EventBuilderV10};
 use sink_core::Sink;
 use sink_core::binding::ContentMode;
+use sink_core::testing::deliver_until_accepted;
 use sink_core::testing::{
     CuttableProxy, assert_same_events, broker_available, live_migration_events, unique,
 };
@@ -192,18 +193,7 @@ async fn delivery_resumes_after_the_network_to_the_broker_comes_back() {
     assert!(error.is_retriable(), "{error}");
 
     proxy.restore().await;
-    let mut delivered = false;
-    for _ in 0..30 {
-        match sink.deliver(&events[2..]).await {
-            Ok(()) => {
-                delivered = true;
-                break;
-            }
-            Err(error) => eprintln!("retrying: {error}"),
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    assert!(delivered, "delivery did not resume");
+    deliver_until_accepted(&sink, &events[2..], 30).await;
     let address = proxy.address();
     let records = tokio::task::spawn_blocking(move || read_all(&address, topic, 1, 7))
         .await

@@ -1,7 +1,7 @@
 //! Helpers for tests that consume what the NATS sink published (this crate's tests and the
 //! agent's end-to-end tests): JetStream streams, and nats-server instances a test owns.
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 
 pub async fn create_stream(
     url: &str,
@@ -60,7 +60,8 @@ impl PrivateNats {
 
     pub fn restart(&mut self) -> bool {
         let binary = std::env::var("NATS_SERVER_BIN").unwrap_or_else(|_| "nats-server".into());
-        let spawned = Command::new(&binary)
+        let mut command = Command::new(&binary);
+        command
             .args([
                 "-a",
                 "127.0.0.1",
@@ -70,19 +71,9 @@ impl PrivateNats {
                 "-sd",
             ])
             .arg(self.store.path())
-            .args(&self.extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn();
-        let child = match spawned {
-            Ok(child) => child,
-            Err(error) if std::env::var_os("CI").is_some() => {
-                panic!("cannot run {binary}: {error}")
-            }
-            Err(error) => {
-                eprintln!("skipped: cannot run {binary}: {error}");
-                return false;
-            }
+            .args(&self.extra);
+        let Some(child) = sink_core::testing::spawn_or_skip(&mut command, &binary) else {
+            return false;
         };
         self.child = Some(child);
         sink_core::testing::wait_for_port(self.port, "the private nats-server");

@@ -7,7 +7,9 @@ use cloudevents::{AttributesReader, Event};
 use futures_util::StreamExt;
 use sink_core::Sink;
 use sink_core::binding::ContentMode;
-use sink_core::testing::{assert_same_events, broker_available, live_migration_events, unique};
+use sink_core::testing::{
+    assert_same_events, broker_available, deliver_until_accepted, live_migration_events, unique,
+};
 use sink_nats::testing::{PrivateNats, create_stream, stored_ids};
 use sink_nats::{NatsSink, NatsSinkConfig};
 
@@ -225,15 +227,7 @@ async fn delivery_resumes_after_the_server_restarts_and_nothing_is_lost_or_doubl
 
     assert!(server.restart());
     // What the fan-out does: retry the same batch with backoff until it is acknowledged.
-    let mut delivered = false;
-    for _ in 0..50 {
-        if sink.deliver(&events[2..]).await.is_ok() {
-            delivered = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    assert!(delivered, "delivery did not resume after the restart");
+    deliver_until_accepted(&sink, &events[2..], 50).await;
     let expected: Vec<String> = events.iter().map(|e| e.id().to_owned()).collect();
     let mut stream = stream;
     assert_eq!(
