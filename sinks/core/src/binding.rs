@@ -95,7 +95,7 @@ pub fn encode(event: &Event, mode: ContentMode, style: HeaderStyle) -> Result<En
             for (name, value) in event.iter_extensions() {
                 headers.push((
                     format!("{}{name}", style.prefix),
-                    header_value(&extension_text(value), style),
+                    header_value(&value.to_string(), style),
                 ));
             }
             Ok(Encoded {
@@ -135,17 +135,13 @@ pub fn data_bytes(event: &Event) -> Result<Vec<u8>, SinkError> {
     }
 }
 
-fn extension_text(value: &ExtensionValue) -> String {
-    value.to_string()
-}
-
 /// A value of one context attribute, by name (`id`, `type`, an extension, ...).
 pub fn attribute(event: &Event, name: &str) -> Option<String> {
     event
         .iter_attributes()
         .find(|(n, _)| *n == name)
         .map(|(_, v): (&str, AttributeValue)| v.to_string())
-        .or_else(|| event.extension(name).map(extension_text))
+        .or_else(|| event.extension(name).map(ExtensionValue::to_string))
 }
 
 fn header_value(text: &str, style: HeaderStyle) -> String {
