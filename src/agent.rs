@@ -8,14 +8,16 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use cloudevents::AttributesReader;
 
+use crate::approval::{Approver, Snapshot};
 use crate::config::Config;
 use crate::diff::diff;
-use crate::event::{ApprovalOutcome, EventFactory};
+use crate::event::{ApprovalOutcome, EventFactory, Outcome};
 use crate::fanout::{Fanout, NamedSink};
 use crate::imds::{Document, EventStatus, Identity, ImdsClient, ImdsError, discover_endpoint};
 use crate::policy::{self, Decision};
@@ -37,6 +39,15 @@ pub enum AgentError {
     Imds(#[from] ImdsError),
     #[error(transparent)]
     Store(#[from] StoreError),
+    #[error(
+        "cannot listen on telemetry.listen {address}: {error} (is another process using the port?)"
+    )]
+    Listen {
+        address: std::net::SocketAddr,
+        error: std::io::Error,
+    },
+    #[error("approvals: {0}")]
+    Approvals(String),
 }
 
 /// How `run` starts, beyond the configuration.
@@ -44,7 +55,12 @@ pub enum AgentError {
 pub struct RunOptions {
     /// Move an existing (say, damaged) state store aside and start afresh.
     pub fresh_state: bool,
+    /// Check approvals (remote and by policy) and publish their outcomes, but POST nothing.
+    pub dry_run: bool,
 }
+
+/// How long sources get to finish the message they are handling when the agent stops.
+const SOURCE_STOP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Runs the agent until `shutdown` completes, then drains the sinks and returns.
 pub async fn run(
@@ -56,12 +72,12 @@ pub async fn run(
         path: config.state.dir.display().to_string(),
         error,
     })?;
-    let client = ImdsClient::new(
+    let client = Arc::new(ImdsClient::new(
         resolve_endpoint(&config),
         &config.imds.api_version,
         config.imds.request_timeout,
         config.imds.first_call_timeout,
-    )?;
+    )?);
     let identity = resolve_identity(&config, &client).await;
     let factory = EventFactory::new(
         &config.events.type_prefix,
@@ -121,12 +137,38 @@ pub async fn run(
             }
         },
     };
-    let fanout = Fanout::start(
-        sinks,
-        &config.delivery,
-        &config.state.dir,
-        std::sync::Arc::new(outbox),
-    );
+    let outbox = Arc::new(outbox);
+    let fanout = Fanout::start(sinks, &config.delivery, &config.state.dir, outbox.clone());
+    let dry_run = options.dry_run || config.approvals.dry_run;
+    if dry_run {
+        tracing::warn!(
+            "Dry run: approvals are checked and their outcomes published, but nothing is POSTed to the metadata service"
+        );
+    }
+    let (latest, latest_rx) = tokio::sync::watch::channel(None);
+    let (stop, stop_rx) = tokio::sync::watch::channel(false);
+    let remote = start_remote_approvals(
+        &config,
+        dry_run,
+        Approver {
+            config: config.approvals.clone(),
+            dry_run,
+            limits: crate::approval::request::Limits {
+                request_type: format!("{}.approval.requested", factory.type_prefix),
+                max_message_bytes: config.approvals.max_message_bytes,
+                max_event_ids: config.approvals.max_event_ids,
+            },
+            keys: Approver::keys(&config.approvals).map_err(AgentError::Approvals)?,
+            factory: factory.clone(),
+            client: client.clone(),
+            latest: latest_rx,
+            poll_interval: config.imds.poll_interval,
+            outbox: outbox.clone(),
+            publisher: fanout.publisher(),
+        },
+        stop_rx,
+    )
+    .await?;
 
     let mut poller = Poller {
         client,
@@ -135,8 +177,12 @@ pub async fn run(
         config: config.clone(),
         previous,
         approvals: HashMap::new(),
+        latest,
+        dry_run,
     };
     poller.poll_until(shutdown).await;
+    let _ = stop.send(true);
+    remote.stop().await;
     tracing::info!(timeout = ?config.delivery.shutdown_timeout, "Shutting down, draining sinks");
     poller
         .fanout
@@ -233,12 +279,15 @@ enum ApprovalState {
 }
 
 struct Poller {
-    client: ImdsClient,
+    client: Arc<ImdsClient>,
     factory: EventFactory,
     fanout: Fanout,
     config: Config,
     previous: Option<Document>,
     approvals: HashMap<String, ApprovalState>,
+    /// The latest document, for the remote-approval checks.
+    latest: tokio::sync::watch::Sender<Option<Snapshot>>,
+    dry_run: bool,
 }
 
 impl Poller {
@@ -266,6 +315,7 @@ impl Poller {
                     for warning in &parsed.warnings {
                         tracing::warn!(incarnation = parsed.document.incarnation, warning = %warning, "Tolerated an odd field in the document");
                     }
+                    self.share(&parsed.document);
                     let new_document = self.on_document(parsed.document).await;
                     self.apply_policy(new_document).await;
                     interval
@@ -295,6 +345,21 @@ impl Poller {
                 _ = tokio::time::sleep_until((started + wait).into()) => {}
             }
         }
+    }
+
+    /// Tells the approval checks about the latest document (a copy only when it changed).
+    fn share(&self, document: &Document) {
+        self.latest.send_modify(|latest| match latest {
+            Some(snapshot) if snapshot.document.incarnation == document.incarnation => {
+                snapshot.fetched = Instant::now();
+            }
+            _ => {
+                *latest = Some(Snapshot {
+                    document: Arc::new(document.clone()),
+                    fetched: Instant::now(),
+                })
+            }
+        });
     }
 
     /// Diffs a fetched document against the previous one and publishes what changed.
@@ -391,23 +456,31 @@ impl Poller {
             return;
         }
         let ids: Vec<String> = approve.iter().map(|(id, _)| id.clone()).collect();
-        let result = self.client.start(&ids).await;
+        let result = if self.dry_run {
+            Ok(())
+        } else {
+            self.client.start(&ids).await
+        };
         let observed = Utc::now();
         let mut outcomes = Vec::new();
         for (event_id, reason) in approve {
-            let request_id = format!("policy:{event_id}");
+            let outcome = |outcome, code: &str, detail: String| Outcome {
+                outcome,
+                request_id: format!("policy:{event_id}"),
+                event_ids: vec![event_id.clone()],
+                reason: code.to_owned(),
+                detail,
+                channel: "policy".to_owned(),
+                dry_run: self.dry_run,
+                nonce: None,
+            };
             match &result {
                 Ok(()) => {
-                    tracing::info!(event_id = %event_id, reason = %reason, "Approved by local policy");
-                    metrics::counter!("sched_relay_approvals_total", "source" => "policy", "outcome" => "accepted").increment(1);
+                    metrics::counter!("sched_relay_approvals_total", "source" => "policy", "outcome" => "accepted", "reason" => "policy").increment(1);
                     self.approvals.insert(event_id.clone(), ApprovalState::Done);
-                    outcomes.push(self.factory.approval_outcome(
-                        ApprovalOutcome::Accepted,
-                        &request_id,
-                        &event_id,
-                        &reason,
-                        observed,
-                    ));
+                    let record = outcome(ApprovalOutcome::Accepted, "policy", reason.clone());
+                    crate::approval::log_outcome(&record);
+                    outcomes.push(self.factory.approval_outcome(&record, observed));
                 }
                 Err(error) => {
                     let attempts = match self.approvals.get(&event_id) {
@@ -416,17 +489,12 @@ impl Poller {
                     };
                     if attempts >= POLICY_APPROVAL_ATTEMPTS || !error.is_retriable() {
                         tracing::error!(event_id = %event_id, attempts, error = %error, "Approval by local policy failed; the event will start at its NotBefore");
-                        metrics::counter!("sched_relay_approvals_total", "source" => "policy", "outcome" => "failed").increment(1);
+                        metrics::counter!("sched_relay_approvals_total", "source" => "policy", "outcome" => "failed", "reason" => "imds_error").increment(1);
                         self.approvals.insert(event_id.clone(), ApprovalState::Done);
                         let why =
                             format!("{reason}; the metadata service refused or failed: {error}");
-                        outcomes.push(self.factory.approval_outcome(
-                            ApprovalOutcome::Failed,
-                            &request_id,
-                            &event_id,
-                            &why,
-                            observed,
-                        ));
+                        let record = outcome(ApprovalOutcome::Failed, "imds_error", why);
+                        outcomes.push(self.factory.approval_outcome(&record, observed));
                     } else {
                         let wait = crate::fanout::backoff(
                             attempts,
@@ -457,4 +525,155 @@ pub fn check_state_dir(dir: &Path) -> Result<(), std::io::Error> {
     let probe = dir.join(".write-test");
     std::fs::write(&probe, b"")?;
     std::fs::remove_file(probe)
+}
+
+/// The running remote-approval machinery: the checker task and its sources.
+struct RemoteApprovals {
+    approver: Option<tokio::task::JoinHandle<()>>,
+    sources: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl RemoteApprovals {
+    /// Lets each source finish the message it is handling, then lets the checker finish.
+    async fn stop(self) {
+        for source in self.sources {
+            if tokio::time::timeout(SOURCE_STOP_TIMEOUT, source)
+                .await
+                .is_err()
+            {
+                tracing::warn!("An approval source did not stop in time");
+            }
+        }
+        if let Some(approver) = self.approver {
+            let _ = approver.await;
+        }
+    }
+}
+
+/// Starts the HTTP listener (when configured), the approval checker and every configured
+/// source. Sources stop when `stop` turns true.
+// Without any broker feature only the HTTP source exists.
+#[cfg_attr(
+    not(any(feature = "nats", feature = "amqp", feature = "kafka")),
+    allow(unused_variables)
+)]
+async fn start_remote_approvals(
+    config: &Config,
+    dry_run: bool,
+    approver: Approver,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<RemoteApprovals, AgentError> {
+    let approvals = &config.approvals;
+    let vm_name = approver.factory.vm.name.clone();
+    let (deliveries, inbox) = tokio::sync::mpsc::channel(64);
+    let mut sources = Vec::new();
+    let mut started = false;
+    if let Some(listen) = config.telemetry.listen {
+        let endpoint = match &approvals.http {
+            Some(http) if http.enabled => {
+                let token = sink_core::secret::resolve(
+                    http.token.as_ref(),
+                    http.token_file.as_deref(),
+                    "approvals.http.token",
+                )
+                .map_err(AgentError::Approvals)?;
+                Some(crate::http::ApprovalEndpoint {
+                    deliveries: deliveries.clone(),
+                    token,
+                })
+            }
+            _ => None,
+        };
+        started |= endpoint.is_some();
+        let mut stopped = stop.clone();
+        let (bound, task) = crate::http::serve(
+            listen,
+            endpoint,
+            approvals.max_message_bytes * 2 + 1024,
+            async move {
+                let _ = stopped.wait_for(|stop| *stop).await;
+            },
+        )
+        .await
+        .map_err(|error| AgentError::Listen {
+            address: listen,
+            error,
+        })?;
+        if started {
+            tracing::info!(address = %bound, "Approval source ready (HTTP POST /approvals)");
+        } else {
+            tracing::info!(address = %bound, "HTTP listener ready");
+        }
+        sources.push(task);
+    }
+    #[cfg(feature = "nats")]
+    if let Some(nats) = &approvals.nats {
+        use crate::approval::config::{BrokerSource, for_vm};
+        let spec = sink_nats::source::NatsSourceSpec {
+            connection: nats.resolve(&config.sinks).map_err(AgentError::Approvals)?,
+            subject: for_vm(&nats.subject, &vm_name),
+            fleet_subject: nats.fleet_subject.as_ref().map(|s| for_vm(s, &vm_name)),
+            jetstream: nats
+                .stream
+                .as_ref()
+                .map(|stream| (stream.clone(), for_vm(&nats.durable, &vm_name))),
+        };
+        sources.push(tokio::spawn(sink_nats::source::run(
+            spec,
+            deliveries.clone(),
+            stop.clone(),
+        )));
+        started = true;
+    }
+    #[cfg(feature = "amqp")]
+    if let Some(amqp) = &approvals.amqp {
+        use crate::approval::config::{BrokerSource, for_vm};
+        let spec = sink_amqp::source::AmqpSourceSpec {
+            connection: amqp.resolve(&config.sinks).map_err(AgentError::Approvals)?,
+            queue: for_vm(&amqp.queue, &vm_name),
+            declare: amqp.declare,
+            exchange: amqp.exchange.clone(),
+            routing_key: for_vm(&amqp.routing_key, &vm_name),
+            fleet_routing_key: amqp.fleet_routing_key.clone(),
+            prefetch: amqp.prefetch,
+        };
+        sources.push(tokio::spawn(sink_amqp::source::run(
+            spec,
+            deliveries.clone(),
+            stop.clone(),
+        )));
+        started = true;
+    }
+    #[cfg(feature = "kafka")]
+    if let Some(kafka) = &approvals.kafka {
+        use crate::approval::config::{BrokerSource, KafkaPartitions, for_vm};
+        let spec = sink_kafka::source::KafkaSourceSpec {
+            connection: kafka
+                .resolve(&config.sinks)
+                .map_err(AgentError::Approvals)?,
+            topic: kafka.topic.clone(),
+            vm_name: vm_name.clone(),
+            by_key: kafka.partitions == KafkaPartitions::Key,
+            group_id: for_vm(&kafka.group_id, &vm_name),
+            max_age: approvals.max_age,
+        };
+        sources.push(tokio::spawn(sink_kafka::source::run(
+            spec,
+            deliveries.clone(),
+            stop.clone(),
+        )));
+        started = true;
+    }
+    drop(deliveries);
+    let approver = started.then(|| {
+        tracing::info!(
+            dry_run,
+            keys = approvals.keys.len(),
+            allow_unsigned = approvals.allow_unsigned,
+            allow_fleet = approvals.allow_fleet,
+            "Remote approvals enabled"
+        );
+        tokio::spawn(approver.run(inbox))
+    });
+    Ok(RemoteApprovals { approver, sources })
 }

@@ -10,6 +10,7 @@ use figment::providers::{Env, Format, Toml};
 use serde::{Deserialize, Serialize};
 use sink_file::{StdoutFormat, StdoutSinkConfig};
 
+use crate::approval::config::ApprovalsConfig;
 use crate::event::{DEFAULT_TYPE_PREFIX, PartitionKey};
 use crate::imds::DEFAULT_LEASE_PATHS;
 use crate::policy::PolicyConfig;
@@ -39,6 +40,10 @@ pub struct Config {
     pub delivery: DeliveryConfig,
     #[serde(default)]
     pub log: LogConfig,
+    #[serde(default)]
+    pub telemetry: TelemetryConfig,
+    #[serde(default)]
+    pub approvals: ApprovalsConfig,
     /// Where events go. Without any entry, events are printed on stdout as JSON Lines.
     #[serde(default = "default_sinks")]
     pub sinks: Vec<SinkEntry>,
@@ -54,6 +59,8 @@ impl Default for Config {
             policy: PolicyConfig::default(),
             delivery: DeliveryConfig::default(),
             log: LogConfig::default(),
+            telemetry: TelemetryConfig::default(),
+            approvals: ApprovalsConfig::default(),
             sinks: default_sinks(),
         }
     }
@@ -283,6 +290,15 @@ pub enum LogFormat {
     Json,
 }
 
+/// `[telemetry]`: the agent's own HTTP listener (`/healthz`, `POST /approvals`). Off unless
+/// `listen` is set; keep it on loopback unless something outside the VM must reach it.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TelemetryConfig {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub listen: Option<std::net::SocketAddr>,
+}
+
 /// One thing wrong with a configuration: where, and what is expected.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigProblem {
@@ -449,6 +465,30 @@ impl Config {
                 format!("{:?} is not a log filter; expected e.g. \"info\" or \"sched_relay=debug,warn\"", self.log.level),
             ));
         }
+        for (key, message) in self.approvals.validate(&self.sinks) {
+            problems.push(problem(format!("approvals.{key}"), message));
+        }
+        if let Some(http) = &self.approvals.http
+            && http.enabled
+        {
+            match self.telemetry.listen {
+                None => problems.push(problem(
+                    "approvals.http",
+                    "POST /approvals needs the listener: set telemetry.listen (e.g. \"127.0.0.1:9464\")",
+                )),
+                Some(listen)
+                    if !listen.ip().is_loopback()
+                        && http.token.is_none()
+                        && http.token_file.is_none() =>
+                {
+                    problems.push(problem(
+                        "approvals.http.token",
+                        format!("telemetry.listen {listen} is not loopback, so POST /approvals needs a bearer token (token or token_file)"),
+                    ))
+                }
+                Some(_) => {}
+            }
+        }
         if self.sinks.is_empty() {
             problems.push(problem(
                 "sinks",
@@ -512,8 +552,17 @@ fn extract_all(figment: &Figment) -> Result<Config, ConfigErrors> {
     let root: Dict = figment
         .extract()
         .map_err(|errors| ConfigErrors(errors.into_iter().map(figment_problem).collect()))?;
-    const SECTIONS: [&str; 8] = [
-        "imds", "identity", "events", "state", "policy", "delivery", "log", "sinks",
+    const SECTIONS: [&str; 10] = [
+        "imds",
+        "identity",
+        "events",
+        "state",
+        "policy",
+        "delivery",
+        "log",
+        "telemetry",
+        "approvals",
+        "sinks",
     ];
     for key in root.keys().filter(|key| !SECTIONS.contains(&key.as_str())) {
         let variable = std::env::vars().map(|(name, _)| name).find(|name| {
@@ -557,6 +606,8 @@ fn extract_all(figment: &Figment) -> Result<Config, ConfigErrors> {
         policy: section(figment, &root, "policy", &mut problems),
         delivery: section(figment, &root, "delivery", &mut problems),
         log: section(figment, &root, "log", &mut problems),
+        telemetry: section(figment, &root, "telemetry", &mut problems),
+        approvals: section(figment, &root, "approvals", &mut problems),
         sinks: default_sinks(),
     };
     if root.contains_key("sinks") {

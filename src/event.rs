@@ -33,22 +33,44 @@ pub struct EventFactory {
     pub partition_key: PartitionKey,
 }
 
-/// Why an approval was decided the way it was, for the outcome events.
+/// How an approval request ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ApprovalOutcome {
-    /// The metadata service answered 200.
+    /// The metadata service answered 200 (or, in a dry run, would have been asked).
     Accepted,
+    /// A check failed; nothing was sent.
+    Rejected,
     /// The metadata service kept failing.
     Failed,
 }
 
 impl ApprovalOutcome {
-    fn as_str(self) -> &'static str {
+    pub fn as_str(self) -> &'static str {
         match self {
             ApprovalOutcome::Accepted => "accepted",
+            ApprovalOutcome::Rejected => "rejected",
             ApprovalOutcome::Failed => "failed",
         }
     }
+}
+
+/// Everything an outcome event says about one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    pub outcome: ApprovalOutcome,
+    /// The request's CloudEvents id (`policy:<EventId>` for local policy).
+    pub request_id: String,
+    pub event_ids: Vec<String>,
+    /// Machine-readable: a rejection reason (`bad_signature`, ...), `imds_accepted`,
+    /// `imds_error`, `dry_run` or `policy`.
+    pub reason: String,
+    /// A sentence for people.
+    pub detail: String,
+    /// Where the request came from: `policy`, `nats:<subject>`, `http:POST /approvals`, ...
+    pub channel: String,
+    pub dry_run: bool,
+    /// Makes the outcome id unique where one request id can be refused many times (replays).
+    pub nonce: Option<String>,
 }
 
 impl EventFactory {
@@ -129,42 +151,47 @@ impl EventFactory {
             .expect("every required attribute is set above")
     }
 
-    /// The outcome of an approval the agent sent (or failed to send) for `event_id`.
-    /// `request_id` names the request (`policy:<EventId>` for local policy).
-    pub fn approval_outcome(
-        &self,
-        outcome: ApprovalOutcome,
-        request_id: &str,
-        event_id: &str,
-        reason: &str,
-        observed: DateTime<Utc>,
-    ) -> Event {
+    /// The outcome event of one approval request: `<prefix>.approval.<outcome>`, id
+    /// `<requestid>:<outcome>`, the first EventId as subject.
+    pub fn approval_outcome(&self, outcome: &Outcome, observed: DateTime<Utc>) -> Event {
+        let kind = outcome.outcome.as_str();
         let data = json!({
-            "requestId": request_id,
-            "eventId": event_id,
+            "requestId": outcome.request_id,
+            "eventId": outcome.event_ids.first(),
+            "eventIds": outcome.event_ids,
             "vm": self.vm_json(),
-            "reason": reason,
+            "outcome": kind,
+            "reason": outcome.reason,
+            "detail": outcome.detail,
+            "channel": outcome.channel,
+            "dryRun": outcome.dry_run,
         });
-        EventBuilderV10::new()
-            .id(format!("{request_id}:{}", outcome.as_str()))
+        let mut id = format!("{}:{kind}", outcome.request_id);
+        if let Some(nonce) = &outcome.nonce {
+            id = format!("{id}:{nonce}");
+        }
+        let first = outcome.event_ids.first().map(String::as_str);
+        let partition_key = match (self.partition_key, first) {
+            (PartitionKey::EventId, Some(event_id)) => event_id,
+            _ => self.vm.name.as_str(),
+        };
+        let mut builder = EventBuilderV10::new()
+            .id(id)
             .source(self.source.clone())
-            .ty(format!(
-                "{}.approval.{}",
-                self.type_prefix,
-                outcome.as_str()
-            ))
-            .subject(event_id)
+            .ty(format!("{}.approval.{kind}", self.type_prefix))
             .time(observed)
-            .extension("requestid", request_id)
+            .extension("requestid", outcome.request_id.as_str())
+            .extension("reason", outcome.reason.as_str())
             .extension("vmname", self.vm.name.as_str())
-            .extension(
-                "partitionkey",
-                match self.partition_key {
-                    PartitionKey::EventId => event_id,
-                    PartitionKey::VmName => self.vm.name.as_str(),
-                },
-            )
-            .data("application/json", data)
+            .extension("partitionkey", partition_key)
+            .data("application/json", data);
+        if let Some(event_id) = first {
+            builder = builder.subject(event_id);
+        }
+        if outcome.dry_run {
+            builder = builder.extension("dryrun", true);
+        }
+        builder
             .build()
             .expect("every required attribute is set above")
     }

@@ -43,12 +43,21 @@ enum Mode {
 
 /// The running fan-out.
 pub struct Fanout {
+    publisher: Publisher,
     outbox: Arc<Outbox>,
     names: Vec<String>,
-    wakers: Vec<Arc<Notify>>,
-    dead_letter_dir: PathBuf,
     mode: watch::Sender<Mode>,
     tasks: JoinSet<()>,
+}
+
+/// Stores events for every sink and wakes their tasks; cheap to clone, so the poller and
+/// the approval handler can both publish.
+#[derive(Clone)]
+pub struct Publisher {
+    outbox: Arc<Outbox>,
+    names: Arc<[String]>,
+    wakers: Arc<[Arc<Notify>]>,
+    dead_letter_dir: PathBuf,
 }
 
 impl Fanout {
@@ -81,48 +90,31 @@ impl Fanout {
             wakers.push(wake);
         }
         Fanout {
+            publisher: Publisher {
+                outbox: outbox.clone(),
+                names: names.clone().into(),
+                wakers: wakers.into(),
+                dead_letter_dir,
+            },
             outbox,
             names,
-            wakers,
-            dead_letter_dir,
             mode,
             tasks,
         }
     }
 
-    /// Stores events for every sink (with the document they came from, which is then
-    /// processed) durably, and wakes the sinks. Never waits for a sink. When this returns an
-    /// error nothing was stored: the caller must not treat the document as processed.
+    /// A handle that publishes into this fan-out.
+    pub fn publisher(&self) -> Publisher {
+        self.publisher.clone()
+    }
+
+    /// See [`Publisher::publish`].
     pub async fn publish(
         &self,
         events: &[Event],
         document: Option<&Value>,
     ) -> Result<(), StoreError> {
-        let outbox = self.outbox.clone();
-        let names = self.names.clone();
-        let events_owned = events.to_vec();
-        let document = document.cloned();
-        let overflow = tokio::task::spawn_blocking(move || {
-            outbox.commit(&names, &events_owned, document.as_ref())
-        })
-        .await
-        .map_err(|e| StoreError::Io {
-            path: "outbox".into(),
-            reason: format!("store task failed: {e}"),
-        })??;
-        for (sink, event) in overflow {
-            let reason =
-                "outbox full for this sink (raise delivery.queue_capacity or fix the sink)";
-            tracing::error!(sink = %sink, event_id = %event.id(), reason, "Event not stored for this sink, written to its dead-letter file");
-            metrics::counter!("sched_relay_sink_dead_lettered_total", "sink" => sink.clone())
-                .increment(1);
-            DeadLetter::new(&self.dead_letter_dir, &sink)
-                .write(std::slice::from_ref(&event), reason);
-        }
-        for wake in &self.wakers {
-            wake.notify_one();
-        }
-        Ok(())
+        self.publisher.publish(events, document).await
     }
 
     /// Lets every sink deliver what is stored for at most `timeout`, then stops them. What is
@@ -143,6 +135,43 @@ impl Fanout {
                 }
             }
         }
+    }
+}
+
+impl Publisher {
+    /// Stores events for every sink (with the document they came from, which is then
+    /// processed) durably, and wakes the sinks. Never waits for a sink. When this returns an
+    /// error nothing was stored: the caller must not treat the document as processed.
+    pub async fn publish(
+        &self,
+        events: &[Event],
+        document: Option<&Value>,
+    ) -> Result<(), StoreError> {
+        let outbox = self.outbox.clone();
+        let names = self.names.to_vec();
+        let events_owned = events.to_vec();
+        let document = document.cloned();
+        let overflow = tokio::task::spawn_blocking(move || {
+            outbox.commit(&names, &events_owned, document.as_ref())
+        })
+        .await
+        .map_err(|e| StoreError::Io {
+            path: "outbox".into(),
+            reason: format!("store task failed: {e}"),
+        })??;
+        for (sink, event) in overflow {
+            let reason =
+                "outbox full for this sink (raise delivery.queue_capacity or fix the sink)";
+            tracing::error!(sink = %sink, event_id = %event.id(), reason, "Event not stored for this sink, written to its dead-letter file");
+            metrics::counter!("sched_relay_sink_dead_lettered_total", "sink" => sink.clone())
+                .increment(1);
+            DeadLetter::new(&self.dead_letter_dir, &sink)
+                .write(std::slice::from_ref(&event), reason);
+        }
+        for wake in self.wakers.iter() {
+            wake.notify_one();
+        }
+        Ok(())
     }
 }
 

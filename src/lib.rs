@@ -5,11 +5,13 @@
 //! [`event`] (pure) makes CloudEvents -> [`fanout`] delivers them, one task per sink.
 
 pub mod agent;
+pub mod approval;
 pub mod config;
 pub mod demo;
 pub mod diff;
 pub mod event;
 pub mod fanout;
+pub mod http;
 pub mod imds;
 pub mod policy;
 pub mod simulator;

@@ -35,6 +35,10 @@ enum Command {
         /// events are then not delivered.
         #[arg(long)]
         fresh_state: bool,
+        /// Check approvals (remote and by policy) and publish their outcomes marked as dry
+        /// run, but POST nothing to the metadata service.
+        #[arg(long)]
+        dry_run: bool,
     },
     /// Validate the configuration and print it with secrets redacted; exit 2 on problems.
     CheckConfig {
@@ -62,6 +66,37 @@ enum Command {
         endpoint: url::Url,
         #[arg(long, default_value = "2020-07-01")]
         api_version: String,
+    },
+    /// Print a signed approval request (CloudEvent, structured JSON), or publish it with --to.
+    SignApproval {
+        /// A key file: `hmac-sha256:<secret>` or `ed25519:<base64 seed>` (gen-approval-key).
+        #[arg(long)]
+        key: PathBuf,
+        /// The key id the agents know this key by (`[[approvals.keys]] id`).
+        #[arg(long)]
+        key_id: String,
+        /// An EventId to start; repeat for several.
+        #[arg(long = "event-id", required = true)]
+        event_ids: Vec<String>,
+        /// The VM that should approve (its identity.vm_name), or "*" for the fleet.
+        #[arg(long)]
+        vm: Option<String>,
+        /// The request's CloudEvents source.
+        #[arg(long, default_value = "urn:sched-relay:sign-approval")]
+        source: String,
+        /// Publish instead of printing: nats://host:4222[?subject=..],
+        /// amqp://user:pass@host:5672/%2f[?exchange=..&routing_key=..], kafka://host:9092[/topic]
+        /// or http://127.0.0.1:9464/approvals.
+        #[arg(long)]
+        to: Option<String>,
+        /// Bearer token for --to http://.../approvals.
+        #[arg(long, env = "SCHED_RELAY_APPROVAL_TOKEN")]
+        token: Option<String>,
+    },
+    /// Write a new Ed25519 signing key file (mode 0600) and print its public key.
+    GenApprovalKey {
+        #[arg(long)]
+        out: PathBuf,
     },
     /// POST StartRequests for these EventIds (approve them now).
     Approve {
@@ -136,6 +171,7 @@ async fn main() -> ExitCode {
         Command::Run {
             config,
             fresh_state,
+            dry_run,
         } => {
             let config = match load_config(config.as_deref()) {
                 Ok(config) => config,
@@ -145,7 +181,10 @@ async fn main() -> ExitCode {
                 &config.log.level,
                 cli.log_format.unwrap_or(config.log.format),
             );
-            let options = sched_relay::RunOptions { fresh_state };
+            let options = sched_relay::RunOptions {
+                fresh_state,
+                dry_run,
+            };
             match sched_relay::run(config, options, shutdown_signal()).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(error) => {
@@ -223,6 +262,16 @@ async fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::SignApproval {
+            key,
+            key_id,
+            event_ids,
+            vm,
+            source,
+            to,
+            token,
+        } => sign_approval(&key, &key_id, event_ids, vm, &source, to, token).await,
+        Command::GenApprovalKey { out } => gen_approval_key(&out),
         Command::Approve {
             event_ids,
             endpoint,
@@ -237,5 +286,84 @@ async fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+    }
+}
+
+async fn sign_approval(
+    key: &std::path::Path,
+    key_id: &str,
+    event_ids: Vec<String>,
+    vm: Option<String>,
+    source: &str,
+    to: Option<String>,
+    token: Option<String>,
+) -> ExitCode {
+    use sched_relay::approval::{sign::Draft, verify::SigningKey};
+    let signing_key = match std::fs::read_to_string(key)
+        .map_err(|e| e.to_string())
+        .and_then(|text| SigningKey::parse(&text))
+    {
+        Ok(signing_key) => signing_key,
+        Err(error) => {
+            eprintln!("error: --key {}: {error}", key.display());
+            return ExitCode::from(2);
+        }
+    };
+    let event = Draft::new(source, vm.as_deref(), event_ids).event(Some((key_id, &signing_key)));
+    let Some(to) = to else {
+        println!(
+            "{}",
+            serde_json::to_string(&event).expect("an event prints")
+        );
+        return ExitCode::SUCCESS;
+    };
+    match sched_relay::approval::sign::publish_to(&to, &event, token.as_deref()).await {
+        Ok(what) => {
+            println!("{what}");
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("error: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn gen_approval_key(out: &std::path::Path) -> ExitCode {
+    use sched_relay::approval::verify::SigningKey;
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let written = SigningKey::generate_ed25519().and_then(|text| {
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(out)
+            .map_err(|e| {
+                format!(
+                    "cannot create {} (it must not exist yet): {e}",
+                    out.display()
+                )
+            })?;
+        writeln!(file, "{text}").map_err(|e| e.to_string())?;
+        SigningKey::parse(&text)
+    });
+    match written {
+        Ok(key) => {
+            let public = key.public_key().expect("an Ed25519 key has a public key");
+            println!(
+                "Private key written to {} (keep it on the orchestrator only).",
+                out.display()
+            );
+            println!("Add this to each agent's configuration:\n");
+            println!(
+                "[[approvals.keys]]\nid = \"<a name for this key>\"\nalgorithm = \"ed25519\"\npublic_key = \"{public}\""
+            );
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("error: {error}");
+            ExitCode::FAILURE
+        }
     }
 }

@@ -19,6 +19,9 @@ const EVENTS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("events
 /// Small named values: the last processed document.
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const LAST_DOCUMENT: &str = "last_document";
+/// Approval request ids already handled -> Unix seconds after which the id may be forgotten
+/// (its request is then too old to pass the freshness check anyway).
+const SEEN_REQUESTS: TableDefinition<&str, i64> = TableDefinition::new("seen_requests");
 
 /// The file inside `state.dir`.
 pub const FILE_NAME: &str = "outbox.redb";
@@ -82,6 +85,7 @@ impl Outbox {
         let txn = outbox.write()?;
         txn.open_table(EVENTS).map_err(|e| outbox.io(e))?;
         txn.open_table(META).map_err(|e| outbox.io(e))?;
+        txn.open_table(SEEN_REQUESTS).map_err(|e| outbox.io(e))?;
         txn.commit().map_err(|e| outbox.io(e))?;
         outbox.last_document()?;
         Ok(outbox)
@@ -207,6 +211,31 @@ impl Outbox {
         txn.commit().map_err(|e| self.io(e))
     }
 
+    /// Records an approval request id as seen, durably, until `keep_until` (Unix seconds).
+    /// Returns false when the id was already seen (a replay). Ids whose time has passed are
+    /// forgotten in the same transaction, so the table stays as small as the window allows.
+    pub fn remember_request(
+        &self,
+        id: &str,
+        keep_until: i64,
+        now: i64,
+    ) -> Result<bool, StoreError> {
+        let txn = self.write()?;
+        let new = {
+            let mut table = txn.open_table(SEEN_REQUESTS).map_err(|e| self.io(e))?;
+            let seen = table.get(id).map_err(|e| self.io(e))?.is_some();
+            if !seen {
+                table.insert(id, keep_until).map_err(|e| self.io(e))?;
+            }
+            table
+                .retain(|_, until| until >= now)
+                .map_err(|e| self.io(e))?;
+            !seen
+        };
+        txn.commit().map_err(|e| self.io(e))?;
+        Ok(new)
+    }
+
     /// How many events `sink` has not confirmed yet.
     pub fn depth(&self, sink: &str) -> Result<usize, StoreError> {
         let txn = self.db.begin_read().map_err(|e| self.io(e))?;
@@ -222,6 +251,24 @@ impl Outbox {
 mod tests {
     use super::*;
     use cloudevents::{EventBuilder, EventBuilderV10};
+
+    #[test]
+    fn a_request_id_is_seen_once_across_reopening_until_it_expires() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let outbox = Outbox::open(dir.path(), 10, false).unwrap();
+            assert!(outbox.remember_request("r1", 100, 50).unwrap());
+            assert!(!outbox.remember_request("r1", 100, 60).unwrap());
+        }
+        let outbox = Outbox::open(dir.path(), 10, false).unwrap();
+        assert!(
+            !outbox.remember_request("r1", 100, 70).unwrap(),
+            "survives a restart"
+        );
+        // After its keep-until time the id is forgotten (the freshness check covers it).
+        assert!(outbox.remember_request("r2", 300, 200).unwrap());
+        assert!(outbox.remember_request("r1", 400, 201).unwrap());
+    }
 
     fn event(id: &str) -> Event {
         EventBuilderV10::new()

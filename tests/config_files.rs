@@ -40,6 +40,7 @@ fn reference_config_loads_and_documents_every_key() {
         "identity.resource_id",
         "identity.source",
         "policy.approve_freeze_max_seconds",
+        "telemetry.listen",
     ] {
         known.insert(optional.to_owned());
     }
@@ -117,4 +118,44 @@ fn every_sink_block_documented_in_the_reference_uses_real_keys() {
         let sinks: Sinks = toml::from_str(&block).unwrap_or_else(|e| panic!("{e}\n{block}"));
         assert_eq!(sinks.sinks.len(), 1);
     }
+}
+
+#[test]
+fn every_approval_block_documented_in_the_reference_uses_real_keys() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/reference.toml");
+    let text = std::fs::read_to_string(path).unwrap();
+    // The commented-out [[approvals.keys]] and [approvals.<source>] blocks, uncommented.
+    // A block runs from its commented header to the first line that is not a comment.
+    let mut blocks: Vec<String> = Vec::new();
+    let mut open = false;
+    for line in text.lines() {
+        let Some(code) = line.strip_prefix("# ") else {
+            open = false;
+            continue;
+        };
+        if code.starts_with("[approvals.") || code.starts_with("[[approvals.") {
+            blocks.push(format!("{code}\n"));
+            open = true;
+        } else if open
+            && code
+                .split_once(" = ")
+                .is_some_and(|(key, _)| key.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
+        {
+            blocks.last_mut().unwrap().push_str(&format!("{code}\n"));
+        }
+    }
+    assert_eq!(
+        blocks.len(),
+        6,
+        "two keys, http, nats, amqp, kafka: {blocks:?}"
+    );
+    #[derive(serde::Deserialize)]
+    struct Document {
+        approvals: sched_relay::approval::config::ApprovalsConfig,
+    }
+    let parsed: Document =
+        toml::from_str(&blocks.concat()).unwrap_or_else(|e| panic!("{e}\n{}", blocks.concat()));
+    assert_eq!(parsed.approvals.keys.len(), 2);
+    assert!(parsed.approvals.http.is_some() && parsed.approvals.nats.is_some());
+    assert!(parsed.approvals.amqp.is_some() && parsed.approvals.kafka.is_some());
 }

@@ -121,8 +121,9 @@ fn policy_approves_a_short_freeze_and_publishes_the_outcome() {
     let outcome = event(&events, &accepted);
     assert_eq!(outcome["type"], format!("{TYPE}.approval.accepted"));
     assert_eq!(outcome["requestid"], format!("policy:{FREEZE}"));
+    assert_eq!(outcome["data"]["reason"], "policy");
     assert!(
-        outcome["data"]["reason"]
+        outcome["data"]["detail"]
             .as_str()
             .unwrap()
             .contains("approve_freeze_max_seconds")
@@ -174,7 +175,7 @@ fn user_initiated_reboot_is_approved_at_once_by_policy() {
         event(&events, &format!("{id}:scheduled"))["eventsource"],
         "User"
     );
-    assert!(agent.log().contains("Approved by local policy"));
+    assert!(agent.log().contains("Approval accepted"), "{}", agent.log());
 }
 
 #[test]

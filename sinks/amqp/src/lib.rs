@@ -19,6 +19,8 @@ use sink_core::secret::Secret;
 #[cfg(feature = "client")]
 mod sink;
 #[cfg(feature = "client")]
+pub mod source;
+#[cfg(feature = "client")]
 pub use sink::AmqpSink;
 #[cfg(feature = "testing")]
 pub mod testing;

@@ -71,6 +71,17 @@ impl AmqpSink {
             return Ok(channel.clone());
         }
         *slot = None;
+        let (connection, channel) = self.open(true).await?;
+        if self.config.declare {
+            self.declare(&channel).await?;
+        }
+        *slot = Some((connection, channel.clone()));
+        Ok(channel)
+    }
+
+    /// Connects and opens a channel (with publisher confirms when asked); also used by the
+    /// approval source, so both directions share the URL, credentials and TLS settings.
+    pub async fn open(&self, confirms: bool) -> Result<(Connection, Channel), SinkError> {
         let timeout = self.config.timeout;
         let connect = async {
             let properties =
@@ -94,24 +105,20 @@ impl AmqpSink {
                 .create_channel()
                 .await
                 .map_err(|e| self.classify(e, "cannot open a channel"))?;
-            channel
-                .confirm_select(ConfirmSelectOptions::default())
-                .await
-                .map_err(|e| self.classify(e, "cannot enable publisher confirms"))?;
+            if confirms {
+                channel
+                    .confirm_select(ConfirmSelectOptions::default())
+                    .await
+                    .map_err(|e| self.classify(e, "cannot enable publisher confirms"))?;
+            }
             Ok::<_, SinkError>((connection, channel))
         };
-        let (connection, channel) =
-            tokio::time::timeout(timeout, connect).await.map_err(|_| {
-                SinkError::Retriable(format!(
-                    "no AMQP connection to {} within {timeout:?}",
-                    self.broker()
-                ))
-            })??;
-        if self.config.declare {
-            self.declare(&channel).await?;
-        }
-        *slot = Some((connection, channel.clone()));
-        Ok(channel)
+        tokio::time::timeout(timeout, connect).await.map_err(|_| {
+            SinkError::Retriable(format!(
+                "no AMQP connection to {} within {timeout:?}",
+                self.broker()
+            ))
+        })?
     }
 
     async fn declare(&self, channel: &Channel) -> Result<(), SinkError> {
@@ -162,7 +169,7 @@ impl AmqpSink {
 
     /// Access refused and missing exchanges are configuration problems; the rest (network,
     /// broker restarts, channel closures) may clear up.
-    fn classify(&self, error: lapin::Error, what: &str) -> SinkError {
+    pub fn classify(&self, error: lapin::Error, what: &str) -> SinkError {
         let text = error.to_string();
         let message = format!("{what} on {}: {text}", self.broker());
         if text.contains("ACCESS_REFUSED")

@@ -6,6 +6,7 @@
 //! it reports each failure once, classified, and the fan-out decides.
 
 pub mod binding;
+pub mod inbound;
 pub mod secret;
 pub mod testing;
 

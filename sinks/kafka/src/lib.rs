@@ -17,7 +17,9 @@ use sink_core::secret::Secret;
 #[cfg(feature = "client")]
 mod sink;
 #[cfg(feature = "client")]
-pub use sink::KafkaSink;
+pub mod source;
+#[cfg(feature = "client")]
+pub use sink::{KafkaSink, client_config};
 #[cfg(feature = "testing")]
 pub mod testing;
 

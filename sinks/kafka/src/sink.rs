@@ -60,38 +60,11 @@ impl KafkaSink {
     }
 
     fn producer(config: &KafkaSinkConfig, last_error: &LastError) -> Result<RelayProducer, String> {
-        let mut client = ClientConfig::new();
-        for (key, value) in &config.options {
-            client.set(key, value);
-        }
+        let mut client = client_config(config)?;
         client
-            .set("bootstrap.servers", &config.brokers)
-            .set("client.id", "sched-relay")
             .set("acks", "all")
             .set("enable.idempotence", "true")
-            .set("message.timeout.ms", config.timeout.as_millis().to_string())
-            .set("security.protocol", &config.security_protocol);
-        if !config.options.contains_key("allow.auto.create.topics") {
-            // A typo in `topic` must be an error, not a new topic (the producer's default).
-            client.set("allow.auto.create.topics", "false");
-        }
-        if let Some(mechanism) = &config.sasl_mechanism {
-            client.set("sasl.mechanism", mechanism);
-        }
-        if let Some(user) = &config.sasl_username {
-            client.set("sasl.username", user);
-        }
-        let password = sink_core::secret::resolve(
-            config.sasl_password.as_ref(),
-            config.sasl_password_file.as_deref(),
-            "sasl_password",
-        )?;
-        if let Some(password) = password {
-            client.set("sasl.password", password);
-        }
-        if let Some(ca) = &config.ca_file {
-            client.set("ssl.ca.location", ca.display().to_string());
-        }
+            .set("message.timeout.ms", config.timeout.as_millis().to_string());
         client
             .create_with_context(last_error.clone())
             .map_err(|e| format!("cannot create the Kafka producer: {e}"))
@@ -242,4 +215,39 @@ impl Sink for KafkaSink {
             ))),
         }
     }
+}
+
+/// The connection settings (brokers, security, SASL, CA, extra options) shared by the
+/// producer and the approval source's consumer.
+pub fn client_config(config: &KafkaSinkConfig) -> Result<ClientConfig, String> {
+    let mut client = ClientConfig::new();
+    for (key, value) in &config.options {
+        client.set(key, value);
+    }
+    client
+        .set("bootstrap.servers", &config.brokers)
+        .set("client.id", "sched-relay")
+        .set("security.protocol", &config.security_protocol);
+    if !config.options.contains_key("allow.auto.create.topics") {
+        // A typo in `topic` must be an error, not a new topic.
+        client.set("allow.auto.create.topics", "false");
+    }
+    if let Some(mechanism) = &config.sasl_mechanism {
+        client.set("sasl.mechanism", mechanism);
+    }
+    if let Some(user) = &config.sasl_username {
+        client.set("sasl.username", user);
+    }
+    let password = sink_core::secret::resolve(
+        config.sasl_password.as_ref(),
+        config.sasl_password_file.as_deref(),
+        "sasl_password",
+    )?;
+    if let Some(password) = password {
+        client.set("sasl.password", password);
+    }
+    if let Some(ca) = &config.ca_file {
+        client.set("ssl.ca.location", ca.display().to_string());
+    }
+    Ok(client)
 }

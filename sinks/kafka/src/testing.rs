@@ -8,7 +8,7 @@ use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::{Headers, Message};
+use rdkafka::message::Message;
 use rdkafka::{Offset, TopicPartitionList};
 use sink_core::testing::unique;
 
@@ -70,20 +70,7 @@ pub fn read_all(brokers: &str, topic: &str, partitions: i32, expected: usize) ->
             continue;
         };
         let message = message.unwrap();
-        let headers = message
-            .headers()
-            .map(|headers| {
-                headers
-                    .iter()
-                    .map(|h| {
-                        (
-                            h.key.to_owned(),
-                            String::from_utf8(h.value.unwrap_or_default().to_vec()).unwrap(),
-                        )
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
+        let headers = crate::source::headers_as_text(&message);
         records.push(Record {
             key: String::from_utf8(message.key().unwrap_or_default().to_vec()).unwrap(),
             partition: message.partition(),

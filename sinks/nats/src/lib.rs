@@ -15,7 +15,9 @@ use sink_core::secret::Secret;
 #[cfg(feature = "client")]
 mod sink;
 #[cfg(feature = "client")]
-pub use sink::NatsSink;
+pub mod source;
+#[cfg(feature = "client")]
+pub use sink::{NatsSink, connect};
 #[cfg(feature = "testing")]
 pub mod testing;
 

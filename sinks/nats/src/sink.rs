@@ -28,54 +28,7 @@ impl NatsSink {
         if let Some(client) = slot.as_ref() {
             return Ok(client.clone());
         }
-        let config = &self.config;
-        let mut options = async_nats::ConnectOptions::new()
-            .name("sched-relay")
-            .connection_timeout(config.timeout)
-            .request_timeout(Some(config.timeout))
-            .max_reconnects(None);
-        if let Some(path) = &config.credentials_file {
-            options = options.credentials_file(path).await.map_err(|e| {
-                SinkError::Permanent(format!(
-                    "cannot read credentials_file {}: {e}",
-                    path.display()
-                ))
-            })?;
-        }
-        if let Some(token) =
-            sink_core::secret::resolve(config.token.as_ref(), config.token_file.as_deref(), "token")
-                .map_err(SinkError::Permanent)?
-        {
-            options = options.token(token);
-        }
-        let password = sink_core::secret::resolve(
-            config.password.as_ref(),
-            config.password_file.as_deref(),
-            "password",
-        )
-        .map_err(SinkError::Permanent)?;
-        if let Some(user) = &config.user {
-            options = options.user_and_password(user.clone(), password.unwrap_or_default());
-        }
-        if config.tls {
-            options = options.require_tls(true);
-        }
-        if let Some(ca) = &config.ca_file {
-            options = options.add_root_certificates(ca.clone());
-        }
-        let servers: Vec<String> = config.url.split(',').map(|s| s.trim().to_owned()).collect();
-        let client = options.connect(servers).await.map_err(|error| {
-            use async_nats::ConnectErrorKind::*;
-            let message = format!("cannot connect to NATS at {}: {error}", config.url);
-            match error.kind() {
-                AuthorizationViolation | Authentication => SinkError::Permanent(format!(
-                    "{message} (check user/password, token or credentials_file)"
-                )),
-                Tls => SinkError::Permanent(format!("{message} (check tls and ca_file)")),
-                ServerParse => SinkError::Permanent(message),
-                _ => SinkError::Retriable(message),
-            }
-        })?;
+        let client = connect(&self.config).await?;
         *slot = Some(client.clone());
         Ok(client)
     }
@@ -189,4 +142,56 @@ impl Sink for NatsSink {
         }
         Ok(())
     }
+}
+
+/// Connects with the sink's URL, credentials and TLS settings (also used by the approval
+/// source). Authentication and TLS problems are permanent; an unreachable server is not.
+pub async fn connect(config: &NatsSinkConfig) -> Result<async_nats::Client, SinkError> {
+    let mut options = async_nats::ConnectOptions::new()
+        .name("sched-relay")
+        .connection_timeout(config.timeout)
+        .request_timeout(Some(config.timeout))
+        .max_reconnects(None);
+    if let Some(path) = &config.credentials_file {
+        options = options.credentials_file(path).await.map_err(|e| {
+            SinkError::Permanent(format!(
+                "cannot read credentials_file {}: {e}",
+                path.display()
+            ))
+        })?;
+    }
+    if let Some(token) =
+        sink_core::secret::resolve(config.token.as_ref(), config.token_file.as_deref(), "token")
+            .map_err(SinkError::Permanent)?
+    {
+        options = options.token(token);
+    }
+    let password = sink_core::secret::resolve(
+        config.password.as_ref(),
+        config.password_file.as_deref(),
+        "password",
+    )
+    .map_err(SinkError::Permanent)?;
+    if let Some(user) = &config.user {
+        options = options.user_and_password(user.clone(), password.unwrap_or_default());
+    }
+    if config.tls {
+        options = options.require_tls(true);
+    }
+    if let Some(ca) = &config.ca_file {
+        options = options.add_root_certificates(ca.clone());
+    }
+    let servers: Vec<String> = config.url.split(',').map(|s| s.trim().to_owned()).collect();
+    options.connect(servers).await.map_err(|error| {
+        use async_nats::ConnectErrorKind::*;
+        let message = format!("cannot connect to NATS at {}: {error}", config.url);
+        match error.kind() {
+            AuthorizationViolation | Authentication => SinkError::Permanent(format!(
+                "{message} (check user/password, token or credentials_file)"
+            )),
+            Tls => SinkError::Permanent(format!("{message} (check tls and ca_file)")),
+            ServerParse => SinkError::Permanent(message),
+            _ => SinkError::Retriable(message),
+        }
+    })
 }

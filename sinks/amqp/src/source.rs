@@ -1,0 +1,166 @@
+//! Approvals from an AMQP queue: a per-VM queue bound to the approvals exchange by a per-VM
+//! routing key (and optionally a fleet key), consumed with manual acknowledgement. A message
+//! is acknowledged only once the agent has handled it; if the agent stops first, the broker
+//! delivers it again.
+
+use futures_util::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ExchangeDeclareOptions,
+    QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Channel, ExchangeKind};
+use sink_core::inbound::{Deliveries, Inbound, hand_over, keep_consuming};
+use tokio::sync::watch;
+
+use crate::{AmqpSink, AmqpSinkConfig};
+
+/// What to consume.
+#[derive(Debug, Clone)]
+pub struct AmqpSourceSpec {
+    pub connection: AmqpSinkConfig,
+    pub queue: String,
+    /// Declare the exchange, the queue and the bindings below.
+    pub declare: bool,
+    pub exchange: String,
+    pub routing_key: String,
+    pub fleet_routing_key: Option<String>,
+    pub prefetch: u16,
+}
+
+/// Consumes until `stop` turns true. Broker problems are logged and retried.
+pub async fn run(spec: AmqpSourceSpec, deliveries: Deliveries, stop: watch::Receiver<bool>) {
+    let what = format!("AMQP queue {}", spec.queue);
+    let (spec, deliveries) = (&spec, &deliveries);
+    keep_consuming(&what, stop, |mut stop| async move {
+        consume(spec, deliveries, &mut stop).await
+    })
+    .await
+}
+
+async fn declare(spec: &AmqpSourceSpec, channel: &Channel, sink: &AmqpSink) -> Result<(), String> {
+    let what = |what: String| move |e| sink.classify(e, &what).to_string();
+    channel
+        .exchange_declare(
+            spec.exchange.as_str().into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map_err(what(format!("cannot declare exchange {}", spec.exchange)))?;
+    channel
+        .queue_declare(
+            spec.queue.as_str().into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map_err(what(format!("cannot declare queue {}", spec.queue)))?;
+    for key in std::iter::once(&spec.routing_key).chain(&spec.fleet_routing_key) {
+        channel
+            .queue_bind(
+                spec.queue.as_str().into(),
+                spec.exchange.as_str().into(),
+                key.as_str().into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(what(format!("cannot bind queue {} with {key}", spec.queue)))?;
+    }
+    Ok(())
+}
+
+/// Stops between messages, never in the middle of one.
+async fn consume(
+    spec: &AmqpSourceSpec,
+    deliveries: &Deliveries,
+    stop: &mut watch::Receiver<bool>,
+) -> Result<(), String> {
+    let sink = AmqpSink::new(spec.connection.clone());
+    let (_connection, channel) = sink.open(false).await.map_err(|e| e.to_string())?;
+    if spec.declare {
+        declare(spec, &channel, &sink).await?;
+    }
+    channel
+        .basic_qos(spec.prefetch, BasicQosOptions::default())
+        .await
+        .map_err(|e| sink.classify(e, "cannot set the prefetch").to_string())?;
+    let mut consumer = channel
+        .basic_consume(
+            spec.queue.as_str().into(),
+            "sched-relay".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| {
+            sink.classify(
+                e,
+                &format!(
+                    "cannot consume queue {} (declare = true creates it)",
+                    spec.queue
+                ),
+            )
+            .to_string()
+        })?;
+    tracing::info!(queue = %spec.queue, exchange = %spec.exchange, routing_key = %spec.routing_key, "Approval source ready (AMQP)");
+    loop {
+        let delivery = tokio::select! {
+            _ = stop.wait_for(|stop| *stop) => return Ok(()),
+            delivery = consumer.next() => delivery,
+        };
+        let delivery = delivery
+            .ok_or("the consumer was cancelled")?
+            .map_err(|e| sink.classify(e, "the consumer failed").to_string())?;
+        let shared = spec.fleet_routing_key.as_deref() == Some(delivery.routing_key.as_str());
+        let message = inbound(&spec.queue, &delivery, shared);
+        if hand_over(deliveries, message).await.is_none() {
+            return Ok(());
+        }
+        if let Err(error) = delivery.ack(BasicAckOptions::default()).await {
+            tracing::warn!(error = %error, "Cannot acknowledge a handled approval; the broker will deliver it again");
+        }
+    }
+}
+
+fn inbound(queue: &str, delivery: &Delivery, shared: bool) -> Inbound {
+    let properties = &delivery.properties;
+    let headers = properties
+        .headers()
+        .as_ref()
+        .map(|table| {
+            table
+                .inner()
+                .iter()
+                .filter_map(|(name, value)| Some((name.to_string(), text(value)?)))
+                .collect()
+        })
+        .unwrap_or_default();
+    Inbound {
+        transport: "amqp",
+        channel: queue.to_owned(),
+        headers,
+        content_type: properties.content_type().as_ref().map(|ct| ct.to_string()),
+        body: delivery.data.clone(),
+        shared,
+    }
+}
+
+/// Header values as text: the CloudEvents AMQP bindings send strings.
+fn text(value: &AMQPValue) -> Option<String> {
+    match value {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.to_string()),
+        AMQPValue::ByteArray(bytes) => Some(String::from_utf8_lossy(bytes.as_slice()).into_owned()),
+        _ => None,
+    }
+}

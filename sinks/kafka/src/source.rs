@@ -1,0 +1,208 @@
+//! Approvals from a Kafka topic keyed by VM name. The agent never joins a consumer group (a
+//! join takes seconds, and 10,000 members would rebalance constantly): it assigns itself the
+//! partition its own name hashes to, as Java clients and librdkafka's `murmur2_random` place
+//! keys, reads from its committed offset (or, the first time, from `max_age` ago), skips
+//! other VMs' records in that partition, and commits each offset after handling.
+
+use std::time::Duration;
+
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::{Offset, TopicPartitionList};
+use sink_core::inbound::{Deliveries, Inbound, hand_over, keep_consuming};
+use tokio::sync::watch;
+
+use crate::KafkaSinkConfig;
+use crate::sink::client_config;
+
+/// What to consume.
+#[derive(Debug, Clone)]
+pub struct KafkaSourceSpec {
+    pub connection: KafkaSinkConfig,
+    pub topic: String,
+    /// This VM's name: the key of its records. `by_key` reads only its partition.
+    pub vm_name: String,
+    pub by_key: bool,
+    pub group_id: String,
+    /// Without a committed offset, start this far back (older requests are expired anyway).
+    pub max_age: Duration,
+}
+
+const METADATA_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The partition a key goes to with Kafka's default partitioner (murmur2, positive, modulo).
+pub fn partition_for(key: &str, partitions: i32) -> i32 {
+    let hash = murmur2::murmur2(key.as_bytes(), murmur2::KAFKA_SEED) & 0x7fff_ffff;
+    (hash % partitions.max(1) as u32) as i32
+}
+
+/// Consumes until `stop` turns true. Broker problems are logged and retried.
+pub async fn run(spec: KafkaSourceSpec, deliveries: Deliveries, stop: watch::Receiver<bool>) {
+    let what = format!("Kafka topic {}", spec.topic);
+    let (spec, deliveries) = (&spec, &deliveries);
+    keep_consuming(&what, stop, |mut stop| async move {
+        consume(spec, deliveries, &mut stop).await
+    })
+    .await
+}
+
+/// Creates the consumer and works out where each of its partitions starts.
+fn assign(spec: &KafkaSourceSpec) -> Result<(StreamConsumer, TopicPartitionList), String> {
+    let mut client = client_config(&spec.connection)?;
+    client
+        .set("group.id", &spec.group_id)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "latest")
+        // Approval latency: do not let the broker sit on an empty fetch for long.
+        .set("fetch.wait.max.ms", "100");
+    let consumer: StreamConsumer = client
+        .create()
+        .map_err(|e| format!("cannot create the Kafka consumer: {e}"))?;
+    let metadata = consumer
+        .fetch_metadata(Some(&spec.topic), METADATA_TIMEOUT)
+        .map_err(|e| {
+            format!(
+                "cannot read the metadata of topic {} from {}: {e}",
+                spec.topic, spec.connection.brokers
+            )
+        })?;
+    let count = metadata
+        .topics()
+        .iter()
+        .find(|topic| topic.name() == spec.topic && topic.error().is_none())
+        .map(|topic| topic.partitions().len() as i32)
+        .filter(|count| *count > 0)
+        .ok_or_else(|| {
+            format!(
+                "topic {} does not exist (create it; the agent does not)",
+                spec.topic
+            )
+        })?;
+    let partitions: Vec<i32> = if spec.by_key {
+        vec![partition_for(&spec.vm_name, count)]
+    } else {
+        (0..count).collect()
+    };
+    let mut wanted = TopicPartitionList::new();
+    for partition in &partitions {
+        wanted.add_partition(&spec.topic, *partition);
+    }
+    let committed = consumer
+        .committed_offsets(wanted.clone(), METADATA_TIMEOUT)
+        .map_err(|e| {
+            format!(
+                "cannot read committed offsets of group {}: {e}",
+                spec.group_id
+            )
+        })?;
+    let since = chrono::Utc::now().timestamp_millis() - spec.max_age.as_millis() as i64;
+    let mut by_time = TopicPartitionList::new();
+    for partition in &partitions {
+        by_time
+            .add_partition_offset(&spec.topic, *partition, Offset::Offset(since))
+            .map_err(|e| e.to_string())?;
+    }
+    let from_time = consumer.offsets_for_times(by_time, METADATA_TIMEOUT).ok();
+    let mut start = TopicPartitionList::new();
+    for partition in &partitions {
+        let committed = committed
+            .find_partition(&spec.topic, *partition)
+            .map(|p| p.offset())
+            .filter(|offset| matches!(offset, Offset::Offset(_)));
+        let by_time = from_time
+            .as_ref()
+            .and_then(|list| list.find_partition(&spec.topic, *partition))
+            .map(|p| p.offset())
+            .filter(|offset| matches!(offset, Offset::Offset(_) | Offset::End));
+        let offset = committed.or(by_time).unwrap_or(Offset::End);
+        start
+            .add_partition_offset(&spec.topic, *partition, offset)
+            .map_err(|e| e.to_string())?;
+    }
+    consumer
+        .assign(&start)
+        .map_err(|e| format!("cannot assign {start:?}: {e}"))?;
+    Ok((consumer, start))
+}
+
+/// Stops between messages, never in the middle of one.
+async fn consume(
+    spec: &KafkaSourceSpec,
+    deliveries: &Deliveries,
+    stop: &mut watch::Receiver<bool>,
+) -> Result<(), String> {
+    let setup = spec.clone();
+    let (consumer, start) = tokio::task::spawn_blocking(move || assign(&setup))
+        .await
+        .map_err(|e| e.to_string())??;
+    let assigned: Vec<String> = start
+        .elements()
+        .iter()
+        .map(|p| format!("{}@{:?}", p.partition(), p.offset()))
+        .collect();
+    tracing::info!(topic = %spec.topic, partitions = ?assigned, group_id = %spec.group_id, "Approval source ready (Kafka)");
+    loop {
+        let message = tokio::select! {
+            _ = stop.wait_for(|stop| *stop) => return Ok(()),
+            message = consumer.recv() => message,
+        };
+        let message = message.map_err(|e| format!("cannot read topic {}: {e}", spec.topic))?;
+        let key = message
+            .key()
+            .map(|k| String::from_utf8_lossy(k).into_owned());
+        let channel = format!(
+            "{}/{}@{}",
+            message.topic(),
+            message.partition(),
+            message.offset()
+        );
+        let for_me = key
+            .as_deref()
+            .is_none_or(|key| key.eq_ignore_ascii_case(&spec.vm_name) || key == "*");
+        if spec.by_key && !for_me {
+            // Another VM whose name hashes to the same partition.
+            tracing::trace!(channel = %channel, key = ?key, "Skipped another VM's record");
+        } else {
+            let headers = headers_as_text(&message);
+            let inbound = Inbound {
+                transport: "kafka",
+                channel,
+                headers,
+                content_type: None,
+                body: message.payload().unwrap_or_default().to_vec(),
+                shared: !spec.by_key,
+            };
+            if hand_over(deliveries, inbound).await.is_none() {
+                return Ok(());
+            }
+        }
+        let mut done = TopicPartitionList::new();
+        done.add_partition_offset(
+            message.topic(),
+            message.partition(),
+            Offset::Offset(message.offset() + 1),
+        )
+        .map_err(|e| e.to_string())?;
+        if let Err(error) = consumer.commit(&done, CommitMode::Async) {
+            tracing::warn!(error = %error, "Cannot commit the offset of a handled approval; it may be read again after a restart");
+        }
+    }
+}
+
+/// A record's headers as (name, text) pairs; values that are not UTF-8 are replaced
+/// lossily (the CloudEvents Kafka binding sends strings).
+pub fn headers_as_text(message: &impl Message) -> Vec<(String, String)> {
+    message
+        .headers()
+        .map(|headers| {
+            headers
+                .iter()
+                .map(|h| {
+                    let value = h.value.map(|v| String::from_utf8_lossy(v).into_owned());
+                    (h.key.to_owned(), value.unwrap_or_default())
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}

@@ -1,0 +1,164 @@
+//! Approvals from NATS: core subscriptions (a request-reply caller gets the outcome as the
+//! reply), or a JetStream durable pull consumer whose messages are acknowledged only after
+//! the agent has handled them.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::pull};
+use futures_util::StreamExt;
+use sink_core::inbound::{Deliveries, Inbound, Reply, hand_over, keep_consuming};
+use tokio::sync::watch;
+
+use crate::NatsSinkConfig;
+use crate::sink::connect;
+
+/// What to consume.
+#[derive(Debug, Clone)]
+pub struct NatsSourceSpec {
+    pub connection: NatsSinkConfig,
+    /// This VM's subject (no other VM's requests arrive on it).
+    pub subject: String,
+    /// A subject shared by the fleet, if any.
+    pub fleet_subject: Option<String>,
+    /// `(stream, durable consumer)` for JetStream; core subscriptions otherwise.
+    pub jetstream: Option<(String, String)>,
+}
+
+/// Consumes until `stop` turns true. Broker problems are logged and retried.
+pub async fn run(spec: NatsSourceSpec, deliveries: Deliveries, stop: watch::Receiver<bool>) {
+    let what = format!("NATS subject {}", spec.subject);
+    let (spec, deliveries) = (&spec, &deliveries);
+    keep_consuming(&what, stop, |mut stop| async move {
+        consume(spec, deliveries, &mut stop).await
+    })
+    .await
+}
+
+fn inbound(transport: &'static str, message: &async_nats::Message, shared: bool) -> Inbound {
+    let headers = message
+        .headers
+        .iter()
+        .flat_map(|headers| headers.iter())
+        .filter_map(|(name, values)| {
+            values
+                .first()
+                .map(|value| (name.to_string(), value.as_str().to_owned()))
+        })
+        .collect();
+    Inbound {
+        transport,
+        channel: message.subject.to_string(),
+        headers,
+        content_type: None,
+        body: message.payload.to_vec(),
+        shared,
+    }
+}
+
+/// Stops between messages, never in the middle of one: a message being handled is answered
+/// and acknowledged first.
+async fn consume(
+    spec: &NatsSourceSpec,
+    deliveries: &Deliveries,
+    stop: &mut watch::Receiver<bool>,
+) -> Result<(), String> {
+    let client = connect(&spec.connection).await.map_err(|e| e.to_string())?;
+    let is_shared = |subject: &str| spec.fleet_subject.as_deref() == Some(subject);
+    match &spec.jetstream {
+        None => {
+            let mut subscriptions = vec![
+                client
+                    .subscribe(spec.subject.clone())
+                    .await
+                    .map_err(|e| e.to_string())?,
+            ];
+            if let Some(fleet) = &spec.fleet_subject {
+                subscriptions.push(
+                    client
+                        .subscribe(fleet.clone())
+                        .await
+                        .map_err(|e| e.to_string())?,
+                );
+            }
+            // Subscriptions are registered once the server has seen them.
+            client.flush().await.map_err(|e| e.to_string())?;
+            tracing::info!(subject = %spec.subject, fleet_subject = ?spec.fleet_subject, "Approval source ready (NATS)");
+            let mut messages = futures_util::stream::select_all(subscriptions);
+            loop {
+                let message = tokio::select! {
+                    _ = stop.wait_for(|stop| *stop) => return Ok(()),
+                    message = messages.next() => message,
+                };
+                let Some(message) = message else { break };
+                let shared = is_shared(message.subject.as_str());
+                let Some(reply) = hand_over(deliveries, inbound("nats", &message, shared)).await
+                else {
+                    return Ok(());
+                };
+                if let Some(reply_to) = message.reply.clone() {
+                    answer(&client, reply_to, &reply).await;
+                }
+            }
+            Err("the subscription ended (connection closed)".into())
+        }
+        Some((stream, durable)) => {
+            let context = jetstream::new(client.clone());
+            let stream_handle = context.get_stream(stream).await.map_err(|e| {
+                format!(
+                    "stream {stream:?}: {e} (create it so it captures {})",
+                    spec.subject
+                )
+            })?;
+            // One durable consumer per subject: servers before 2.10 filter on one subject.
+            let mut subjects = vec![(spec.subject.clone(), durable.clone())];
+            if let Some(fleet) = &spec.fleet_subject {
+                subjects.push((fleet.clone(), format!("{durable}-fleet")));
+            }
+            let mut streams = Vec::new();
+            for (subject, name) in subjects {
+                let consumer = stream_handle
+                    .get_or_create_consumer(
+                        &name,
+                        pull::Config {
+                            durable_name: Some(name.clone()),
+                            filter_subject: subject,
+                            ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                            deliver_policy: jetstream::consumer::DeliverPolicy::New,
+                            ack_wait: Duration::from_secs(60),
+                            ..Default::default()
+                        },
+                    )
+                    .await
+                    .map_err(|e| format!("durable consumer {name:?} on stream {stream:?}: {e}"))?;
+                streams.push(consumer.messages().await.map_err(|e| e.to_string())?);
+            }
+            let mut messages = futures_util::stream::select_all(streams);
+            tracing::info!(stream = %stream, durable = %durable, subject = %spec.subject, "Approval source ready (JetStream)");
+            loop {
+                let message = tokio::select! {
+                    _ = stop.wait_for(|stop| *stop) => return Ok(()),
+                    message = messages.next() => message,
+                };
+                let Some(message) = message else { break };
+                let message = message.map_err(|e| e.to_string())?;
+                let shared = is_shared(message.subject.as_str());
+                let Some(reply) =
+                    hand_over(deliveries, inbound("jetstream", &message, shared)).await
+                else {
+                    return Ok(());
+                };
+                if let Err(error) = message.ack().await {
+                    tracing::warn!(error = %error, reply = reply.outcome, "Cannot acknowledge a handled approval; JetStream will deliver it again");
+                }
+            }
+            Err("the consumer's message stream ended".into())
+        }
+    }
+}
+
+async fn answer(client: &async_nats::Client, reply_to: async_nats::Subject, reply: &Reply) {
+    let body = reply.body.to_string();
+    if let Err(error) = client.publish(reply_to, body.into()).await {
+        tracing::warn!(error = %error, "Cannot send the outcome to the requester");
+    }
+}

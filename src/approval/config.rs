@@ -1,0 +1,536 @@
+//! `[approvals]`: which channels carry StartRequests, which keys may sign them, and how
+//! strict the checks are. Every source is optional; several can run at once.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use sink_amqp::AmqpSinkConfig;
+use sink_core::secret::Secret;
+use sink_kafka::KafkaSinkConfig;
+use sink_nats::NatsSinkConfig;
+
+use crate::sinks::{SinkEntry, SinkKind};
+
+/// The target value of a request meant for every VM of the fleet.
+pub const FLEET_TARGET: &str = "*";
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ApprovalsConfig {
+    /// Run every check and publish the outcomes (marked `dryrun`), but POST nothing to the
+    /// metadata service. Also `sched-relay run --dry-run`. Applies to local policy too.
+    #[serde(default)]
+    pub dry_run: bool,
+    /// Accept requests without a signature: unsigned CloudEvents and the bare Azure body
+    /// `{"StartRequests":[...]}`. Anyone who can write to a source can then start events.
+    #[serde(default)]
+    pub allow_unsigned: bool,
+    /// Accept requests whose `vmname` is `"*"` (the whole fleet).
+    #[serde(default)]
+    pub allow_fleet: bool,
+    /// How old a request's `time` may be.
+    #[serde(default = "default_max_age", with = "humantime_serde")]
+    pub max_age: Duration,
+    /// How far a request's `time` may be ahead of this VM's clock.
+    #[serde(default = "default_clock_skew", with = "humantime_serde")]
+    pub clock_skew: Duration,
+    /// Larger messages are rejected unread.
+    #[serde(default = "default_max_message_bytes")]
+    pub max_message_bytes: usize,
+    /// At most this many EventIds in one request.
+    #[serde(default = "default_max_event_ids")]
+    pub max_event_ids: usize,
+    /// POSTs to the metadata service are tried this often (on 5xx and timeouts) before the
+    /// outcome is `failed`.
+    #[serde(default = "default_imds_attempts")]
+    pub imds_attempts: u32,
+    /// Keys that may sign requests.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub keys: Vec<KeyConfig>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http: Option<HttpSourceConfig>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nats: Option<NatsSourceConfig>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub amqp: Option<AmqpSourceConfig>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kafka: Option<KafkaSourceConfig>,
+}
+
+impl Default for ApprovalsConfig {
+    fn default() -> Self {
+        ApprovalsConfig {
+            dry_run: false,
+            allow_unsigned: false,
+            allow_fleet: false,
+            max_age: default_max_age(),
+            clock_skew: default_clock_skew(),
+            max_message_bytes: default_max_message_bytes(),
+            max_event_ids: default_max_event_ids(),
+            imds_attempts: default_imds_attempts(),
+            keys: Vec::new(),
+            http: None,
+            nats: None,
+            amqp: None,
+            kafka: None,
+        }
+    }
+}
+
+fn default_max_age() -> Duration {
+    Duration::from_secs(300)
+}
+fn default_clock_skew() -> Duration {
+    Duration::from_secs(30)
+}
+fn default_max_message_bytes() -> usize {
+    64 * 1024
+}
+fn default_max_event_ids() -> usize {
+    100
+}
+fn default_imds_attempts() -> u32 {
+    3
+}
+
+/// One trusted key. Two keys can be valid at once (by id) while a key is rotated.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct KeyConfig {
+    /// The `keyid` a request names.
+    pub id: String,
+    /// `hmac-sha256` (shared secret) or `ed25519` (public key; the VM cannot sign).
+    pub algorithm: KeyAlgorithm,
+    /// HMAC: the shared secret (UTF-8 text as given). Also `${ENV}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<Secret>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_file: Option<PathBuf>,
+    /// Ed25519: the 32-byte public key, base64.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub public_key: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub public_key_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq)]
+pub enum KeyAlgorithm {
+    #[serde(rename = "hmac-sha256")]
+    HmacSha256,
+    #[serde(rename = "ed25519")]
+    Ed25519,
+}
+
+/// `POST /approvals` on the `[telemetry]` listener.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct HttpSourceConfig {
+    #[serde(default = "enabled")]
+    pub enabled: bool,
+    /// Callers must send `Authorization: Bearer <token>`. Required unless the listener is on
+    /// loopback.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<Secret>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_file: Option<PathBuf>,
+}
+
+fn enabled() -> bool {
+    true
+}
+
+/// Where a broker source connects: the connection of a `[[sinks]]` entry of the same kind
+/// (`sink = "bus"`), or its own (`connection = { url = ... }`, the keys of that sink kind).
+pub trait BrokerSource {
+    type Connection: Clone;
+    fn kind(&self) -> &'static str;
+    fn sink(&self) -> Option<&str>;
+    fn connection(&self) -> Option<&Self::Connection>;
+    fn from_sink(kind: &SinkKind) -> Option<&Self::Connection>;
+
+    /// The connection settings to use, or why there are none.
+    fn resolve(&self, sinks: &[SinkEntry]) -> Result<Self::Connection, String> {
+        match (self.sink(), self.connection()) {
+            (Some(_), Some(_)) => Err("set sink or connection, not both".into()),
+            (None, None) => Err(format!(
+                "needs sink = \"<name of a {} sink>\" or connection = {{ url = ... }}",
+                self.kind()
+            )),
+            (None, Some(connection)) => Ok(connection.clone()),
+            (Some(name), None) => {
+                let entry = sinks
+                    .iter()
+                    .find(|entry| entry.name == name)
+                    .ok_or_else(|| format!("sink = {name:?}: no [[sinks]] entry has that name"))?;
+                Self::from_sink(&entry.kind).cloned().ok_or_else(|| {
+                    format!(
+                        "sink = {name:?} is a {} sink; the {} source needs a sink of kind \"{}\"",
+                        entry.kind.label(),
+                        self.kind(),
+                        self.kind()
+                    )
+                })
+            }
+        }
+    }
+}
+
+macro_rules! broker_source {
+    ($config:ident, $connection:ty, $variant:ident, $kind:literal) => {
+        impl BrokerSource for $config {
+            type Connection = $connection;
+            fn kind(&self) -> &'static str {
+                $kind
+            }
+            fn sink(&self) -> Option<&str> {
+                self.sink.as_deref()
+            }
+            fn connection(&self) -> Option<&$connection> {
+                self.connection.as_ref()
+            }
+            fn from_sink(kind: &SinkKind) -> Option<&$connection> {
+                match kind {
+                    SinkKind::$variant(config) => Some(config),
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+/// `[approvals.nats]`: core NATS subscriptions, or a JetStream durable consumer.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NatsSourceConfig {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sink: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connection: Option<NatsSinkConfig>,
+    /// This VM's subject; `{vmname}` is replaced.
+    #[serde(default = "default_nats_subject")]
+    pub subject: String,
+    /// A subject every VM listens on (needs `allow_fleet` for `vmname = "*"` requests).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fleet_subject: Option<String>,
+    /// Consume through a JetStream durable consumer (acknowledged after handling) on this
+    /// stream, instead of core subscriptions. The stream must capture the subjects.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<String>,
+    /// The durable consumer's name; `{vmname}` is replaced.
+    #[serde(default = "default_durable")]
+    pub durable: String,
+}
+
+fn default_nats_subject() -> String {
+    "scheduledevents.approvals.{vmname}".into()
+}
+fn default_durable() -> String {
+    "sched-relay-{vmname}".into()
+}
+
+broker_source!(NatsSourceConfig, NatsSinkConfig, Nats, "nats");
+
+/// `[approvals.amqp]`: a per-VM queue, bound to an exchange by a per-VM routing key.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AmqpSourceConfig {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sink: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connection: Option<AmqpSinkConfig>,
+    /// The queue to consume; `{vmname}` is replaced.
+    #[serde(default = "default_amqp_queue")]
+    pub queue: String,
+    /// Declare the exchange (topic, durable), the queue (durable) and the bindings at start.
+    #[serde(default = "enabled")]
+    pub declare: bool,
+    /// The exchange orchestrators publish approvals to.
+    #[serde(default = "default_amqp_exchange")]
+    pub exchange: String,
+    /// The binding of this VM's queue; `{vmname}` is replaced.
+    #[serde(default = "default_amqp_routing_key")]
+    pub routing_key: String,
+    /// A second binding every VM's queue gets, for fleet-wide requests.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fleet_routing_key: Option<String>,
+    /// Unacknowledged messages the broker may hand over at once.
+    #[serde(default = "default_prefetch")]
+    pub prefetch: u16,
+}
+
+fn default_amqp_queue() -> String {
+    "sched-relay.approvals.{vmname}".into()
+}
+fn default_amqp_exchange() -> String {
+    "scheduledevents.approvals".into()
+}
+fn default_amqp_routing_key() -> String {
+    "approvals.{vmname}".into()
+}
+fn default_prefetch() -> u16 {
+    16
+}
+
+broker_source!(AmqpSourceConfig, AmqpSinkConfig, Amqp, "amqp");
+
+/// `[approvals.kafka]`: a topic keyed by VM name. The agent assigns itself the one partition
+/// its name hashes to (no consumer-group join, so no rebalance delay) and commits offsets
+/// after handling.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaSourceConfig {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sink: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connection: Option<KafkaSinkConfig>,
+    #[serde(default = "default_kafka_topic")]
+    pub topic: String,
+    /// `key`: read only the partition of this VM's name (murmur2, as Java clients and
+    /// librdkafka's `murmur2_random` place keys). `all`: read every partition (small fleets,
+    /// fleet-wide requests).
+    #[serde(default)]
+    pub partitions: KafkaPartitions,
+    /// Offsets are committed under this group (never joined); `{vmname}` is replaced.
+    #[serde(default = "default_durable")]
+    pub group_id: String,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum KafkaPartitions {
+    #[default]
+    Key,
+    All,
+}
+
+fn default_kafka_topic() -> String {
+    "scheduledevents.approvals".into()
+}
+
+broker_source!(KafkaSourceConfig, KafkaSinkConfig, Kafka, "kafka");
+
+impl ApprovalsConfig {
+    /// Whether any remote source is configured.
+    pub fn has_sources(&self) -> bool {
+        self.http.as_ref().is_some_and(|http| http.enabled)
+            || self.nats.is_some()
+            || self.amqp.is_some()
+            || self.kafka.is_some()
+    }
+
+    /// Problems, as (key under `approvals`, message), without touching the network.
+    pub fn validate(&self, sinks: &[SinkEntry]) -> Vec<(String, String)> {
+        let mut problems: Vec<(String, String)> = Vec::new();
+        let mut push = |key: &str, message: String| problems.push((key.to_owned(), message));
+        if self.max_age.is_zero() {
+            push("max_age", "must be more than 0s".into());
+        }
+        if self.max_message_bytes < 256 {
+            push("max_message_bytes", "must be at least 256".into());
+        }
+        if self.max_event_ids == 0 {
+            push("max_event_ids", "must be at least 1".into());
+        }
+        if self.imds_attempts == 0 {
+            push("imds_attempts", "must be at least 1".into());
+        }
+        if self.has_sources() && self.keys.is_empty() && !self.allow_unsigned {
+            push(
+                "keys",
+                "approval sources are configured but no [[approvals.keys]] can verify a request \
+                 (add a key, or set allow_unsigned = true to accept unsigned requests)"
+                    .into(),
+            );
+        }
+        for (index, key) in self.keys.iter().enumerate() {
+            if let Err(message) = crate::approval::verify::Key::load(key) {
+                push(&format!("keys[{index}]"), message);
+            }
+            if self.keys[..index].iter().any(|other| other.id == key.id) {
+                push(
+                    &format!("keys[{index}].id"),
+                    format!("{:?} is used by an earlier key; ids must be unique", key.id),
+                );
+            }
+        }
+        if let Some(http) = &self.http
+            && http.token.is_some()
+            && http.token_file.is_some()
+        {
+            push("http.token", "set token or token_file, not both".into());
+        }
+        fn check<S: BrokerSource>(
+            source: &Option<S>,
+            sinks: &[SinkEntry],
+            validate: impl Fn(&S::Connection) -> Vec<(&'static str, String)>,
+            push: &mut dyn FnMut(&str, String),
+        ) {
+            let Some(source) = source else { return };
+            match source.resolve(sinks) {
+                Ok(connection) => {
+                    if source.connection().is_some() {
+                        for (key, message) in validate(&connection) {
+                            push(&format!("{}.connection.{key}", source.kind()), message);
+                        }
+                    }
+                }
+                Err(message) => push(source.kind(), message),
+            }
+        }
+        check(&self.nats, sinks, NatsSinkConfig::validate, &mut push);
+        check(&self.amqp, sinks, AmqpSinkConfig::validate, &mut push);
+        check(&self.kafka, sinks, KafkaSinkConfig::validate, &mut push);
+        for (key, feature, present) in [
+            (
+                "nats",
+                "nats",
+                self.nats.is_some() && !cfg!(feature = "nats"),
+            ),
+            (
+                "amqp",
+                "amqp",
+                self.amqp.is_some() && !cfg!(feature = "amqp"),
+            ),
+            (
+                "kafka",
+                "kafka",
+                self.kafka.is_some() && !cfg!(feature = "kafka"),
+            ),
+        ] {
+            if present {
+                push(
+                    key,
+                    format!(
+                        "this sched-relay was built without {key} support; rebuild with `cargo build --release --features {feature}`"
+                    ),
+                );
+            }
+        }
+        if let Some(nats) = &self.nats {
+            for (key, subject) in [
+                ("nats.subject", Some(&nats.subject)),
+                ("nats.fleet_subject", nats.fleet_subject.as_ref()),
+            ] {
+                if let Some(subject) = subject
+                    && (subject.is_empty()
+                        || subject.contains(char::is_whitespace)
+                        || unknown_vm_placeholder(subject))
+                {
+                    push(
+                        key,
+                        format!("{subject:?} is not a subject; only {{vmname}} can be replaced"),
+                    );
+                }
+            }
+        }
+        if let Some(amqp) = &self.amqp {
+            for (key, value) in [
+                ("amqp.queue", &amqp.queue),
+                ("amqp.routing_key", &amqp.routing_key),
+                ("amqp.exchange", &amqp.exchange),
+            ] {
+                if value.is_empty() || unknown_vm_placeholder(value) {
+                    push(
+                        key,
+                        format!("{value:?}: must be non-empty; only {{vmname}} can be replaced"),
+                    );
+                }
+            }
+            if amqp.prefetch == 0 {
+                push("amqp.prefetch", "must be at least 1".into());
+            }
+        }
+        if let Some(kafka) = &self.kafka
+            && (kafka.topic.is_empty() || unknown_vm_placeholder(&kafka.group_id))
+        {
+            push(
+                "kafka",
+                "topic must be non-empty and group_id may only use {vmname}".into(),
+            );
+        }
+        problems
+    }
+}
+
+/// Whether a template uses a placeholder other than `{vmname}`.
+fn unknown_vm_placeholder(template: &str) -> bool {
+    template.replace("{vmname}", "").contains(['{', '}'])
+}
+
+/// Replaces `{vmname}` in a source's subject, queue or group template.
+pub fn for_vm(template: &str, vm_name: &str) -> String {
+    template.replace("{vmname}", vm_name)
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+
+    fn problems(text: &str) -> Vec<String> {
+        let config: Config = toml::from_str(text).unwrap();
+        config.validate().iter().map(|p| p.to_string()).collect()
+    }
+
+    #[test]
+    fn sources_without_a_key_or_a_connection_are_refused_with_the_fix() {
+        let found = problems("[approvals.nats]\nsubject = \"a.{vmname}\"\n");
+        assert!(
+            found
+                .iter()
+                .any(|p| p.starts_with("approvals.keys:") && p.contains("allow_unsigned")),
+            "{found:?}"
+        );
+        assert!(
+            found
+                .iter()
+                .any(|p| p.starts_with("approvals.nats:") && p.contains("connection")),
+            "{found:?}"
+        );
+    }
+
+    #[test]
+    fn a_source_must_name_a_sink_of_its_own_kind() {
+        let found = problems(
+            "[approvals]\nallow_unsigned = true\n[approvals.amqp]\nsink = \"audit\"\n\
+             [[sinks]]\nname = \"audit\"\nkind = \"file\"\npath = \"/tmp/x\"\n",
+        );
+        assert_eq!(
+            found,
+            [
+                "approvals.amqp: sink = \"audit\" is a file sink; the amqp source needs a sink of kind \"amqp\""
+            ]
+        );
+    }
+
+    #[test]
+    fn http_approvals_need_the_listener_and_off_loopback_a_token() {
+        let base = "[approvals]\nallow_unsigned = true\n[approvals.http]\n";
+        assert!(
+            problems(base)
+                .iter()
+                .any(|p| p.contains("telemetry.listen"))
+        );
+        let open = format!("{base}[telemetry]\nlisten = \"0.0.0.0:9464\"\n");
+        assert!(
+            problems(&open)
+                .iter()
+                .any(|p| p.starts_with("approvals.http.token"))
+        );
+        let loopback = format!("{base}[telemetry]\nlisten = \"127.0.0.1:9464\"\n");
+        assert!(problems(&loopback).is_empty());
+    }
+
+    #[test]
+    fn placeholders_other_than_vmname_are_refused() {
+        let found = problems(
+            "[approvals]\nallow_unsigned = true\n[approvals.nats]\nconnection = { url = \"nats://h:4222\" }\nsubject = \"a.{eventid}\"\n",
+        );
+        assert!(
+            found
+                .iter()
+                .any(|p| p.starts_with("approvals.nats.subject")),
+            "{found:?}"
+        );
+    }
+}

@@ -1,0 +1,666 @@
+//! Remote approvals end to end: an orchestrator's signed StartRequest arrives through HTTP,
+//! NATS (core and JetStream), RabbitMQ or Kafka, is checked by the agent, reaches the
+//! simulator as a POST and the event becomes Started. Forged, stale, replayed, misdirected
+//! and malformed requests never reach the simulator; each gets its `approval.rejected`
+//! outcome with the right reason, and the agent keeps running.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{AgentProcess, SimProcess};
+use sched_relay::approval::sign::{Draft, publish_to};
+use sched_relay::approval::verify::SigningKey;
+use serde_json::Value;
+use sink_core::testing::{broker_available, unique};
+
+const NATS: &str = "127.0.0.1:4222";
+const NATS_URL: &str = "nats://127.0.0.1:4222";
+const RABBITMQ: &str = "127.0.0.1:5672";
+const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+const TYPE: &str = "com.azure.scheduledevents";
+
+/// Scheduled for this VM, waiting for approval (an hour of notice).
+const FREEZE: &str = "f0000000-0000-4000-8000-000000000001";
+/// Already Started (its notice ran out at once).
+const STARTED: &str = "f0000000-0000-4000-8000-000000000002";
+/// Scheduled, for another VM of the availability set only.
+const OTHERS: &str = "f0000000-0000-4000-8000-000000000003";
+
+const SCENARIO: &str = r#"
+[vm]
+name = "WestNO_0"
+
+[[events]]
+id = "f0000000-0000-4000-8000-000000000001"
+type = "Freeze"
+resources = ["WestNO_0"]
+duration_in_seconds = 5
+appear_after = "0s"
+notice = "1h"
+started_for = "1h"
+
+[[events]]
+id = "f0000000-0000-4000-8000-000000000002"
+type = "Reboot"
+resources = ["WestNO_0"]
+appear_after = "0s"
+notice = "1s"
+started_for = "1h"
+
+[[events]]
+id = "f0000000-0000-4000-8000-000000000003"
+type = "Redeploy"
+resources = ["WestNO_1"]
+appear_after = "0s"
+notice = "1h"
+started_for = "1h"
+"#;
+
+const HMAC_SECRET: &str = "orchestrator-shared-secret-0001";
+
+/// The orchestrator's keys: an Ed25519 signing key (the agent holds only its public key) and
+/// an HMAC secret shared with the agent.
+struct Keys {
+    ed25519: SigningKey,
+    hmac: SigningKey,
+}
+
+impl Keys {
+    fn new() -> Keys {
+        Keys {
+            ed25519: SigningKey::parse(&SigningKey::generate_ed25519().unwrap()).unwrap(),
+            hmac: SigningKey::parse(&format!("hmac-sha256:{HMAC_SECRET}")).unwrap(),
+        }
+    }
+
+    fn config(&self) -> String {
+        format!(
+            r#"
+[identity]
+vm_name = "WestNO_0"
+
+[[approvals.keys]]
+id = "orchestrator-ed"
+algorithm = "ed25519"
+public_key = "{}"
+
+[[approvals.keys]]
+id = "orchestrator-hmac"
+algorithm = "hmac-sha256"
+secret = "{HMAC_SECRET}"
+"#,
+            self.ed25519.public_key().unwrap()
+        )
+    }
+
+    /// A valid request for `event_id` on WestNO_0, signed with Ed25519.
+    fn signed(&self, event_id: &str) -> (Draft, cloudevents::Event) {
+        let draft = Draft::new(
+            "urn:orchestrator:test",
+            Some("WestNO_0"),
+            vec![event_id.into()],
+        );
+        let event = draft.event(Some(("orchestrator-ed", &self.ed25519)));
+        (draft, event)
+    }
+}
+
+/// The simulator with the scenario above, and an agent with `sources` configured.
+fn start(keys: &Keys, sources: &str) -> (tempfile::TempDir, SimProcess, AgentProcess) {
+    let dir = tempfile::tempdir().unwrap();
+    let scenario = dir.path().join("awaiting-approval.toml");
+    std::fs::write(&scenario, SCENARIO).unwrap();
+    let sim = SimProcess::start(scenario.to_str().unwrap(), 1.0);
+    let agent = AgentProcess::start(&sim.url, &format!("{}\n{sources}", keys.config()));
+    agent.wait_for_id(&format!("{FREEZE}:scheduled"), Duration::from_secs(20));
+    agent.wait_for_id(&format!("{STARTED}:started"), Duration::from_secs(20));
+    wait_for_log(&agent, "Approval source ready");
+    (dir, sim, agent)
+}
+
+fn wait_for_log(agent: &AgentProcess, text: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !agent.log().contains(text) {
+        assert!(
+            Instant::now() < deadline,
+            "no {text:?} in the agent log:\n{}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The outcome event of request `request_id`, once it is delivered.
+fn outcome(agent: &AgentProcess, request_id: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(found) = agent.events().into_iter().find(|e| {
+            e["requestid"] == request_id
+                && e["type"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .contains(".approval.")
+        }) {
+            return found;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no outcome for {request_id}:\n{}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn posts(sim: &SimProcess) -> Vec<Value> {
+    sim.requests()
+        .into_iter()
+        .filter(|r| r["method"] == "POST")
+        .collect()
+}
+
+fn assert_accepted_and_started(sim: &SimProcess, agent: &AgentProcess, request_id: &str) {
+    let found = outcome(agent, request_id);
+    assert_eq!(
+        found["type"],
+        format!("{TYPE}.approval.accepted"),
+        "{found}"
+    );
+    assert_eq!(found["subject"], FREEZE);
+    assert_eq!(found["data"]["reason"], "imds_accepted");
+    agent.wait_for_id(&format!("{FREEZE}:started"), Duration::from_secs(10));
+    let posts = posts(sim);
+    assert_eq!(posts.len(), 1, "exactly one POST: {posts:?}");
+    assert_eq!(
+        posts[0]["body"],
+        serde_json::json!({"StartRequests": [{"EventId": FREEZE}]}).to_string()
+    );
+}
+
+fn rejected_reason(agent: &AgentProcess, request_id: &str) -> String {
+    let found = outcome(agent, request_id);
+    assert_eq!(
+        found["type"],
+        format!("{TYPE}.approval.rejected"),
+        "{found}"
+    );
+    found["data"]["reason"].as_str().unwrap().to_owned()
+}
+
+fn block_on<T>(future: impl std::future::Future<Output = T>) -> T {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(future)
+}
+
+fn nats_available() -> bool {
+    broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js")
+}
+
+fn rabbitmq_available() -> bool {
+    broker_available("RabbitMQ", RABBITMQ, "rabbitmq-server -detached")
+}
+
+const HTTP_SOURCE: &str = r#"
+[telemetry]
+listen = "127.0.0.1:{port}"
+
+[approvals.http]
+token = "let-me-approve"
+"#;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// POSTs raw bytes to the agent's /approvals: (status, body).
+fn post_raw(port: u16, content_type: &str, token: &str, body: Vec<u8>) -> (u16, String) {
+    sched_relay::install_crypto_provider();
+    block_on(async {
+        let response = reqwest::Client::builder()
+            .no_proxy()
+            .build()
+            .unwrap()
+            .post(format!("http://127.0.0.1:{port}/approvals"))
+            .header("content-type", content_type)
+            .bearer_auth(token)
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        (response.status().as_u16(), response.text().await.unwrap())
+    })
+}
+
+#[test]
+fn signed_approval_over_http_starts_the_event_and_answers_with_the_outcome() {
+    let keys = Keys::new();
+    let port = free_port();
+    let (_dir, sim, mut agent) = start(&keys, &HTTP_SOURCE.replace("{port}", &port.to_string()));
+    let (draft, event) = keys.signed(FREEZE);
+
+    // Without the bearer token the listener refuses before any check.
+    let body = serde_json::to_vec(&event).unwrap();
+    let (status, _) = post_raw(port, "application/cloudevents+json", "wrong", body.clone());
+    assert_eq!(status, 401);
+    assert!(posts(&sim).is_empty());
+
+    let (status, answer) = post_raw(port, "application/cloudevents+json", "let-me-approve", body);
+    assert_eq!(status, 200, "{answer}");
+    assert!(answer.contains("\"outcome\":\"accepted\""), "{answer}");
+    assert_accepted_and_started(&sim, &agent, &draft.id);
+    assert!(agent.is_running());
+}
+
+#[test]
+fn sign_approval_cli_posts_to_the_agent() {
+    let keys = Keys::new();
+    let port = free_port();
+    let (dir, sim, _agent) = start(&keys, &HTTP_SOURCE.replace("{port}", &port.to_string()));
+    let key_file = dir.path().join("orchestrator.key");
+    std::fs::write(&key_file, format!("hmac-sha256:{HMAC_SECRET}\n")).unwrap();
+    let output = std::process::Command::new(common::BINARY)
+        .args(["sign-approval", "--key"])
+        .arg(&key_file)
+        .args([
+            "--key-id",
+            "orchestrator-hmac",
+            "--event-id",
+            FREEZE,
+            "--vm",
+            "WestNO_0",
+        ])
+        .args(["--to", &format!("http://127.0.0.1:{port}/approvals")])
+        .args(["--token", "let-me-approve"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(stdout.contains("\"outcome\":\"accepted\""), "{stdout}");
+    assert_eq!(posts(&sim).len(), 1);
+}
+
+#[test]
+fn signed_approval_over_core_nats_starts_the_event() {
+    if !nats_available() {
+        return;
+    }
+    let keys = Keys::new();
+    let subject = unique("approvals.core");
+    let (_dir, sim, agent) = start(
+        &keys,
+        &format!(
+            "[approvals.nats]\nconnection = {{ url = \"{NATS_URL}\" }}\nsubject = \"{subject}.{{vmname}}\"\n"
+        ),
+    );
+    let (draft, event) = keys.signed(FREEZE);
+    let to = format!("{NATS_URL}?subject={subject}.WestNO_0");
+    block_on(publish_to(&to, &event, None)).unwrap();
+    assert_accepted_and_started(&sim, &agent, &draft.id);
+}
+
+#[test]
+fn signed_approval_through_a_jetstream_durable_consumer_starts_the_event() {
+    if !nats_available() {
+        return;
+    }
+    let keys = Keys::new();
+    let prefix = unique("approvals_js");
+    let stream = unique("APPROVALS");
+    block_on(sink_nats::testing::create_stream(
+        NATS_URL,
+        &stream,
+        &format!("{prefix}.>"),
+    ));
+    let (_dir, sim, agent) = start(
+        &keys,
+        &format!(
+            "[[sinks]]\nname = \"bus\"\nkind = \"nats\"\nurl = \"{NATS_URL}\"\nsubject = \"{prefix}.events.{{transition}}\"\njetstream = true\n\n\
+             [approvals.nats]\nsink = \"bus\"\nsubject = \"{prefix}.{{vmname}}\"\nstream = \"{stream}\"\n"
+        ),
+    );
+    let (draft, event) = keys.signed(FREEZE);
+    block_on(publish_to(
+        &format!("{NATS_URL}?subject={prefix}.WestNO_0"),
+        &event,
+        None,
+    ))
+    .unwrap();
+    assert_accepted_and_started(&sim, &agent, &draft.id);
+}
+
+#[test]
+fn signed_approval_through_a_rabbitmq_queue_starts_the_event() {
+    if !rabbitmq_available() {
+        return;
+    }
+    let keys = Keys::new();
+    let exchange = unique("approvals");
+    let (_dir, sim, agent) = start(
+        &keys,
+        &format!(
+            "[approvals.amqp]\nconnection = {{ url = \"{AMQP_URL}\" }}\nexchange = \"{exchange}\"\nqueue = \"{exchange}.{{vmname}}\"\n"
+        ),
+    );
+    let (draft, event) = keys.signed(FREEZE);
+    let to = format!("{AMQP_URL}?exchange={exchange}&routing_key=approvals.WestNO_0");
+    block_on(publish_to(&to, &event, None)).unwrap();
+    assert_accepted_and_started(&sim, &agent, &draft.id);
+}
+
+#[cfg(feature = "kafka")]
+mod kafka {
+    use super::*;
+
+    const KAFKA: &str = "127.0.0.1:9092";
+
+    fn kafka_available() -> bool {
+        broker_available("Kafka", KAFKA, sink_kafka::testing::HOW)
+    }
+
+    #[test]
+    fn signed_approval_on_the_vms_kafka_partition_starts_the_event() {
+        if !kafka_available() {
+            return;
+        }
+        let keys = Keys::new();
+        let topic = unique("approvals");
+        block_on(sink_kafka::testing::create_topic(KAFKA, &topic, 8));
+        let (_dir, sim, agent) = start(
+            &keys,
+            &format!(
+                "[approvals.kafka]\nconnection = {{ brokers = \"{KAFKA}\" }}\ntopic = \"{topic}\"\n"
+            ),
+        );
+        // Another VM's request lands in some partition; it is never an outcome here.
+        let (_, other) = {
+            let draft = Draft::new(
+                "urn:orchestrator:test",
+                Some("WestNO_7"),
+                vec![OTHERS.into()],
+            );
+            let event = draft.event(Some(("orchestrator-ed", &keys.ed25519)));
+            (draft, event)
+        };
+        block_on(publish_to(
+            &format!("kafka://{KAFKA}/{topic}"),
+            &other,
+            None,
+        ))
+        .unwrap();
+        let (draft, event) = keys.signed(FREEZE);
+        let sent = Instant::now();
+        block_on(publish_to(
+            &format!("kafka://{KAFKA}/{topic}"),
+            &event,
+            None,
+        ))
+        .unwrap();
+        assert_accepted_and_started(&sim, &agent, &draft.id);
+        eprintln!("Kafka approval to outcome: {:?}", sent.elapsed());
+        assert!(
+            !agent
+                .events()
+                .iter()
+                .any(|e| e["data"]["eventId"] == OTHERS),
+            "another VM's request produced an outcome"
+        );
+    }
+
+    /// The agent reads only the partition its name hashes to; that must be where Kafka's
+    /// default partitioner (Java clients, librdkafka murmur2_random) puts its records.
+    #[test]
+    fn the_partition_of_a_vm_name_is_where_the_murmur2_partitioner_puts_it() {
+        if !kafka_available() {
+            return;
+        }
+        let topic = unique("partitions");
+        block_on(sink_kafka::testing::create_topic(KAFKA, &topic, 12));
+        let names: Vec<String> = (0..40).map(|i| format!("vm-{i:03}-WestEU")).collect();
+        for name in &names {
+            let draft = Draft::new("urn:test", Some(name), vec!["e".into()]);
+            block_on(publish_to(
+                &format!("kafka://{KAFKA}/{topic}"),
+                &draft.event(None),
+                None,
+            ))
+            .unwrap();
+        }
+        let records = sink_kafka::testing::read_all(KAFKA, &topic, 12, names.len());
+        for record in records {
+            assert_eq!(
+                record.partition,
+                sink_kafka::source::partition_for(&record.key, 12),
+                "{}",
+                record.key
+            );
+        }
+    }
+}
+
+/// Every kind of bad request, through core NATS: none reaches the simulator, each gets its
+/// rejection with the right reason, and a good request afterwards still works.
+#[test]
+fn forged_stale_replayed_misdirected_and_malformed_requests_are_rejected_over_nats() {
+    if !nats_available() {
+        return;
+    }
+    let keys = Keys::new();
+    let subject = unique("approvals.bad");
+    let (_dir, sim, mut agent) = start(
+        &keys,
+        &format!(
+            "[approvals.nats]\nconnection = {{ url = \"{NATS_URL}\" }}\nsubject = \"{subject}.{{vmname}}\"\n"
+        ),
+    );
+    let to = format!("{NATS_URL}?subject={subject}.WestNO_0");
+    let send = |event: &cloudevents::Event| block_on(publish_to(&to, event, None)).unwrap();
+    let send_raw = |id: &str, content_type: &str, body: Vec<u8>| {
+        block_on(async {
+            let client = async_nats::connect(NATS_URL).await.unwrap();
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert("content-type", content_type);
+            headers.insert("x-test-id", id);
+            client
+                .publish_with_headers(format!("{subject}.WestNO_0"), headers, body.into())
+                .await
+                .unwrap();
+            client.flush().await.unwrap();
+        })
+    };
+    let mut expected: Vec<(String, &str)> = Vec::new();
+
+    let unsigned = Draft::new("urn:o", Some("WestNO_0"), vec![FREEZE.into()]);
+    send(&unsigned.event(None));
+    expected.push((unsigned.id.clone(), "unsigned"));
+
+    let (wrong_key, _) = keys.signed(FREEZE);
+    let stranger = SigningKey::parse(&SigningKey::generate_ed25519().unwrap()).unwrap();
+    send(&wrong_key.event(Some(("orchestrator-ed", &stranger))));
+    expected.push((wrong_key.id.clone(), "bad_signature"));
+
+    let unknown_key = Draft::new("urn:o", Some("WestNO_0"), vec![FREEZE.into()]);
+    send(&unknown_key.event(Some(("retired-key", &keys.ed25519))));
+    expected.push((unknown_key.id.clone(), "unknown_key"));
+
+    // Signed for the other VM's event, then the EventId swapped on the way.
+    let (tampered, event) = keys.signed(OTHERS);
+    let mut json = serde_json::to_value(&event).unwrap();
+    json["data"]["StartRequests"][0]["EventId"] = FREEZE.into();
+    send_raw(
+        &tampered.id,
+        "application/cloudevents+json",
+        serde_json::to_vec(&json).unwrap(),
+    );
+    expected.push((tampered.id.clone(), "bad_signature"));
+
+    let mut stale = Draft::new("urn:o", Some("WestNO_0"), vec![FREEZE.into()]);
+    stale.time -= chrono::Duration::minutes(6);
+    send(&stale.event(Some(("orchestrator-hmac", &keys.hmac))));
+    expected.push((stale.id.clone(), "expired"));
+
+    let other_vm = Draft::new("urn:o", Some("WestNO_1"), vec![OTHERS.into()]);
+    send(&other_vm.event(Some(("orchestrator-ed", &keys.ed25519))));
+    expected.push((other_vm.id.clone(), "wrong_target"));
+
+    let (unknown_event, event) = keys.signed("00000000-dead-4000-8000-000000000000");
+    send(&event);
+    expected.push((unknown_event.id.clone(), "unknown_event"));
+
+    let (started, event) = keys.signed(STARTED);
+    send(&event);
+    expected.push((started.id.clone(), "event_started"));
+
+    let (fleet, _) = keys.signed(FREEZE);
+    let mut fleet = fleet;
+    fleet.vm_name = Some("*".into());
+    send(&fleet.event(Some(("orchestrator-ed", &keys.ed25519))));
+    expected.push((fleet.id.clone(), "wrong_target"));
+
+    for (request_id, reason) in &expected {
+        assert_eq!(
+            rejected_reason(&agent, request_id),
+            *reason,
+            "request {request_id}"
+        );
+    }
+
+    // Messages without a readable id: their outcomes are found by reason.
+    send_raw(
+        "malformed",
+        "application/json",
+        b"{\"StartRequests\": [".to_vec(),
+    );
+    send_raw("content-type", "text/plain", b"approve please".to_vec());
+    let mut huge = serde_json::to_value(keys.signed(FREEZE).1).unwrap();
+    huge["data"]["padding"] = "x".repeat(70 * 1024).into();
+    send_raw(
+        "oversized",
+        "application/cloudevents+json",
+        serde_json::to_vec(&huge).unwrap(),
+    );
+    for reason in ["malformed", "unsupported_content_type", "too_large"] {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !agent.events().iter().any(|e| {
+            e["type"] == format!("{TYPE}.approval.rejected") && e["data"]["reason"] == reason
+        }) {
+            assert!(
+                Instant::now() < deadline,
+                "no {reason} rejection:\n{}",
+                agent.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    assert!(
+        posts(&sim).is_empty(),
+        "a bad request reached the simulator: {:?}",
+        posts(&sim)
+    );
+    assert!(agent.is_running());
+
+    // The agent still approves a good request, once: the replay is refused.
+    let (good, event) = keys.signed(FREEZE);
+    send(&event);
+    assert_accepted_and_started(&sim, &agent, &good.id);
+    send(&event);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !agent
+        .events()
+        .iter()
+        .any(|e| e["requestid"] == good.id.as_str() && e["data"]["reason"] == "replayed")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "replay not refused:\n{}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(posts(&sim).len(), 1);
+    assert!(agent.is_running());
+    assert!(agent.stop().success());
+}
+
+/// A replay after the agent restarted is refused too: the seen ids are in the state store.
+#[test]
+fn a_request_replayed_after_a_restart_is_refused_over_rabbitmq() {
+    if !rabbitmq_available() {
+        return;
+    }
+    let keys = Keys::new();
+    let exchange = unique("approvals");
+    let (_dir, sim, mut agent) = start(
+        &keys,
+        &format!(
+            "[approvals.amqp]\nconnection = {{ url = \"{AMQP_URL}\" }}\nexchange = \"{exchange}\"\nqueue = \"{exchange}.{{vmname}}\"\n"
+        ),
+    );
+    let to = format!("{AMQP_URL}?exchange={exchange}&routing_key=approvals.WestNO_0");
+    let (draft, event) = keys.signed(FREEZE);
+    block_on(publish_to(&to, &event, None)).unwrap();
+    assert_accepted_and_started(&sim, &agent, &draft.id);
+
+    assert!(agent.stop().success());
+    agent.spawn(&[]);
+    wait_for_log(&agent, "Approval source ready");
+    block_on(publish_to(&to, &event, None)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !agent
+        .events()
+        .iter()
+        .any(|e| e["requestid"] == draft.id.as_str() && e["data"]["reason"] == "replayed")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "replay after restart not refused:\n{}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(posts(&sim).len(), 1);
+    // A malformed message through RabbitMQ is rejected and acknowledged, not redelivered.
+    assert!(agent.is_running());
+}
+
+/// In a dry run every check runs and the outcome says so, but nothing is POSTed.
+#[test]
+fn dry_run_publishes_the_outcome_without_posting() {
+    let keys = Keys::new();
+    let port = free_port();
+    let (_dir, sim, agent) = start(
+        &keys,
+        &format!(
+            "{}\n",
+            HTTP_SOURCE.replace("{port}", &port.to_string()).replace(
+                "[approvals.http]",
+                "[approvals]\ndry_run = true\n\n[approvals.http]"
+            )
+        ),
+    );
+    let (draft, event) = keys.signed(FREEZE);
+    let (status, answer) = post_raw(
+        port,
+        "application/cloudevents+json",
+        "let-me-approve",
+        serde_json::to_vec(&event).unwrap(),
+    );
+    assert_eq!(status, 200, "{answer}");
+    let found = outcome(&agent, &draft.id);
+    assert_eq!(found["type"], format!("{TYPE}.approval.accepted"));
+    assert_eq!(found["dryrun"], true);
+    assert_eq!(found["data"]["reason"], "dry_run");
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(posts(&sim).is_empty());
+}
