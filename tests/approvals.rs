@@ -178,6 +178,23 @@ fn assert_accepted_and_started(sim: &SimProcess, agent: &AgentProcess, request_i
     );
 }
 
+/// How long after `since` the simulator received the first POST. Informational (printed
+/// with --nocapture); the benchmarks measure latency properly.
+fn first_post_after(sim: &SimProcess, since: Instant, source: &str) {
+    let deadline = since + Duration::from_secs(20);
+    while posts(sim).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "no POST from the {source} approval"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    eprintln!(
+        "{source}: approval published -> POST at the simulator in {:?}",
+        since.elapsed()
+    );
+}
+
 fn rejected_reason(agent: &AgentProcess, request_id: &str) -> String {
     let found = outcome(agent, request_id);
     assert_eq!(
@@ -307,6 +324,7 @@ fn signed_approval_over_core_nats_starts_the_event() {
     let (draft, event) = keys.signed(FREEZE);
     let to = format!("{NATS_URL}?subject={subject}.WestNO_0");
     block_on(publish_to(&to, &event, None)).unwrap();
+    first_post_after(&sim, Instant::now(), "NATS");
     assert_accepted_and_started(&sim, &agent, &draft.id);
 }
 
@@ -337,6 +355,7 @@ fn signed_approval_through_a_jetstream_durable_consumer_starts_the_event() {
         None,
     ))
     .unwrap();
+    first_post_after(&sim, Instant::now(), "JetStream");
     assert_accepted_and_started(&sim, &agent, &draft.id);
 }
 
@@ -356,6 +375,7 @@ fn signed_approval_through_a_rabbitmq_queue_starts_the_event() {
     let (draft, event) = keys.signed(FREEZE);
     let to = format!("{AMQP_URL}?exchange={exchange}&routing_key=approvals.WestNO_0");
     block_on(publish_to(&to, &event, None)).unwrap();
+    first_post_after(&sim, Instant::now(), "RabbitMQ");
     assert_accepted_and_started(&sim, &agent, &draft.id);
 }
 
@@ -400,15 +420,14 @@ mod kafka {
         ))
         .unwrap();
         let (draft, event) = keys.signed(FREEZE);
-        let sent = Instant::now();
         block_on(publish_to(
             &format!("kafka://{KAFKA}/{topic}"),
             &event,
             None,
         ))
         .unwrap();
+        first_post_after(&sim, Instant::now(), "Kafka");
         assert_accepted_and_started(&sim, &agent, &draft.id);
-        eprintln!("Kafka approval to outcome: {:?}", sent.elapsed());
         assert!(
             !agent
                 .events()
@@ -663,4 +682,72 @@ fn dry_run_publishes_the_outcome_without_posting() {
     assert_eq!(found["data"]["reason"], "dry_run");
     std::thread::sleep(Duration::from_millis(500));
     assert!(posts(&sim).is_empty());
+}
+
+/// With `allow_unsigned`, the bare Azure body is accepted, but only for events that list
+/// this VM (it names no VM, so Resources decides).
+#[test]
+fn bare_azure_bodies_are_accepted_only_when_allowed_and_only_for_this_vms_events() {
+    let keys = Keys::new();
+    let port = free_port();
+    let (_dir, sim, agent) = start(
+        &keys,
+        &HTTP_SOURCE.replace("{port}", &port.to_string()).replace(
+            "[approvals.http]",
+            "[approvals]\nallow_unsigned = true\n\n[approvals.http]",
+        ),
+    );
+    let bare = |event_id: &str| {
+        serde_json::to_vec(&serde_json::json!({"StartRequests": [{"EventId": event_id}]})).unwrap()
+    };
+    let (status, answer) = post_raw(port, "application/json", "let-me-approve", bare(OTHERS));
+    assert_eq!(status, 409, "{answer}");
+    assert!(answer.contains("not_affected"), "{answer}");
+    assert!(posts(&sim).is_empty());
+
+    let (status, answer) = post_raw(port, "application/json", "let-me-approve", bare(FREEZE));
+    assert_eq!(status, 200, "{answer}");
+    agent.wait_for_id(&format!("{FREEZE}:started"), Duration::from_secs(10));
+    assert_eq!(posts(&sim).len(), 1);
+}
+
+/// A fleet subject carries every VM's requests: those for other VMs are skipped without an
+/// outcome, `vmname = "*"` is accepted with `allow_fleet`.
+#[test]
+fn a_fleet_subject_skips_other_vms_requests_and_takes_fleet_wide_ones() {
+    if !nats_available() {
+        return;
+    }
+    let keys = Keys::new();
+    let subject = unique("approvals.fleet");
+    let (_dir, sim, agent) = start(
+        &keys,
+        &format!(
+            "[approvals]\nallow_fleet = true\n\n[approvals.nats]\nconnection = {{ url = \"{NATS_URL}\" }}\n\
+             subject = \"{subject}.{{vmname}}\"\nfleet_subject = \"{subject}.all\"\n"
+        ),
+    );
+    let to = format!("{NATS_URL}?subject={subject}.all");
+    let for_other = Draft::new("urn:o", Some("WestNO_1"), vec![OTHERS.into()]);
+    block_on(publish_to(
+        &to,
+        &for_other.event(Some(("orchestrator-ed", &keys.ed25519))),
+        None,
+    ))
+    .unwrap();
+    let fleet = Draft::new("urn:o", Some("*"), vec![FREEZE.into()]);
+    block_on(publish_to(
+        &to,
+        &fleet.event(Some(("orchestrator-ed", &keys.ed25519))),
+        None,
+    ))
+    .unwrap();
+    assert_accepted_and_started(&sim, &agent, &fleet.id);
+    assert!(
+        !agent
+            .events()
+            .iter()
+            .any(|e| e["requestid"] == for_other.id.as_str()),
+        "another VM's request on the fleet subject produced an outcome"
+    );
 }
