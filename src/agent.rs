@@ -147,8 +147,18 @@ pub async fn run(
     }
     let (latest, latest_rx) = tokio::sync::watch::channel(None);
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
-    let remote = start_remote_approvals(
+    if config.telemetry.listen.is_some() {
+        crate::telemetry::prometheus();
+    }
+    let telemetry = Arc::new(crate::telemetry::Telemetry {
+        first_poll_done: false.into(),
+        sinks: fanout.health(),
+        outbox: outbox.clone(),
+        latest: latest_rx.clone(),
+    });
+    let remote = start_listener_and_sources(
         &config,
+        telemetry.clone(),
         dry_run,
         Approver {
             config: config.approvals.clone(),
@@ -179,6 +189,8 @@ pub async fn run(
         approvals: HashMap::new(),
         latest,
         dry_run,
+        telemetry,
+        document_gauges: Vec::new(),
     };
     poller.poll_until(shutdown).await;
     let _ = stop.send(true);
@@ -288,6 +300,10 @@ struct Poller {
     /// The latest document, for the remote-approval checks.
     latest: tokio::sync::watch::Sender<Option<Snapshot>>,
     dry_run: bool,
+    telemetry: Arc<crate::telemetry::Telemetry>,
+    /// The (EventType, EventStatus) label pairs of the `sched_relay_document_events` gauge
+    /// set for the last document, so they go back to 0 when events leave.
+    document_gauges: Vec<(String, String)>,
 }
 
 impl Poller {
@@ -304,6 +320,8 @@ impl Poller {
                 fetched = self.client.fetch() => fetched,
             };
             metrics::counter!("sched_relay_imds_polls_total").increment(1);
+            metrics::histogram!("sched_relay_imds_poll_duration_seconds")
+                .record(started.elapsed().as_secs_f64());
             let wait = match fetched {
                 Ok(parsed) => {
                     if failures > 0 {
@@ -316,7 +334,20 @@ impl Poller {
                         tracing::warn!(incarnation = parsed.document.incarnation, warning = %warning, "Tolerated an odd field in the document");
                     }
                     self.share(&parsed.document);
+                    metrics::gauge!("sched_relay_imds_last_success_timestamp_seconds")
+                        .set(Utc::now().timestamp() as f64);
+                    let incarnation = parsed.document.incarnation;
                     let new_document = self.on_document(parsed.document).await;
+                    // Ready once a fetched document is processed (its events stored).
+                    if self
+                        .previous
+                        .as_ref()
+                        .is_some_and(|previous| previous.incarnation == incarnation)
+                    {
+                        self.telemetry
+                            .first_poll_done
+                            .store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
                     self.apply_policy(new_document).await;
                     interval
                 }
@@ -343,6 +374,33 @@ impl Poller {
             tokio::select! {
                 _ = &mut shutdown => return,
                 _ = tokio::time::sleep_until((started + wait).into()) => {}
+            }
+        }
+    }
+
+    /// `sched_relay_document_events{event_type, status}`: how many events of each kind the
+    /// current document holds (kinds that left go back to 0).
+    fn set_document_gauges(&mut self, document: &Document) {
+        let mut counts: HashMap<(String, String), f64> = self
+            .document_gauges
+            .drain(..)
+            .map(|labels| (labels, 0.0))
+            .collect();
+        for event in &document.events {
+            let event_type = event
+                .raw
+                .get("EventType")
+                .and_then(|t| t.as_str())
+                .unwrap_or("unknown")
+                .to_owned();
+            *counts
+                .entry((event_type, event.status.as_str().to_owned()))
+                .or_default() += 1.0;
+        }
+        for ((event_type, status), count) in counts {
+            metrics::gauge!("sched_relay_document_events", "event_type" => event_type.clone(), "status" => status.clone()).set(count);
+            if count > 0.0 {
+                self.document_gauges.push((event_type, status));
             }
         }
     }
@@ -414,6 +472,7 @@ impl Poller {
             metrics::counter!("sched_relay_transitions_total", "transition" => transition.to_owned()).increment(1);
         }
         metrics::gauge!("sched_relay_incarnation").set(document.incarnation as f64);
+        self.set_document_gauges(&document);
         self.approvals.retain(|id, _| document.event(id).is_some());
         self.previous = Some(document);
         true
@@ -550,15 +609,16 @@ impl RemoteApprovals {
     }
 }
 
-/// Starts the HTTP listener (when configured), the approval checker and every configured
-/// source. Sources stop when `stop` turns true.
+/// Starts the HTTP listener (when configured: metrics, health, events, approvals), the
+/// approval checker and every configured approval source. Sources stop when `stop` turns true.
 // Without any broker feature only the HTTP source exists.
 #[cfg_attr(
     not(any(feature = "nats", feature = "amqp", feature = "kafka")),
     allow(unused_variables)
 )]
-async fn start_remote_approvals(
+async fn start_listener_and_sources(
     config: &Config,
+    telemetry: Arc<crate::telemetry::Telemetry>,
     dry_run: bool,
     approver: Approver,
     stop: tokio::sync::watch::Receiver<bool>,
@@ -588,6 +648,7 @@ async fn start_remote_approvals(
         let mut stopped = stop.clone();
         let (bound, task) = crate::http::serve(
             listen,
+            telemetry,
             endpoint,
             approvals.max_message_bytes * 2 + 1024,
             async move {
@@ -636,6 +697,7 @@ async fn start_remote_approvals(
             routing_key: for_vm(&amqp.routing_key, &vm_name),
             fleet_routing_key: amqp.fleet_routing_key.clone(),
             prefetch: amqp.prefetch,
+            exclusive: false,
         };
         sources.push(tokio::spawn(sink_amqp::source::run(
             spec,

@@ -41,9 +41,44 @@ enum Mode {
     Stop,
 }
 
+/// What a sink's task last learned about its destination, for `/readyz` and `/events`.
+#[derive(Debug, Default)]
+pub struct SinkHealth {
+    healthy: std::sync::atomic::AtomicBool,
+    last_error: std::sync::Mutex<Option<String>>,
+}
+
+impl SinkHealth {
+    fn set(&self, sink: &str, result: Result<(), String>) {
+        let healthy = result.is_ok();
+        self.healthy
+            .store(healthy, std::sync::atomic::Ordering::Relaxed);
+        *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = result.err();
+        metrics::gauge!("sched_relay_sink_up", "sink" => sink.to_owned()).set(if healthy {
+            1.0
+        } else {
+            0.0
+        });
+    }
+
+    /// Whether the last health check or delivery succeeded.
+    pub fn healthy(&self) -> bool {
+        self.healthy.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The error of the last failed check or delivery, while it has not succeeded since.
+    pub fn last_error(&self) -> Option<String> {
+        self.last_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
 /// The running fan-out.
 pub struct Fanout {
     publisher: Publisher,
+    health: Vec<(String, Arc<SinkHealth>)>,
     outbox: Arc<Outbox>,
     names: Vec<String>,
     mode: watch::Sender<Mode>,
@@ -74,9 +109,13 @@ impl Fanout {
         let mut tasks = JoinSet::new();
         let mut names = Vec::new();
         let mut wakers = Vec::new();
+        let mut health = Vec::new();
         for NamedSink { name, sink } in sinks {
             let wake = Arc::new(Notify::new());
+            let status = Arc::new(SinkHealth::default());
+            health.push((name.clone(), status.clone()));
             let worker = Worker {
+                health: status,
                 dead_letter: DeadLetter::new(&dead_letter_dir, &name),
                 name: name.clone(),
                 sink,
@@ -96,11 +135,17 @@ impl Fanout {
                 wakers: wakers.into(),
                 dead_letter_dir,
             },
+            health,
             outbox,
             names,
             mode,
             tasks,
         }
+    }
+
+    /// Each sink's name and health, in configuration order.
+    pub fn health(&self) -> Vec<(String, Arc<SinkHealth>)> {
+        self.health.clone()
     }
 
     /// A handle that publishes into this fan-out.
@@ -183,6 +228,7 @@ struct Worker {
     delivery: DeliveryConfig,
     dead_letter: DeadLetter,
     mode: watch::Receiver<Mode>,
+    health: Arc<SinkHealth>,
 }
 
 impl Worker {
@@ -193,6 +239,12 @@ impl Worker {
             result = self.sink.health_check() => Some(result),
             _ = self.stopped() => None,
         };
+        if let Some(result) = &checked {
+            self.health.set(
+                &self.name,
+                result.as_ref().map_err(|e| e.to_string()).copied(),
+            );
+        }
         match checked {
             Some(Ok(())) => tracing::info!(sink = %self.name, "Sink ready"),
             Some(Err(error)) => {
@@ -302,6 +354,14 @@ impl Worker {
                 result = self.sink.deliver(batch) => result,
                 _ = self.stopped() => return false,
             };
+            self.health.set(
+                &self.name,
+                result.as_ref().map_err(|e| e.to_string()).copied(),
+            );
+            if result.is_err() {
+                metrics::counter!("sched_relay_sink_failed_total", "sink" => self.name.clone())
+                    .increment(1);
+            }
             match result {
                 Ok(()) => {
                     metrics::counter!("sched_relay_sink_delivered_total", "sink" => self.name.clone())

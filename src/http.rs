@@ -1,7 +1,10 @@
-//! The agent's own HTTP listener (`[telemetry] listen`, loopback by default): `/healthz`, and
-//! `POST /approvals` when `[approvals.http]` is enabled.
+//! The agent's own HTTP listener (`[telemetry] listen`, loopback by default): `/metrics`
+//! (Prometheus text format), `/healthz` (the process answers), `/readyz` (first poll done,
+//! sinks healthy, no outbox full), `GET /events` (the current document and each event's
+//! delivery state per sink), and `POST /approvals` when `[approvals.http]` is enabled.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use axum::Router;
 use axum::body::Bytes;
@@ -11,6 +14,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use sink_core::inbound::{Deliveries, Inbound, hand_over};
 use subtle::ConstantTimeEq;
+
+use crate::telemetry::Telemetry;
 
 /// What `POST /approvals` needs.
 #[derive(Clone)]
@@ -23,11 +28,17 @@ pub struct ApprovalEndpoint {
 /// Binds the listener (so a taken port fails the start, loudly) and returns the server task.
 pub async fn serve(
     listen: SocketAddr,
+    telemetry: Arc<Telemetry>,
     approvals: Option<ApprovalEndpoint>,
     max_body: usize,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), std::io::Error> {
-    let mut router = Router::new().route("/healthz", get(|| async { "ok\n" }));
+    let mut router = Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/events", get(events))
+        .with_state(telemetry);
     if let Some(endpoint) = approvals {
         router = router.route(
             "/approvals",
@@ -47,6 +58,35 @@ pub async fn serve(
         }
     });
     Ok((bound, task))
+}
+
+async fn readyz(State(telemetry): State<Arc<Telemetry>>) -> Response {
+    match telemetry.readiness() {
+        Ok(body) => (StatusCode::OK, axum::Json(body)).into_response(),
+        Err(body) => (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response(),
+    }
+}
+
+async fn metrics(State(telemetry): State<Arc<Telemetry>>) -> Response {
+    // Reading the store's gauges touches the disk: off the async threads.
+    match tokio::task::spawn_blocking(move || telemetry.render_metrics()).await {
+        Ok(text) => (
+            [(
+                header::CONTENT_TYPE,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )],
+            text,
+        )
+            .into_response(),
+        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
+    }
+}
+
+async fn events(State(telemetry): State<Arc<Telemetry>>) -> Response {
+    match tokio::task::spawn_blocking(move || telemetry.events_view()).await {
+        Ok(view) => axum::Json(view).into_response(),
+        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
+    }
 }
 
 async fn approve(

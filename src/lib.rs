@@ -17,6 +17,8 @@ pub mod policy;
 pub mod simulator;
 pub mod sinks;
 pub mod store;
+pub mod telemetry;
+pub mod watch;
 
 pub use agent::{AgentError, RunOptions, run};
 pub use config::Config;

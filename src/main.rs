@@ -58,6 +58,19 @@ enum Command {
         #[arg(long)]
         time_scale: Option<f64>,
     },
+    /// A live table of the fleet's events, from the stream the agents publish.
+    Watch {
+        /// A file sink's path, nats://host:4222[?subject=scheduledevents.>],
+        /// amqp://user:pass@host:5672/%2f[?exchange=scheduledevents&binding_key=#] or
+        /// kafka://host:9092[/topic][?since=24h].
+        #[arg(long)]
+        from: sched_relay::watch::From,
+        /// Read for --settle, print the table once and exit (for scripts).
+        #[arg(long)]
+        once: bool,
+        #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+        settle: std::time::Duration,
+    },
     /// Run simulator + agent + stdout/file sinks on this machine, no broker needed.
     Demo,
     /// GET the current Scheduled Events document and print it.
@@ -232,6 +245,16 @@ async fn main() -> ExitCode {
             shutdown_signal().await;
             simulator.stop().await;
             ExitCode::SUCCESS
+        }
+        Command::Watch { from, once, settle } => {
+            init_logging("warn", format);
+            match sched_relay::watch::run(from, once, settle, &mut std::io::stdout()).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(error) => {
+                    eprintln!("error: {error}");
+                    ExitCode::FAILURE
+                }
+            }
         }
         Command::Demo => {
             init_logging("sched_relay=info", format);

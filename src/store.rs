@@ -46,6 +46,9 @@ pub enum StoreError {
     },
 }
 
+/// An undelivered event's id and observation time.
+pub type PendingId = (String, Option<chrono::DateTime<chrono::Utc>>);
+
 /// One stored event: its sequence number, and the event (or why it cannot be read).
 pub struct Stored {
     pub seq: u64,
@@ -234,6 +237,22 @@ impl Outbox {
         };
         txn.commit().map_err(|e| self.io(e))?;
         Ok(new)
+    }
+
+    /// How many undelivered events each sink may hold.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// The CloudEvents ids `sink` has not confirmed yet, oldest first, with each event's
+    /// `time` (when it was observed).
+    pub fn pending_ids(&self, sink: &str, max: usize) -> Result<Vec<PendingId>, StoreError> {
+        Ok(self
+            .pending(sink, max)?
+            .into_iter()
+            .filter_map(|stored| stored.event.ok())
+            .map(|event| (event.id().to_owned(), event.time().copied()))
+            .collect())
     }
 
     /// How many events `sink` has not confirmed yet.

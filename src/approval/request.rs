@@ -121,7 +121,7 @@ pub struct Limits {
 
 /// Header prefixes of the CloudEvents bindings, lower-cased: HTTP, NATS and RabbitMQ (`ce-`),
 /// Kafka (`ce_`), AMQP 1.0 (`cloudEvents_` and `cloudEvents:`).
-const PREFIXES: [&str; 4] = ["ce-", "ce_", "cloudevents_", "cloudevents:"];
+pub const PREFIXES: [&str; 4] = ["ce-", "ce_", "cloudevents_", "cloudevents:"];
 
 /// Reads a message. On failure, also returns the request id when one could be read, so the
 /// rejection can name it.

@@ -27,6 +27,9 @@ pub struct AmqpSourceSpec {
     pub routing_key: String,
     pub fleet_routing_key: Option<String>,
     pub prefetch: u16,
+    /// A private queue that disappears with the connection (for `sched-relay watch`); the
+    /// exchange must already exist.
+    pub exclusive: bool,
 }
 
 /// Consumes until `stop` turns true. Broker problems are logged and retried.
@@ -41,23 +44,27 @@ pub async fn run(spec: AmqpSourceSpec, deliveries: Deliveries, stop: watch::Rece
 
 async fn declare(spec: &AmqpSourceSpec, channel: &Channel, sink: &AmqpSink) -> Result<(), String> {
     let what = |what: String| move |e| sink.classify(e, &what).to_string();
-    channel
-        .exchange_declare(
-            spec.exchange.as_str().into(),
-            ExchangeKind::Topic,
-            ExchangeDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .map_err(what(format!("cannot declare exchange {}", spec.exchange)))?;
+    if !spec.exclusive {
+        channel
+            .exchange_declare(
+                spec.exchange.as_str().into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(what(format!("cannot declare exchange {}", spec.exchange)))?;
+    }
     channel
         .queue_declare(
             spec.queue.as_str().into(),
             QueueDeclareOptions {
-                durable: true,
+                durable: !spec.exclusive,
+                exclusive: spec.exclusive,
+                auto_delete: spec.exclusive,
                 ..Default::default()
             },
             FieldTable::default(),

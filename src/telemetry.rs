@@ -1,0 +1,263 @@
+//! What the agent tells operators about itself: Prometheus metrics, readiness, and a JSON view
+//! of the current document with each event's delivery state per sink. Served by
+//! [`crate::http`] on `[telemetry] listen`.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use chrono::Utc;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use serde_json::{Value, json};
+use tokio::sync::watch;
+
+use crate::approval::Snapshot;
+use crate::fanout::SinkHealth;
+use crate::store::Outbox;
+
+/// Seconds buckets for request latencies: IMDS answers in about a millisecond on a VM, the
+/// first call can take minutes.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0,
+];
+
+/// Every metric the agent exports: name, kind and help text. README's metrics table, the
+/// Grafana dashboard and the alert rules use these names (a test checks they exist).
+pub const METRICS: &[(&str, &str, &str)] = &[
+    (
+        "sched_relay_build_info",
+        "gauge",
+        "Always 1; the version label says which build runs.",
+    ),
+    (
+        "sched_relay_imds_polls_total",
+        "counter",
+        "Requests for the Scheduled Events document.",
+    ),
+    (
+        "sched_relay_imds_poll_duration_seconds",
+        "histogram",
+        "How long each document request took, failures included.",
+    ),
+    (
+        "sched_relay_imds_errors_total",
+        "counter",
+        "Failed document requests, by kind (timeout, unreachable, status, malformed, ...).",
+    ),
+    (
+        "sched_relay_imds_last_success_timestamp_seconds",
+        "gauge",
+        "Unix time of the last document fetched successfully.",
+    ),
+    (
+        "sched_relay_incarnation",
+        "gauge",
+        "DocumentIncarnation of the last processed document.",
+    ),
+    (
+        "sched_relay_document_events",
+        "gauge",
+        "Events in the current document, by event_type and status.",
+    ),
+    (
+        "sched_relay_transitions_total",
+        "counter",
+        "Transitions emitted, by transition (scheduled, started, completed, ...).",
+    ),
+    (
+        "sched_relay_sink_delivered_total",
+        "counter",
+        "Events a sink confirmed.",
+    ),
+    (
+        "sched_relay_sink_failed_total",
+        "counter",
+        "Failed delivery attempts of a sink (retried or dead-lettered).",
+    ),
+    (
+        "sched_relay_sink_retried_total",
+        "counter",
+        "Delivery attempts of a sink that will be retried.",
+    ),
+    (
+        "sched_relay_sink_dead_lettered_total",
+        "counter",
+        "Events written to a sink's dead-letter file.",
+    ),
+    (
+        "sched_relay_sink_up",
+        "gauge",
+        "1 when a sink's last health check or delivery succeeded.",
+    ),
+    (
+        "sched_relay_outbox_depth",
+        "gauge",
+        "Events stored for a sink and not yet confirmed.",
+    ),
+    (
+        "sched_relay_outbox_oldest_age_seconds",
+        "gauge",
+        "Age of the oldest event a sink has not confirmed (0 when none).",
+    ),
+    (
+        "sched_relay_approvals_total",
+        "counter",
+        "Approval requests handled, by source, outcome and reason.",
+    ),
+    (
+        "sched_relay_approvals_skipped_total",
+        "counter",
+        "Requests on a shared approval channel that were for another VM.",
+    ),
+    (
+        "sched_relay_approvals_unauthorized_total",
+        "counter",
+        "POST /approvals refused for a missing or wrong bearer token.",
+    ),
+];
+
+/// The process-wide Prometheus recorder, installed on first use (a process has one).
+pub fn prometheus() -> &'static PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE.get_or_init(|| {
+        let handle = PrometheusBuilder::new()
+            .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
+            .expect("the buckets are not empty")
+            .install_recorder()
+            .expect("no other metrics recorder is installed");
+        for (name, kind, help) in METRICS {
+            match *kind {
+                "counter" => metrics::describe_counter!(*name, *help),
+                "histogram" => metrics::describe_histogram!(*name, metrics::Unit::Seconds, *help),
+                _ => metrics::describe_gauge!(*name, *help),
+            }
+        }
+        metrics::gauge!("sched_relay_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+        handle
+    })
+}
+
+/// The agent's state, as the listener sees it.
+pub struct Telemetry {
+    /// Set once the first document was fetched and processed.
+    pub first_poll_done: AtomicBool,
+    pub sinks: Vec<(String, Arc<SinkHealth>)>,
+    pub outbox: Arc<Outbox>,
+    pub latest: watch::Receiver<Option<Snapshot>>,
+}
+
+impl Telemetry {
+    /// Refreshes the gauges read from the store (outbox depth and oldest age per sink), then
+    /// renders every metric in the Prometheus text format.
+    pub fn render_metrics(&self) -> String {
+        for (sink, _) in &self.sinks {
+            let depth = self.outbox.depth(sink).unwrap_or_default();
+            metrics::gauge!("sched_relay_outbox_depth", "sink" => sink.clone()).set(depth as f64);
+            metrics::gauge!("sched_relay_outbox_oldest_age_seconds", "sink" => sink.clone())
+                .set(self.oldest_age(sink).unwrap_or_default());
+        }
+        prometheus().render()
+    }
+
+    fn oldest_age(&self, sink: &str) -> Option<f64> {
+        let (_, time) = self.outbox.pending_ids(sink, 1).ok()?.into_iter().next()?;
+        let age = Utc::now().signed_duration_since(time?);
+        Some(age.num_milliseconds().max(0) as f64 / 1000.0)
+    }
+
+    /// Ready: the first poll is done, every sink's last check or delivery succeeded, and no
+    /// sink's outbox is full. Otherwise the reasons.
+    pub fn readiness(&self) -> Result<Value, Value> {
+        let mut reasons = Vec::new();
+        if !self.first_poll_done.load(Ordering::Relaxed) {
+            reasons.push("no document processed yet (the first call to the metadata service can take minutes)".to_owned());
+        }
+        for (sink, health) in &self.sinks {
+            if !health.healthy() {
+                let error = health
+                    .last_error()
+                    .unwrap_or_else(|| "not checked yet".into());
+                reasons.push(format!("sink {sink} is failing: {error}"));
+            }
+            let depth = self.outbox.depth(sink).unwrap_or_default();
+            if depth >= self.outbox.capacity() {
+                reasons.push(format!(
+                    "sink {sink}: outbox full ({depth} events); new events go to its dead-letter file"
+                ));
+            }
+        }
+        if reasons.is_empty() {
+            Ok(json!({"ready": true}))
+        } else {
+            Err(json!({"ready": false, "reasons": reasons}))
+        }
+    }
+
+    /// The current document, and for each of its events the transitions each sink has not
+    /// confirmed yet.
+    pub fn events_view(&self) -> Value {
+        let snapshot = self.latest.borrow().clone();
+        let mut pending: Vec<(String, Vec<String>)> = Vec::new();
+        let mut sinks = serde_json::Map::new();
+        for (sink, health) in &self.sinks {
+            let ids: Vec<String> = self
+                .outbox
+                .pending_ids(sink, self.outbox.capacity())
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(id, _)| id)
+                .collect();
+            sinks.insert(
+                sink.clone(),
+                json!({
+                    "healthy": health.healthy(),
+                    "lastError": health.last_error(),
+                    "undelivered": ids.len(),
+                    "oldestAgeSeconds": self.oldest_age(sink),
+                }),
+            );
+            pending.push((sink.clone(), ids));
+        }
+        let Some(snapshot) = snapshot else {
+            return json!({"document": null, "events": [], "sinks": sinks});
+        };
+        let document = &snapshot.document;
+        let events: Vec<Value> = document
+            .events
+            .iter()
+            .map(|event| {
+                let prefix = format!("{}:", event.id);
+                let delivery: serde_json::Map<String, Value> = pending
+                    .iter()
+                    .map(|(sink, ids)| {
+                        let waiting: Vec<&String> =
+                            ids.iter().filter(|id| id.starts_with(&prefix)).collect();
+                        let state = if waiting.is_empty() {
+                            "delivered"
+                        } else {
+                            "pending"
+                        };
+                        (
+                            sink.clone(),
+                            json!({"state": state, "undelivered": waiting}),
+                        )
+                    })
+                    .collect();
+                json!({
+                    "EventId": event.id,
+                    "EventType": event.raw.get("EventType"),
+                    "EventStatus": event.status.as_str(),
+                    "NotBefore": event.raw.get("NotBefore"),
+                    "Resources": event.raw.get("Resources"),
+                    "delivery": delivery,
+                })
+            })
+            .collect();
+        json!({
+            "incarnation": document.incarnation,
+            "fetchedSecondsAgo": snapshot.fetched.elapsed().as_secs_f64(),
+            "document": document.raw,
+            "events": events,
+            "sinks": sinks,
+        })
+    }
+}

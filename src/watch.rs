@@ -1,0 +1,466 @@
+//! `sched-relay watch`: a live table of the fleet's maintenance, built from the event stream
+//! the agents publish (a file sink, NATS, RabbitMQ or Kafka): one row per VM and event, with
+//! its type, status, a NotBefore countdown and the approval state.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sink_core::inbound::{Delivery, Inbound, Reply};
+use tokio::sync::{mpsc, watch};
+
+use crate::approval::request::PREFIXES;
+
+/// One row: what is known about one event of one VM.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Row {
+    pub event_type: String,
+    pub status: String,
+    pub not_before: Option<DateTime<Utc>>,
+    pub approval: String,
+    pub last: String,
+    pub seen: Option<DateTime<Utc>>,
+}
+
+/// The table: (VM, EventId) -> row.
+#[derive(Debug, Default)]
+pub struct Fleet {
+    pub rows: BTreeMap<(String, String), Row>,
+}
+
+impl Fleet {
+    /// Applies one CloudEvent (structured JSON form) to the table.
+    pub fn apply(&mut self, event: &Value) {
+        let text = |name: &str| event.get(name).and_then(Value::as_str).unwrap_or_default();
+        let ty = text("type");
+        let Some((_, kind)) = ty.split_once(".scheduledevents.") else {
+            return;
+        };
+        let vm = text("vmname").to_owned();
+        let event_id = text("subject").to_owned();
+        if vm.is_empty() || event_id.is_empty() || kind == "document" {
+            return;
+        }
+        let row = self.rows.entry((vm, event_id)).or_default();
+        row.seen = event
+            .get("time")
+            .and_then(Value::as_str)
+            .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
+            .map(|t| t.with_timezone(&Utc))
+            .or(row.seen);
+        if let Some(outcome) = kind.strip_prefix("approval.") {
+            let reason = event["data"]["reason"].as_str().unwrap_or_default();
+            row.approval = match outcome {
+                "accepted" if event["dryrun"] == true => "dry run".to_owned(),
+                "accepted" => "accepted".to_owned(),
+                other => format!("{other}: {reason}"),
+            };
+            return;
+        }
+        row.last = kind.to_owned();
+        if !text("eventtype").is_empty() {
+            row.event_type = text("eventtype").to_owned();
+        }
+        row.status = match kind {
+            "completed" => "Completed".to_owned(),
+            "cancelled" => "Cancelled".to_owned(),
+            _ => text("eventstatus").to_owned(),
+        };
+        row.not_before = event["data"]["event"]["NotBefore"]
+            .as_str()
+            .and_then(|t| DateTime::parse_from_rfc2822(t).ok())
+            .map(|t| t.with_timezone(&Utc));
+    }
+
+    /// The table as text, with NotBefore as a countdown from `now`.
+    pub fn render(&self, now: DateTime<Utc>) -> String {
+        let header = [
+            "VM",
+            "EVENT",
+            "TYPE",
+            "STATUS",
+            "NOT BEFORE",
+            "APPROVAL",
+            "LAST",
+        ];
+        let mut lines: Vec<[String; 7]> = vec![header.map(str::to_owned)];
+        for ((vm, event_id), row) in &self.rows {
+            let countdown = match row.not_before {
+                None => "-".to_owned(),
+                Some(at) if at > now => format!(
+                    "in {}",
+                    humantime::format_duration(Duration::from_secs(
+                        (at - now).num_seconds().max(0) as u64
+                    ),)
+                ),
+                Some(at) => format!(
+                    "{} ago",
+                    humantime::format_duration(Duration::from_secs(
+                        (now - at).num_seconds().max(0) as u64
+                    ),)
+                ),
+            };
+            lines.push([
+                vm.clone(),
+                event_id.clone(),
+                row.event_type.clone(),
+                row.status.clone(),
+                countdown,
+                if row.approval.is_empty() {
+                    "-".into()
+                } else {
+                    row.approval.clone()
+                },
+                row.last.clone(),
+            ]);
+        }
+        let widths: Vec<usize> = (0..7)
+            .map(|i| {
+                lines
+                    .iter()
+                    .map(|l| l[i].chars().count())
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect();
+        let mut out = String::new();
+        for line in &lines {
+            let cells: Vec<String> = line
+                .iter()
+                .zip(&widths)
+                .map(|(cell, width)| format!("{cell:<width$}"))
+                .collect();
+            out.push_str(cells.join("  ").trim_end());
+            out.push('\n');
+        }
+        out.push_str(&format!(
+            "{} event(s) on {} VM(s)\n",
+            self.rows.len(),
+            self.vm_count()
+        ));
+        out
+    }
+
+    fn vm_count(&self) -> usize {
+        let mut vms: Vec<&String> = self.rows.keys().map(|(vm, _)| vm).collect();
+        vms.dedup();
+        vms.len()
+    }
+}
+
+/// A message in binary or structured mode as one structured-mode JSON object.
+pub fn decode(message: &Inbound) -> Option<Value> {
+    let mut attributes = serde_json::Map::new();
+    for (name, value) in &message.headers {
+        let lower = name.to_ascii_lowercase();
+        if let Some(attribute) = PREFIXES.iter().find_map(|p| lower.strip_prefix(p)) {
+            attributes.insert(attribute.to_owned(), Value::String(value.clone()));
+        }
+    }
+    let body: Value = serde_json::from_slice(&message.body).ok()?;
+    if attributes.contains_key("specversion") {
+        attributes.insert("data".into(), body);
+        Some(Value::Object(attributes))
+    } else {
+        body.get("specversion").is_some().then_some(body)
+    }
+}
+
+/// Where to read the event stream from.
+#[derive(Debug, Clone)]
+pub enum From {
+    File(std::path::PathBuf),
+    Broker(url::Url),
+}
+
+impl std::str::FromStr for From {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        match url::Url::parse(text) {
+            Ok(url) if url.scheme() == "file" => Ok(From::File(url.path().into())),
+            Ok(url) if matches!(url.scheme(), "nats" | "tls" | "amqp" | "amqps" | "kafka") => {
+                Ok(From::Broker(url))
+            }
+            Ok(url) if url.scheme().len() > 1 => Err(format!(
+                "--from {text}: expected a file path, nats://, amqp:// or kafka://"
+            )),
+            _ => Ok(From::File(text.into())),
+        }
+    }
+}
+
+/// Runs the view until Ctrl-C (or, with `once`, until the stream is read: a file to its end,
+/// a broker for `settle`), printing to `out`.
+pub async fn run(
+    from: From,
+    once: bool,
+    settle: Duration,
+    out: &mut (impl Write + Send),
+) -> Result<(), String> {
+    let (tx, mut rx) = mpsc::channel::<Delivery>(256);
+    let (stop, stop_rx) = watch::channel(false);
+    let reader = start(from, tx, stop_rx)?;
+    let mut fleet = Fleet::default();
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stdout()) && !once;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let deadline = Instant::now() + settle;
+    loop {
+        tokio::select! {
+            delivery = rx.recv() => {
+                let Some(delivery) = delivery else { break };
+                if let Some(event) = decode(&delivery.message) {
+                    fleet.apply(&event);
+                }
+                let _ = delivery.handled.send(Reply { outcome: "skipped", body: Value::Null });
+                continue;
+            }
+            _ = tick.tick() => {}
+            _ = tokio::signal::ctrl_c() => break,
+        }
+        if once {
+            if Instant::now() >= deadline {
+                break;
+            }
+            continue;
+        }
+        let table = fleet.render(Utc::now());
+        let clear = if tty { "\x1b[2J\x1b[H" } else { "" };
+        write!(out, "{clear}{table}").map_err(|e| e.to_string())?;
+        out.flush().map_err(|e| e.to_string())?;
+    }
+    let _ = stop.send(true);
+    reader.abort();
+    write!(out, "{}", fleet.render(Utc::now())).map_err(|e| e.to_string())
+}
+
+/// Starts the reader task that feeds `tx`.
+fn start(
+    from: From,
+    tx: mpsc::Sender<Delivery>,
+    stop: watch::Receiver<bool>,
+) -> Result<tokio::task::JoinHandle<()>, String> {
+    match from {
+        From::File(path) => Ok(tokio::spawn(follow_file(path, tx, stop))),
+        From::Broker(url) => broker(url, tx, stop),
+    }
+}
+
+/// Reads a JSON Lines file and follows what is appended (the file sink's output).
+async fn follow_file(
+    path: std::path::PathBuf,
+    tx: mpsc::Sender<Delivery>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut offset = 0usize;
+    loop {
+        let text = tokio::fs::read(&path).await.unwrap_or_default();
+        if text.len() > offset {
+            let end = text[offset..]
+                .iter()
+                .rposition(|b| *b == b'\n')
+                .map(|i| offset + i + 1)
+                .unwrap_or(offset);
+            for line in text[offset..end]
+                .split(|b| *b == b'\n')
+                .filter(|l| !l.is_empty())
+            {
+                let message = Inbound {
+                    transport: "file",
+                    channel: path.display().to_string(),
+                    headers: Vec::new(),
+                    content_type: None,
+                    body: line.to_vec(),
+                    shared: true,
+                };
+                if sink_core::inbound::hand_over(&tx, message).await.is_none() {
+                    return;
+                }
+            }
+            offset = end;
+        }
+        tokio::select! {
+            _ = stop.wait_for(|stop| *stop) => return,
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+        }
+    }
+}
+
+#[cfg_attr(
+    not(any(feature = "nats", feature = "amqp", feature = "kafka")),
+    allow(unused_variables)
+)]
+fn broker(
+    url: url::Url,
+    tx: mpsc::Sender<Delivery>,
+    stop: watch::Receiver<bool>,
+) -> Result<tokio::task::JoinHandle<()>, String> {
+    let query = |name: &str| {
+        url.query_pairs()
+            .find(|(key, _)| key == name)
+            .map(|(_, value)| value.into_owned())
+    };
+    let mut base = url.clone();
+    base.set_query(None);
+    match url.scheme() {
+        #[cfg(feature = "nats")]
+        "nats" | "tls" => {
+            let connection = serde_json::from_value(
+                serde_json::json!({"url": base.as_str().trim_end_matches('/')}),
+            )
+            .map_err(|e| e.to_string())?;
+            let spec = sink_nats::source::NatsSourceSpec {
+                connection,
+                subject: query("subject").unwrap_or_else(|| "scheduledevents.>".into()),
+                fleet_subject: None,
+                jetstream: None,
+            };
+            Ok(tokio::spawn(sink_nats::source::run(spec, tx, stop)))
+        }
+        #[cfg(feature = "amqp")]
+        "amqp" | "amqps" => {
+            let connection = serde_json::from_value(serde_json::json!({"url": base.as_str()}))
+                .map_err(|e| e.to_string())?;
+            let spec = sink_amqp::source::AmqpSourceSpec {
+                connection,
+                queue: format!("sched-relay-watch-{}", std::process::id()),
+                declare: true,
+                exchange: query("exchange").unwrap_or_else(|| "scheduledevents".into()),
+                routing_key: query("binding_key").unwrap_or_else(|| "#".into()),
+                fleet_routing_key: None,
+                prefetch: 256,
+                exclusive: true,
+            };
+            Ok(tokio::spawn(sink_amqp::source::run(spec, tx, stop)))
+        }
+        #[cfg(feature = "kafka")]
+        "kafka" => {
+            let host = format!(
+                "{}:{}",
+                url.host_str().unwrap_or("127.0.0.1"),
+                url.port().unwrap_or(9092)
+            );
+            let topic = match url.path().trim_start_matches('/') {
+                "" => "scheduledevents".to_owned(),
+                topic => topic.to_owned(),
+            };
+            let connection = serde_json::from_value(serde_json::json!({"brokers": host}))
+                .map_err(|e| e.to_string())?;
+            let spec = sink_kafka::source::KafkaSourceSpec {
+                connection,
+                topic,
+                vm_name: String::new(),
+                by_key: false,
+                group_id: format!("sched-relay-watch-{}", std::process::id()),
+                max_age: humantime::parse_duration(&query("since").unwrap_or_else(|| "24h".into()))
+                    .map_err(|e| format!("since: {e}"))?,
+            };
+            Ok(tokio::spawn(sink_kafka::source::run(spec, tx, stop)))
+        }
+        scheme => Err(format!(
+            "--from {scheme}://: this build has no support for it"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn event(ty: &str, vm: &str, id: &str, extra: Value) -> Value {
+        let mut event = json!({
+            "specversion": "1.0", "type": format!("com.azure.scheduledevents.{ty}"),
+            "vmname": vm, "subject": id, "time": "2026-11-21T10:00:00Z",
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            event[k] = v.clone();
+        }
+        event
+    }
+
+    #[test]
+    fn the_table_follows_each_events_transitions_and_approval() {
+        let mut fleet = Fleet::default();
+        fleet.apply(&event(
+            "scheduled",
+            "vm1",
+            "E1",
+            json!({
+                "eventtype": "Reboot", "eventstatus": "Scheduled",
+                "data": {"event": {"NotBefore": "Sat, 21 Nov 2026 10:15:00 GMT"}},
+            }),
+        ));
+        fleet.apply(&event(
+            "approval.rejected",
+            "vm1",
+            "E1",
+            json!({"data": {"reason": "expired"}}),
+        ));
+        fleet.apply(&event(
+            "scheduled",
+            "vm2",
+            "E2",
+            json!({"eventtype": "Freeze", "eventstatus": "Scheduled"}),
+        ));
+        fleet.apply(&event(
+            "approval.accepted",
+            "vm2",
+            "E2",
+            json!({"data": {"reason": "policy"}}),
+        ));
+        fleet.apply(&event(
+            "started",
+            "vm2",
+            "E2",
+            json!({"eventtype": "Freeze", "eventstatus": "Started"}),
+        ));
+        fleet.apply(&event("document", "vm2", "3", json!({})));
+        let now = DateTime::parse_from_rfc3339("2026-11-21T10:10:00Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        let table = fleet.render(now);
+        let lines: Vec<&str> = table.lines().collect();
+        assert!(lines[0].starts_with("VM"));
+        assert!(
+            lines[1].contains("vm1")
+                && lines[1].contains("Reboot")
+                && lines[1].contains("in 5m")
+                && lines[1].contains("rejected: expired"),
+            "{table}"
+        );
+        assert!(
+            lines[2].contains("vm2")
+                && lines[2].contains("Started")
+                && lines[2].contains("accepted"),
+            "{table}"
+        );
+        assert_eq!(lines[3], "2 event(s) on 2 VM(s)");
+    }
+
+    #[test]
+    fn binary_mode_headers_and_structured_bodies_decode_alike() {
+        let structured = json!({"specversion": "1.0", "type": "t", "subject": "E"});
+        let from_body = Inbound {
+            transport: "nats",
+            channel: "c".into(),
+            headers: Vec::new(),
+            content_type: None,
+            body: structured.to_string().into_bytes(),
+            shared: true,
+        };
+        assert_eq!(decode(&from_body).unwrap()["subject"], "E");
+        let binary = Inbound {
+            headers: vec![
+                ("ce_specversion".into(), "1.0".into()),
+                ("ce_subject".into(), "E".into()),
+            ],
+            body: b"{\"x\":1}".to_vec(),
+            ..from_body
+        };
+        let decoded = decode(&binary).unwrap();
+        assert_eq!(decoded["subject"], "E");
+        assert_eq!(decoded["data"]["x"], 1);
+    }
+}
