@@ -369,8 +369,19 @@ impl Worker {
                     if attempt > 0 {
                         tracing::info!(sink = %self.name, attempts = attempt + 1, "Sink recovered, batch delivered");
                     }
+                    // The agent's own part of the latency: from the document's arrival (the
+                    // event's `time`) to the destination's confirmation.
+                    let now = chrono::Utc::now();
                     for event in batch {
-                        tracing::debug!(sink = %self.name, event_id = %event.id(), "Delivered");
+                        let latency = event
+                            .time()
+                            .map(|observed| {
+                                (now - *observed).num_microseconds().unwrap_or(i64::MAX)
+                            })
+                            .unwrap_or_default();
+                        metrics::histogram!("sched_relay_sink_delivery_latency_seconds", "sink" => self.name.clone())
+                            .record(latency as f64 / 1e6);
+                        tracing::debug!(sink = %self.name, event_id = %event.id(), latency_us = latency, "Delivered");
                     }
                     return true;
                 }

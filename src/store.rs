@@ -59,6 +59,18 @@ pub struct Outbox {
     db: Database,
     path: PathBuf,
     capacity: usize,
+    /// Per sink: the next sequence number and how many events are stored. Read from the
+    /// table once per sink, then kept up to date by every write, under this lock (redb runs
+    /// one write transaction at a time anyway). Without it each new document scanned every
+    /// sink's whole backlog.
+    counters: std::sync::Mutex<std::collections::HashMap<String, Counter>>,
+}
+
+/// Where one sink's queue stands.
+#[derive(Debug, Clone, Copy, Default)]
+struct Counter {
+    next: u64,
+    depth: usize,
 }
 
 impl Outbox {
@@ -83,7 +95,12 @@ impl Outbox {
             path: shown.clone(),
             reason: e.to_string(),
         })?;
-        let outbox = Outbox { db, path, capacity };
+        let outbox = Outbox {
+            db,
+            path,
+            capacity,
+            counters: Default::default(),
+        };
         // Create the tables, and read what a restart needs, so damage shows at start.
         let txn = outbox.write()?;
         txn.open_table(EVENTS).map_err(|e| outbox.io(e))?;
@@ -138,22 +155,18 @@ impl Outbox {
                     .map_err(|error| self.io(format!("cannot encode {}: {error}", e.id())))
             })
             .collect::<Result<_, _>>()?;
+        let mut counters = self.lock_counters();
+        let mut updated = Vec::with_capacity(sinks.len());
         let txn = self.write()?;
         {
             let mut table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
             for sink in sinks {
-                let (mut next, mut depth) = {
-                    let range = table
-                        .range((sink.as_str(), 0)..=(sink.as_str(), u64::MAX))
-                        .map_err(|e| self.io(e))?;
-                    let mut depth = 0usize;
-                    let mut last = None;
-                    for entry in range {
-                        let (key, _) = entry.map_err(|e| self.io(e))?;
-                        last = Some(key.value().1);
-                        depth += 1;
-                    }
-                    (last.map_or(0, |seq| seq + 1), depth)
+                let Counter {
+                    mut next,
+                    mut depth,
+                } = match counters.get(sink) {
+                    Some(counter) => *counter,
+                    None => self.count(&table, sink)?,
                 };
                 for (event, bytes) in events.iter().zip(&encoded) {
                     if depth >= self.capacity {
@@ -166,6 +179,7 @@ impl Outbox {
                     next += 1;
                     depth += 1;
                 }
+                updated.push((sink.clone(), Counter { next, depth }));
             }
             if let Some(document) = document {
                 let mut meta = txn.open_table(META).map_err(|e| self.io(e))?;
@@ -175,6 +189,7 @@ impl Outbox {
             }
         }
         txn.commit().map_err(|e| self.io(e))?;
+        counters.extend(updated);
         Ok(overflow)
     }
 
@@ -204,14 +219,52 @@ impl Outbox {
 
     /// Forgets `sink`'s events with these sequence numbers (delivered or dead-lettered).
     pub fn remove(&self, sink: &str, seqs: &[u64]) -> Result<(), StoreError> {
+        let mut counters = self.lock_counters();
         let txn = self.write()?;
+        let mut removed = 0;
         {
             let mut table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
             for seq in seqs {
-                table.remove((sink, *seq)).map_err(|e| self.io(e))?;
+                if table
+                    .remove((sink, *seq))
+                    .map_err(|e| self.io(e))?
+                    .is_some()
+                {
+                    removed += 1;
+                }
             }
         }
-        txn.commit().map_err(|e| self.io(e))
+        txn.commit().map_err(|e| self.io(e))?;
+        if let Some(counter) = counters.get_mut(sink) {
+            counter.depth = counter.depth.saturating_sub(removed);
+        }
+        Ok(())
+    }
+
+    fn lock_counters(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, Counter>> {
+        self.counters.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Reads a sink's queue position from the table (once per sink and process).
+    fn count(
+        &self,
+        table: &impl ReadableTable<(&'static str, u64), &'static [u8]>,
+        sink: &str,
+    ) -> Result<Counter, StoreError> {
+        let mut range = table
+            .range((sink, 0)..=(sink, u64::MAX))
+            .map_err(|e| self.io(e))?;
+        let next = match range.next_back() {
+            Some(last) => last.map_err(|e| self.io(e))?.0.value().1 + 1,
+            None => 0,
+        };
+        let depth = table
+            .range((sink, 0)..=(sink, u64::MAX))
+            .map_err(|e| self.io(e))?
+            .count();
+        Ok(Counter { next, depth })
     }
 
     /// Records an approval request id as seen, durably, until `keep_until` (Unix seconds).
@@ -257,12 +310,15 @@ impl Outbox {
 
     /// How many events `sink` has not confirmed yet.
     pub fn depth(&self, sink: &str) -> Result<usize, StoreError> {
+        let mut counters = self.lock_counters();
+        if let Some(counter) = counters.get(sink) {
+            return Ok(counter.depth);
+        }
         let txn = self.db.begin_read().map_err(|e| self.io(e))?;
         let table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
-        let range = table
-            .range((sink, 0)..=(sink, u64::MAX))
-            .map_err(|e| self.io(e))?;
-        Ok(range.count())
+        let counter = self.count(&table, sink)?;
+        counters.insert(sink.to_owned(), counter);
+        Ok(counter.depth)
     }
 }
 

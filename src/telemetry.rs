@@ -84,6 +84,11 @@ pub const METRICS: &[(&str, &str, &str)] = &[
         "Events written to a sink's dead-letter file.",
     ),
     (
+        "sched_relay_sink_delivery_latency_seconds",
+        "histogram",
+        "From the document's arrival to the sink's confirmation, per event.",
+    ),
+    (
         "sched_relay_sink_up",
         "gauge",
         "1 when a sink's last health check or delivery succeeded.",

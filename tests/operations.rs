@@ -255,6 +255,13 @@ fn dashboards_alerts_and_docs_use_only_metrics_that_exist() {
             "{name} is recorded but not in telemetry::METRICS"
         );
     }
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    for (name, kind, _) in METRICS {
+        assert!(
+            readme.contains(&format!("| `{name}` | {kind} |")),
+            "README's metrics table lacks {name}"
+        );
+    }
     for file in [
         "deploy/grafana/sched-relay.json",
         "deploy/prometheus/alerts.yml",

@@ -44,6 +44,9 @@ pub enum Phase {
 pub struct RecordedRequest {
     /// Milliseconds since the simulator started.
     pub at_ms: u64,
+    /// Arrival as Unix microseconds (for latency measurements across processes).
+    #[serde(default)]
+    pub unix_us: i64,
     pub method: String,
     pub path: String,
     pub api_version: Option<String>,
@@ -306,6 +309,9 @@ pub struct Snapshot {
     pub phases: Vec<(String, Phase)>,
     /// Every event has come and gone, and the last document was served since.
     pub finished: bool,
+    /// When the scenario's clock started, as Unix microseconds: offsets count from here.
+    #[serde(default)]
+    pub started_unix_us: i64,
 }
 
 impl Simulator {
@@ -372,6 +378,7 @@ fn snapshot(state: &State) -> Snapshot {
         last_served_incarnation: state.last_served_incarnation,
         phases,
         finished,
+        started_unix_us: state.started_wall.timestamp_micros(),
     }
 }
 
@@ -419,6 +426,7 @@ async fn handle(
             u64::try_from(now.duration_since(state.started).as_millis()).unwrap_or(u64::MAX);
         state.requests.push(RecordedRequest {
             at_ms,
+            unix_us: Utc::now().timestamp_micros(),
             method: method.to_string(),
             path: path.clone(),
             api_version: api_version.clone(),

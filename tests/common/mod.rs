@@ -255,6 +255,11 @@ path = "{events}"
         std::fs::read_to_string(&self.stderr_file).unwrap_or_default()
     }
 
+    /// The running agent's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
     pub fn is_running(&mut self) -> bool {
         self.child.as_mut().unwrap().try_wait().unwrap().is_none()
     }
