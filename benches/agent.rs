@@ -572,22 +572,27 @@ fn usage(pid: u32) -> (u64, u64, f64) {
             .and_then(|v| v.parse().ok())
             .unwrap_or(0)
     };
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let ticks =
+        cpu_ticks(&std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default());
+    (kib("VmRSS:"), kib("VmHWM:"), ticks as f64 / 100.0)
+}
+
+/// User plus system CPU ticks (10 ms) from a `/proc/.../stat` line.
+fn cpu_ticks(stat: &str) -> u64 {
+    // The fields after the command name, which is in parentheses and may hold spaces.
     let fields: Vec<&str> = stat
         .rsplit(')')
         .next()
         .unwrap_or("")
         .split_whitespace()
         .collect();
-    let ticks: f64 = fields
-        .get(11)
-        .and_then(|v| v.parse::<f64>().ok())
-        .unwrap_or(0.0)
-        + fields
-            .get(12)
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0);
-    (kib("VmRSS:"), kib("VmHWM:"), ticks / 100.0)
+    let field = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    field(11) + field(12)
 }
 
 /// CPU ticks per thread name, busiest first (where idle CPU goes).
@@ -603,21 +608,7 @@ fn threads(pid: u32) -> Vec<(String, u64)> {
             .unwrap_or_default()
             .trim()
             .to_owned();
-        let stat = std::fs::read_to_string(path.join("stat")).unwrap_or_default();
-        let fields: Vec<&str> = stat
-            .rsplit(')')
-            .next()
-            .unwrap_or("")
-            .split_whitespace()
-            .collect();
-        let ticks: u64 = fields
-            .get(11)
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0)
-            + fields
-                .get(12)
-                .and_then(|v| v.parse::<u64>().ok())
-                .unwrap_or(0);
+        let ticks = cpu_ticks(&std::fs::read_to_string(path.join("stat")).unwrap_or_default());
         *by_name.entry(name).or_default() += ticks;
     }
     let mut list: Vec<_> = by_name.into_iter().collect();

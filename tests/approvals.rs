@@ -283,7 +283,8 @@ fn sign_approval_cli_posts_to_the_agent() {
     let (dir, sim, _agent) = start(&keys, &HTTP_SOURCE.replace("{port}", &port.to_string()));
     let key_file = dir.path().join("orchestrator.key");
     std::fs::write(&key_file, format!("hmac-sha256:{HMAC_SECRET}\n")).unwrap();
-    let output = std::process::Command::new(common::BINARY)
+    let mut command = std::process::Command::new(common::BINARY);
+    command
         .args(["sign-approval", "--key"])
         .arg(&key_file)
         .args([
@@ -295,15 +296,8 @@ fn sign_approval_cli_posts_to_the_agent() {
             "WestNO_0",
         ])
         .args(["--to", &format!("http://127.0.0.1:{port}/approvals")])
-        .args(["--token", "let-me-approve"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+        .args(["--token", "let-me-approve"]);
+    let stdout = common::stdout_of(&mut command);
     assert!(stdout.contains("\"outcome\":\"accepted\""), "{stdout}");
     assert_eq!(posts(&sim).len(), 1);
 }

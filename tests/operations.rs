@@ -154,16 +154,10 @@ fn watch_shows_the_fleet_from_a_file_sink() {
         0.01,
         "[policy]\napprove_freeze_max_seconds = 9\n",
     );
-    let output = std::process::Command::new(common::BINARY)
-        .args(["watch", "--once", "--settle", "1s", "--from"])
-        .arg(&agent.events_file)
-        .output()
-        .unwrap();
-    let table = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{table}{}",
-        String::from_utf8_lossy(&output.stderr)
+    let table = common::stdout_of(
+        std::process::Command::new(common::BINARY)
+            .args(["watch", "--once", "--settle", "1s", "--from"])
+            .arg(&agent.events_file),
     );
     let row = table
         .lines()

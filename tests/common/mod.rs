@@ -315,3 +315,16 @@ pub fn play(
     let events = agent.events();
     (sim, agent, events)
 }
+
+/// Runs the binary to completion; its stdout, after checking it exited 0 (else both outputs
+/// are shown).
+pub fn stdout_of(command: &mut Command) -> String {
+    let output = command.output().expect("the sched-relay binary starts");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
