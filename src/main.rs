@@ -64,7 +64,7 @@ enum Command {
         /// amqp://user:pass@host:5672/%2f[?exchange=scheduledevents&binding_key=#] or
         /// kafka://host:9092[/topic][?since=24h].
         #[arg(long)]
-        from: sched_relay::watch::From,
+        from: sched_relay::watch::Feed,
         /// Read for --settle, print the table once and exit (for scripts).
         #[arg(long)]
         once: bool,

@@ -170,23 +170,23 @@ pub fn decode(message: &Inbound) -> Option<Value> {
 
 /// Where to read the event stream from.
 #[derive(Debug, Clone)]
-pub enum From {
+pub enum Feed {
     File(std::path::PathBuf),
     Broker(url::Url),
 }
 
-impl std::str::FromStr for From {
+impl std::str::FromStr for Feed {
     type Err = String;
     fn from_str(text: &str) -> Result<Self, String> {
         match url::Url::parse(text) {
-            Ok(url) if url.scheme() == "file" => Ok(From::File(url.path().into())),
+            Ok(url) if url.scheme() == "file" => Ok(Feed::File(url.path().into())),
             Ok(url) if matches!(url.scheme(), "nats" | "tls" | "amqp" | "amqps" | "kafka") => {
-                Ok(From::Broker(url))
+                Ok(Feed::Broker(url))
             }
             Ok(url) if url.scheme().len() > 1 => Err(format!(
                 "--from {text}: expected a file path, nats://, amqp:// or kafka://"
             )),
-            _ => Ok(From::File(text.into())),
+            _ => Ok(Feed::File(text.into())),
         }
     }
 }
@@ -194,7 +194,7 @@ impl std::str::FromStr for From {
 /// Runs the view until Ctrl-C (or, with `once`, until the stream is read: a file to its end,
 /// a broker for `settle`), printing to `out`.
 pub async fn run(
-    from: From,
+    from: Feed,
     once: bool,
     settle: Duration,
     out: &mut (impl Write + Send),
@@ -237,13 +237,13 @@ pub async fn run(
 
 /// Starts the reader task that feeds `tx`.
 fn start(
-    from: From,
+    from: Feed,
     tx: mpsc::Sender<Delivery>,
     stop: watch::Receiver<bool>,
 ) -> Result<tokio::task::JoinHandle<()>, String> {
     match from {
-        From::File(path) => Ok(tokio::spawn(follow_file(path, tx, stop))),
-        From::Broker(url) => broker(url, tx, stop),
+        Feed::File(path) => Ok(tokio::spawn(follow_file(path, tx, stop))),
+        Feed::Broker(url) => broker(url, tx, stop),
     }
 }
 
