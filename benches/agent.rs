@@ -468,11 +468,7 @@ fn approvals(
         Duration::ZERO,
     );
     let sim = SimProcess::start(&path, 1.0);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = sink_core::testing::free_port();
     let extra = format!(
         "{}\n{}",
         topology.sinks("http://127.0.0.1:9/unused"),
@@ -627,11 +623,7 @@ fn footprint(report: &mut Report, sizes: &Sizes, topology: &Topology, collector:
         Duration::ZERO,
     );
     let sim = SimProcess::start(&path, 1.0);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = sink_core::testing::free_port();
     let extra = format!(
         "{}\n{}",
         topology.sinks(&collector.url),
@@ -733,7 +725,8 @@ fn burst(report: &mut Report, sizes: &Sizes, topology: &Topology) {
 /// 4b. Draining a backlog after an outage, in process: the outbox is filled for every sink,
 /// then the fan-out starts against the real brokers.
 async fn backlog(report: &mut Report, sizes: &Sizes, topology: &Topology, collector: &Collector) {
-    use sched_relay::fanout::{Fanout, NamedSink};
+    use sched_relay::fanout::Fanout;
+    use sched_relay::sinks::SinkEntry;
     use sched_relay::store::Outbox;
     let dir = tempfile::tempdir().unwrap();
     let names: Vec<String> = ["nats", "amqp", "kafka", "webhook"]
@@ -764,14 +757,7 @@ async fn backlog(report: &mut Report, sizes: &Sizes, topology: &Topology, collec
         topology.sinks(&collector.url)
     ))
     .unwrap();
-    let sinks = config
-        .sinks
-        .iter()
-        .map(|entry| NamedSink {
-            name: entry.name.clone(),
-            sink: entry.kind.build(),
-        })
-        .collect();
+    let sinks = config.sinks.iter().map(SinkEntry::named).collect();
     let outbox = Arc::new(outbox);
     let started = Instant::now();
     let fanout = Fanout::start(sinks, &config.delivery, dir.path(), outbox.clone());

@@ -18,9 +18,10 @@ use crate::approval::{Approver, Snapshot};
 use crate::config::Config;
 use crate::diff::diff;
 use crate::event::{ApprovalOutcome, EventFactory, Outcome};
-use crate::fanout::{Fanout, NamedSink};
+use crate::fanout::Fanout;
 use crate::imds::{Document, EventStatus, Identity, ImdsClient, ImdsError, discover_endpoint};
 use crate::policy::{self, Decision};
+use crate::sinks::SinkEntry;
 use crate::store::{Outbox, StoreError};
 
 /// After this long without a good answer, an operator has to look: log at ERROR.
@@ -97,14 +98,7 @@ pub async fn run(
 
     // Health checks run in each sink's own task (see fanout): a broker that is slow to answer
     // must not hold back the first poll, since a Preempt notice can be 30 s.
-    let sinks = config
-        .sinks
-        .iter()
-        .map(|entry| NamedSink {
-            name: entry.name.clone(),
-            sink: entry.kind.build(),
-        })
-        .collect();
+    let sinks = config.sinks.iter().map(SinkEntry::named).collect();
     let outbox = Outbox::open(
         &config.state.dir,
         config.delivery.queue_capacity,

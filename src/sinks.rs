@@ -20,6 +20,16 @@ pub struct SinkEntry {
     pub kind: SinkKind,
 }
 
+impl SinkEntry {
+    /// The running sink, with its name, ready for the fan-out.
+    pub fn named(&self) -> crate::fanout::NamedSink {
+        crate::fanout::NamedSink {
+            name: self.name.clone(),
+            sink: self.kind.build(),
+        }
+    }
+}
+
 /// The sink kinds, tagged by `kind` in the configuration.
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(tag = "kind", rename_all = "lowercase")]

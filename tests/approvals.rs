@@ -229,14 +229,6 @@ listen = "127.0.0.1:{port}"
 token = "let-me-approve"
 "#;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// POSTs raw bytes to the agent's /approvals: (status, body).
 fn post_raw(port: u16, content_type: &str, token: &str, body: Vec<u8>) -> (u16, String) {
     sched_relay::install_crypto_provider();
@@ -259,7 +251,7 @@ fn post_raw(port: u16, content_type: &str, token: &str, body: Vec<u8>) -> (u16, 
 #[test]
 fn signed_approval_over_http_starts_the_event_and_answers_with_the_outcome() {
     let keys = Keys::new();
-    let port = free_port();
+    let port = sink_core::testing::free_port();
     let (_dir, sim, mut agent) = start(&keys, &HTTP_SOURCE.replace("{port}", &port.to_string()));
     let (draft, event) = keys.signed(FREEZE);
 
@@ -279,7 +271,7 @@ fn signed_approval_over_http_starts_the_event_and_answers_with_the_outcome() {
 #[test]
 fn sign_approval_cli_posts_to_the_agent() {
     let keys = Keys::new();
-    let port = free_port();
+    let port = sink_core::testing::free_port();
     let (dir, sim, _agent) = start(&keys, &HTTP_SOURCE.replace("{port}", &port.to_string()));
     let key_file = dir.path().join("orchestrator.key");
     std::fs::write(&key_file, format!("hmac-sha256:{HMAC_SECRET}\n")).unwrap();
@@ -651,7 +643,7 @@ fn a_request_replayed_after_a_restart_is_refused_over_rabbitmq() {
 #[test]
 fn dry_run_publishes_the_outcome_without_posting() {
     let keys = Keys::new();
-    let port = free_port();
+    let port = sink_core::testing::free_port();
     let (_dir, sim, agent) = start(
         &keys,
         &format!(
@@ -683,7 +675,7 @@ fn dry_run_publishes_the_outcome_without_posting() {
 #[test]
 fn bare_azure_bodies_are_accepted_only_when_allowed_and_only_for_this_vms_events() {
     let keys = Keys::new();
-    let port = free_port();
+    let port = sink_core::testing::free_port();
     let (_dir, sim, agent) = start(
         &keys,
         &HTTP_SOURCE.replace("{port}", &port.to_string()).replace(

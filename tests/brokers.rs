@@ -221,11 +221,7 @@ async fn a_broker_that_is_down_delays_no_other_sink_and_catches_up_when_it_retur
         return;
     }
     // NATS for this test is a private server that is not running yet.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = sink_core::testing::free_port();
     let down_url = format!("nats://127.0.0.1:{port}");
     let shared_nats = format!("nats://{NATS}");
     let consumers = Consumers::new(&shared_nats).await;

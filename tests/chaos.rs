@@ -177,11 +177,7 @@ async fn round(rng: &mut fastrand::Rng, number: u64, totals: &mut Totals) {
     .await;
     let rabbit_proxy = CuttableProxy::start("127.0.0.1:5672").await;
     let topology = Topology::new(AMQP_URL).await;
-    let kafka_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let kafka_port = sink_core::testing::free_port();
     let kafka_proxy = CuttableProxy::start(&format!("127.0.0.1:{kafka_port}")).await;
     let Some(_kafka) = PrivateTansu::start(kafka_port, &kafka_proxy.address()) else {
         return;

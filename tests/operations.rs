@@ -11,14 +11,6 @@ use common::{AgentProcess, SimProcess, blocking_get};
 use sched_relay::telemetry::METRICS;
 use serde_json::Value;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// (status, body), or None while nothing listens.
 fn try_get(url: &str) -> Option<(u16, String)> {
     sched_relay::install_crypto_provider();
@@ -63,7 +55,7 @@ fn wait_until(url: &str, what: &str, check: impl Fn(u16, &str) -> bool) -> Strin
 #[test]
 fn metrics_health_and_readiness_follow_the_agent() {
     let sim = SimProcess::start("live-migration", 0.02);
-    let port = free_port();
+    let port = sink_core::testing::free_port();
     let base = format!("http://127.0.0.1:{port}");
     let agent = AgentProcess::start(
         &sim.url,
@@ -106,8 +98,8 @@ fn metrics_health_and_readiness_follow_the_agent() {
 #[test]
 fn a_failing_sink_makes_the_agent_unready_and_events_show_what_it_owes() {
     let sim = SimProcess::start("user-reboot", 0.01);
-    let port = free_port();
-    let closed = free_port();
+    let port = sink_core::testing::free_port();
+    let closed = sink_core::testing::free_port();
     let base = format!("http://127.0.0.1:{port}");
     let _agent = AgentProcess::start(
         &sim.url,

@@ -9,7 +9,7 @@ use sink_amqp::testing::Topology;
 use sink_amqp::{AmqpSink, AmqpSinkConfig, HeaderStyle};
 use sink_core::Sink;
 use sink_core::binding::ContentMode;
-use sink_core::testing::deliver_until_accepted;
+use sink_core::testing::deliver_across_an_outage;
 use sink_core::testing::{
     CuttableProxy, assert_same_events, broker_available, live_migration_events, unique,
 };
@@ -239,14 +239,7 @@ async fn delivery_resumes_after_the_network_to_the_broker_comes_back() {
     let proxied = url().replace(&address(), &proxy.address());
     let sink = AmqpSink::new(config(&proxied, &topology.exchange));
     let events = live_migration_events("WestNO_0");
-    sink.deliver(&events[..2]).await.unwrap();
-
-    proxy.cut();
-    let error = sink.deliver(&events[2..]).await.unwrap_err();
-    assert!(error.is_retriable(), "{error}");
-
-    proxy.restore().await;
-    deliver_until_accepted(&sink, &events[2..], 50).await;
+    deliver_across_an_outage(&sink, &proxy, &events, 50).await;
     // At least once: every event arrives, in order of first arrival; a repeat can only be
     // an identical id of the batch that was in flight during the cut.
     let messages = topology.drain(events.len()).await;

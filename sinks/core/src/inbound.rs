@@ -55,14 +55,6 @@ pub async fn hand_over(deliveries: &Deliveries, message: Inbound) -> Option<Repl
     reply.await.ok()
 }
 
-/// Looks up a header by name, ignoring ASCII case.
-pub fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
-    headers
-        .iter()
-        .find(|(key, _)| key.eq_ignore_ascii_case(name))
-        .map(|(_, value)| value.as_str())
-}
-
 /// How long a source waits before connecting again after a failure.
 pub const SOURCE_RETRY: Duration = Duration::from_secs(2);
 

@@ -117,6 +117,32 @@ pub async fn deliver_until_accepted(sink: &dyn crate::Sink, batch: &[Event], att
     panic!("delivery did not resume after {attempts} attempts; last error: {last:?}");
 }
 
+/// A loopback port nothing listens on right now (for a server the test starts next).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free loopback port")
+        .port()
+}
+
+/// A broker outage in the middle of a stream, for sink tests: the first two events are
+/// delivered, the network through `proxy` is cut, the next batch must fail with a retriable
+/// error, the network comes back, and the batch is retried as the fan-out would (up to
+/// `attempts` times).
+pub async fn deliver_across_an_outage(
+    sink: &dyn crate::Sink,
+    proxy: &CuttableProxy,
+    events: &[Event],
+    attempts: usize,
+) {
+    sink.deliver(&events[..2]).await.unwrap();
+    proxy.cut();
+    let error = sink.deliver(&events[2..]).await.unwrap_err();
+    assert!(error.is_retriable(), "{error}");
+    proxy.restore().await;
+    deliver_until_accepted(sink, &events[2..], attempts).await;
+}
+
 /// Starts a server a test owns. When it cannot be run: under CI the test fails, elsewhere it
 /// is skipped (`None`) with a line saying why.
 pub fn spawn_or_skip(
@@ -195,10 +221,7 @@ pub struct CuttableProxy {
 impl CuttableProxy {
     /// Starts forwarding a free loopback port to `upstream` (`host:port`).
     pub async fn start(upstream: &str) -> CuttableProxy {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
+        let port = free_port();
         let proxy = CuttableProxy {
             port,
             upstream: upstream.to_owned(),

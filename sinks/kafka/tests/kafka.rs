@@ -7,7 +7,7 @@ use std::time::Duration;
 use cloudevents::{AttributesReader, Event, EventBuilder, EventBuilderV10};
 use sink_core::Sink;
 use sink_core::binding::ContentMode;
-use sink_core::testing::deliver_until_accepted;
+use sink_core::testing::deliver_across_an_outage;
 use sink_core::testing::{
     CuttableProxy, assert_same_events, broker_available, live_migration_events, unique,
 };
@@ -173,11 +173,7 @@ async fn a_missing_topic_is_reported_by_the_health_check() {
 
 #[tokio::test]
 async fn delivery_resumes_after_the_network_to_the_broker_comes_back() {
-    let listen = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let listen = sink_core::testing::free_port();
     let proxy = CuttableProxy::start(&format!("127.0.0.1:{listen}")).await;
     let Some(_broker) = PrivateTansu::start(listen, &proxy.address()) else {
         return;
@@ -186,14 +182,7 @@ async fn delivery_resumes_after_the_network_to_the_broker_comes_back() {
     create_topic(&proxy.address(), topic, 1).await;
     let sink = KafkaSink::new(config(&proxy.address(), topic));
     let events = live_migration_events("WestNO_0");
-    sink.deliver(&events[..2]).await.unwrap();
-
-    proxy.cut();
-    let error = sink.deliver(&events[2..]).await.unwrap_err();
-    assert!(error.is_retriable(), "{error}");
-
-    proxy.restore().await;
-    deliver_until_accepted(&sink, &events[2..], 30).await;
+    deliver_across_an_outage(&sink, &proxy, &events, 30).await;
     let address = proxy.address();
     let records = tokio::task::spawn_blocking(move || read_all(&address, topic, 1, 7))
         .await
@@ -216,11 +205,7 @@ async fn delivery_resumes_after_the_network_to_the_broker_comes_back() {
 /// is a broker that refuses the login: the error must say so and must not be retried forever.
 #[tokio::test]
 async fn a_broker_that_refuses_the_login_gives_a_clear_error_that_is_not_retried() {
-    let listen = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let listen = sink_core::testing::free_port();
     let address = format!("127.0.0.1:{listen}");
     let Some(_broker) = PrivateTansu::start_with(listen, &address, &["--authentication"]) else {
         return;

@@ -39,11 +39,7 @@ pub struct PrivateNats {
 impl PrivateNats {
     /// Starts a server on a free port.
     pub fn start(extra: &[&str]) -> Option<PrivateNats> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = sink_core::testing::free_port();
         PrivateNats::start_on(port, extra)
     }
 

@@ -60,16 +60,24 @@ async fn receive(
     messages
 }
 
+/// A subscription, registered with the server, to every subject under a new prefix.
+async fn subscribe_to_fresh_subjects(
+    url: &str,
+) -> (String, async_nats::Client, async_nats::Subscriber) {
+    let prefix = unique("srtest");
+    let client = async_nats::connect(url).await.unwrap();
+    let subscriber = client.subscribe(format!("{prefix}.>")).await.unwrap();
+    client.flush().await.unwrap();
+    (prefix, client, subscriber)
+}
+
 #[tokio::test]
 async fn core_nats_delivers_the_live_migration_in_order_with_binding_headers() {
     let url = shared_url();
     if !broker_available("NATS", &address(&url), HOW) {
         return;
     }
-    let prefix = unique("srtest");
-    let client = async_nats::connect(url.as_str()).await.unwrap();
-    let mut subscriber = client.subscribe(format!("{prefix}.>")).await.unwrap();
-    client.flush().await.unwrap();
+    let (prefix, _client, mut subscriber) = subscribe_to_fresh_subjects(&url).await;
 
     let sink = NatsSink::new(config(
         &url,
@@ -116,10 +124,7 @@ async fn structured_mode_carries_the_whole_event_as_json() {
     if !broker_available("NATS", &address(&url), HOW) {
         return;
     }
-    let prefix = unique("srtest");
-    let client = async_nats::connect(url.as_str()).await.unwrap();
-    let mut subscriber = client.subscribe(format!("{prefix}.>")).await.unwrap();
-    client.flush().await.unwrap();
+    let (prefix, _client, mut subscriber) = subscribe_to_fresh_subjects(&url).await;
     let sink = NatsSink::new(config(
         &url,
         &format!("{prefix}.{{transition}}"),

@@ -236,11 +236,7 @@ async fn bodies_are_signed_and_custom_headers_and_token_are_sent() {
 
 #[tokio::test]
 async fn an_unreachable_endpoint_is_retriable_and_reported_by_the_health_check() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = sink_core::testing::free_port();
     let sink = WebhookSink::new(config(&format!("http://127.0.0.1:{port}/events")));
     let error = sink.health_check().await.unwrap_err();
     assert!(
