@@ -14,11 +14,10 @@ use std::time::{Duration, Instant};
 use axum::body::Bytes;
 use axum::http::HeaderMap;
 use common::{AgentProcess, SimProcess};
-use sched_relay::approval::sign::Draft;
-use sched_relay::approval::verify::SigningKey;
+use sched_relay_core::approval::{Draft, SigningKey};
+use sched_relay_transport::Sink;
+use sched_relay_transport::testing::unique;
 use serde_json::Value;
-use sink_core::Sink;
-use sink_core::testing::unique;
 
 const NATS_URL: &str = "nats://127.0.0.1:4222";
 const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -164,19 +163,23 @@ struct Topology {
     exchange: String,
     topic: String,
     approvals_topic: String,
-    _amqp: sink_amqp::testing::Topology,
+    _amqp: sched_relay_amqp::testing::Topology,
 }
 
 impl Topology {
     async fn new() -> Topology {
         let prefix = unique("bench");
-        sink_nats::testing::create_stream(NATS_URL, &prefix.to_uppercase(), &format!("{prefix}.>"))
-            .await;
-        let amqp = sink_amqp::testing::Topology::new(AMQP_URL).await;
+        sched_relay_nats::testing::create_stream(
+            NATS_URL,
+            &prefix.to_uppercase(),
+            &format!("{prefix}.>"),
+        )
+        .await;
+        let amqp = sched_relay_amqp::testing::Topology::new(AMQP_URL).await;
         let topic = unique("bench-events-");
-        sink_kafka::testing::create_topic(KAFKA, &topic, 4).await;
+        sched_relay_kafka::testing::create_topic(KAFKA, &topic, 4).await;
         let approvals_topic = unique("bench-approvals-");
-        sink_kafka::testing::create_topic(KAFKA, &approvals_topic, 4).await;
+        sched_relay_kafka::testing::create_topic(KAFKA, &approvals_topic, 4).await;
         Topology {
             prefix,
             exchange: amqp.exchange.clone(),
@@ -468,7 +471,7 @@ fn approvals(
         Duration::ZERO,
     );
     let sim = SimProcess::start(&path, 1.0);
-    let port = sink_core::testing::free_port();
+    let port = sched_relay_transport::testing::free_port();
     let extra = format!(
         "{}\n{}",
         topology.sinks("http://127.0.0.1:9/unused"),
@@ -486,9 +489,9 @@ fn approvals(
     }
     std::thread::sleep(Duration::from_secs(2));
     let key = SigningKey::parse(&format!("hmac-sha256:{HMAC}")).unwrap();
-    let nats = sink_nats::NatsSink::new(serde_json::from_value(serde_json::json!({"url": NATS_URL, "subject": format!("{}-approvals.WestNO_0", topology.prefix)})).unwrap());
-    let amqp = sink_amqp::AmqpSink::new(serde_json::from_value(serde_json::json!({"url": AMQP_URL, "exchange": format!("{}-approvals", topology.exchange), "routing_key": "approvals.WestNO_0"})).unwrap());
-    let kafka = sink_kafka::KafkaSink::new(serde_json::from_value(serde_json::json!({"brokers": KAFKA, "topic": topology.approvals_topic, "options": {"partitioner": "murmur2_random"}})).unwrap());
+    let nats = sched_relay_nats::NatsSink::new(serde_json::from_value(serde_json::json!({"url": NATS_URL, "subject": format!("{}-approvals.WestNO_0", topology.prefix)})).unwrap());
+    let amqp = sched_relay_amqp::AmqpSink::new(serde_json::from_value(serde_json::json!({"url": AMQP_URL, "exchange": format!("{}-approvals", topology.exchange), "routing_key": "approvals.WestNO_0"})).unwrap());
+    let kafka = sched_relay_kafka::KafkaSink::new(serde_json::from_value(serde_json::json!({"brokers": KAFKA, "topic": topology.approvals_topic, "options": {"partitioner": "murmur2_random"}})).unwrap());
     sched_relay::install_crypto_provider();
     let http = reqwest::Client::builder().no_proxy().build().unwrap();
     let sources: [&str; 4] = ["nats", "amqp", "kafka", "http"];
@@ -623,7 +626,7 @@ fn footprint(report: &mut Report, sizes: &Sizes, topology: &Topology, collector:
         Duration::ZERO,
     );
     let sim = SimProcess::start(&path, 1.0);
-    let port = sink_core::testing::free_port();
+    let port = sched_relay_transport::testing::free_port();
     let extra = format!(
         "{}\n{}",
         topology.sinks(&collector.url),
@@ -733,16 +736,16 @@ async fn backlog(report: &mut Report, sizes: &Sizes, topology: &Topology, collec
         .map(String::from)
         .to_vec();
     let outbox = Outbox::open(dir.path(), sizes.backlog + 10, false).unwrap();
-    let template = sink_core::testing::live_migration_events("WestNO_0");
+    let template = sched_relay_transport::testing::live_migration_events("WestNO_0");
     let chunk = 1_000.min(sizes.backlog);
     let fill_started = Instant::now();
     let mut one_document_at_full = Duration::ZERO;
     for start in (0..sizes.backlog).step_by(chunk) {
         let events: Vec<_> = (start..start + chunk)
             .map(|i| {
-                let mut event = template[i % template.len()].clone();
-                cloudevents::event::AttributesWriter::set_id(&mut event, format!("backlog-{i}"));
-                event
+                template[i % template.len()]
+                    .clone()
+                    .with_id(format!("backlog-{i}"))
             })
             .collect();
         outbox.commit(&names, &events, None).unwrap();

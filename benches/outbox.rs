@@ -6,7 +6,6 @@
 
 use std::time::Instant;
 
-use cloudevents::event::AttributesWriter;
 use sched_relay::store::Outbox;
 
 fn main() {
@@ -19,11 +18,11 @@ fn main() {
         .map(String::from)
         .to_vec();
     let outbox = Outbox::open(dir.path(), backlog + 1_000, false).unwrap();
-    let template = sink_core::testing::live_migration_events("WestNO_0");
+    let template = sched_relay_transport::testing::live_migration_events("WestNO_0");
     let event = |i: usize| {
-        let mut event = template[i % template.len()].clone();
-        event.set_id(format!("backlog-{i}"));
-        event
+        template[i % template.len()]
+            .clone()
+            .with_id(format!("backlog-{i}"))
     };
     let fill = Instant::now();
     for start in (0..backlog).step_by(1_000) {

@@ -16,13 +16,16 @@ use cloudevents::AttributesReader;
 
 use crate::approval::{Approver, Snapshot};
 use crate::config::Config;
-use crate::diff::diff;
-use crate::event::{ApprovalOutcome, EventFactory, Outcome};
 use crate::fanout::Fanout;
-use crate::imds::{Document, EventStatus, Identity, ImdsClient, ImdsError, discover_endpoint};
-use crate::policy::{self, Decision};
+use crate::imds::{ImdsClient, ImdsError, discover_endpoint};
 use crate::sinks::SinkEntry;
 use crate::store::{Outbox, StoreError};
+use sched_relay_core::EventKind;
+use sched_relay_core::document::{Document, EventStatus};
+use sched_relay_core::event::{
+    ApprovalOutcome, EventFactory, Identity, Outcome, events_for_document,
+};
+use sched_relay_core::policy::{self, Decision};
 
 /// After this long without a good answer, an operator has to look: log at ERROR.
 const IMDS_FAILING_ALERT: Duration = Duration::from_secs(30);
@@ -157,12 +160,13 @@ pub async fn run(
         Approver {
             config: config.approvals.clone(),
             dry_run,
-            limits: crate::approval::request::Limits {
+            limits: sched_relay_core::approval::Limits {
                 request_type: format!("{}.approval.requested", factory.type_prefix),
                 max_message_bytes: config.approvals.max_message_bytes,
                 max_event_ids: config.approvals.max_event_ids,
             },
-            keys: Approver::keys(&config.approvals).map_err(AgentError::Approvals)?,
+            keys: crate::approval::keys::load_all(&config.approvals)
+                .map_err(AgentError::Approvals)?,
             factory: factory.clone(),
             client: client.clone(),
             latest: latest_rx,
@@ -253,28 +257,6 @@ fn hostname() -> String {
         .ok()
         .filter(|name| !name.is_empty())
         .unwrap_or_else(|| "unknown".to_owned())
-}
-
-/// Every CloudEvent one document yields after `previous`: one per transition, in diff order,
-/// then the `document` snapshot when enabled. Nothing at all when the incarnation is the same.
-pub fn events_for_document(
-    factory: &EventFactory,
-    previous: Option<&Document>,
-    current: &Document,
-    include_document: bool,
-    observed: chrono::DateTime<Utc>,
-) -> Vec<cloudevents::Event> {
-    if previous.is_some_and(|previous| previous.incarnation == current.incarnation) {
-        return Vec::new();
-    }
-    let mut events: Vec<_> = diff(previous, current)
-        .iter()
-        .map(|transition| factory.transition(transition, observed))
-        .collect();
-    if include_document {
-        events.push(factory.document(current, observed));
-    }
-    events
 }
 
 /// Where the agent stands with a local-policy approval of one EventId.
@@ -443,10 +425,10 @@ impl Poller {
             return false;
         }
         for event in &events {
-            let transition = event.ty().rsplit('.').next().unwrap_or_default();
-            if transition == "document" {
+            let EventKind::Transition(kind) = event.kind() else {
                 continue;
-            }
+            };
+            let transition = kind.as_str();
             let extension = |name| {
                 event
                     .extension(name)
@@ -625,7 +607,7 @@ async fn start_listener_and_sources(
     if let Some(listen) = config.telemetry.listen {
         let endpoint = match &approvals.http {
             Some(http) if http.enabled => {
-                let token = sink_core::secret::resolve(
+                let token = sched_relay_transport::secret::resolve(
                     http.token.as_ref(),
                     http.token_file.as_deref(),
                     "approvals.http.token",
@@ -664,7 +646,7 @@ async fn start_listener_and_sources(
     #[cfg(feature = "nats")]
     if let Some(nats) = &approvals.nats {
         use crate::approval::config::{BrokerSource, for_vm};
-        let spec = sink_nats::source::NatsSourceSpec {
+        let spec = sched_relay_nats::source::NatsSourceSpec {
             connection: nats.resolve(&config.sinks).map_err(AgentError::Approvals)?,
             subject: for_vm(&nats.subject, &vm_name),
             fleet_subject: nats.fleet_subject.as_ref().map(|s| for_vm(s, &vm_name)),
@@ -673,7 +655,7 @@ async fn start_listener_and_sources(
                 .as_ref()
                 .map(|stream| (stream.clone(), for_vm(&nats.durable, &vm_name))),
         };
-        sources.push(tokio::spawn(sink_nats::source::run(
+        sources.push(tokio::spawn(sched_relay_nats::source::run(
             spec,
             deliveries.clone(),
             stop.clone(),
@@ -683,7 +665,7 @@ async fn start_listener_and_sources(
     #[cfg(feature = "amqp")]
     if let Some(amqp) = &approvals.amqp {
         use crate::approval::config::{BrokerSource, for_vm};
-        let spec = sink_amqp::source::AmqpSourceSpec {
+        let spec = sched_relay_amqp::source::AmqpSourceSpec {
             connection: amqp.resolve(&config.sinks).map_err(AgentError::Approvals)?,
             queue: for_vm(&amqp.queue, &vm_name),
             declare: amqp.declare,
@@ -693,7 +675,7 @@ async fn start_listener_and_sources(
             prefetch: amqp.prefetch,
             exclusive: false,
         };
-        sources.push(tokio::spawn(sink_amqp::source::run(
+        sources.push(tokio::spawn(sched_relay_amqp::source::run(
             spec,
             deliveries.clone(),
             stop.clone(),
@@ -703,7 +685,7 @@ async fn start_listener_and_sources(
     #[cfg(feature = "kafka")]
     if let Some(kafka) = &approvals.kafka {
         use crate::approval::config::{BrokerSource, KafkaPartitions, for_vm};
-        let spec = sink_kafka::source::KafkaSourceSpec {
+        let spec = sched_relay_kafka::source::KafkaSourceSpec {
             connection: kafka
                 .resolve(&config.sinks)
                 .map_err(AgentError::Approvals)?,
@@ -713,7 +695,7 @@ async fn start_listener_and_sources(
             group_id: for_vm(&kafka.group_id, &vm_name),
             max_age: approvals.max_age,
         };
-        sources.push(tokio::spawn(sink_kafka::source::run(
+        sources.push(tokio::spawn(sched_relay_kafka::source::run(
             spec,
             deliveries.clone(),
             stop.clone(),

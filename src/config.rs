@@ -7,14 +7,14 @@ use std::time::Duration;
 
 use figment::Figment;
 use figment::providers::{Env, Format, Toml};
+use sched_relay_file::{StdoutFormat, StdoutSinkConfig};
 use serde::{Deserialize, Serialize};
-use sink_file::{StdoutFormat, StdoutSinkConfig};
 
 use crate::approval::config::ApprovalsConfig;
-use crate::event::{DEFAULT_TYPE_PREFIX, PartitionKey};
 use crate::imds::DEFAULT_LEASE_PATHS;
-use crate::policy::PolicyConfig;
 use crate::sinks::{SinkEntry, SinkKind};
+use sched_relay_core::event::EventsConfig;
+use sched_relay_core::policy::PolicyConfig;
 
 /// Where `run` and `check-config` look when no `--config` is given.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/sched-relay/config.toml";
@@ -164,32 +164,6 @@ impl Default for IdentityConfig {
 
 fn default_true() -> bool {
     true
-}
-
-/// `[events]`: the shape of the published CloudEvents.
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct EventsConfig {
-    #[serde(default = "default_type_prefix")]
-    pub type_prefix: String,
-    #[serde(default = "default_true")]
-    pub document_events: bool,
-    #[serde(default)]
-    pub partition_key: PartitionKey,
-}
-
-impl Default for EventsConfig {
-    fn default() -> Self {
-        EventsConfig {
-            type_prefix: default_type_prefix(),
-            document_events: true,
-            partition_key: PartitionKey::default(),
-        }
-    }
-}
-
-fn default_type_prefix() -> String {
-    DEFAULT_TYPE_PREFIX.into()
 }
 
 /// `[state]`: where the agent keeps what must survive it.

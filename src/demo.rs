@@ -8,10 +8,10 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use crate::config::Config;
-use crate::policy::PolicyConfig;
 use crate::simulator::{Scenario, Simulator};
 use crate::sinks::{SinkEntry, SinkKind};
-use sink_file::{FileSinkConfig, StdoutFormat, StdoutSinkConfig};
+use sched_relay_core::policy::PolicyConfig;
+use sched_relay_file::{FileSinkConfig, StdoutFormat, StdoutSinkConfig};
 
 /// The demo should finish in about 15 s; past this something is wrong.
 const DEMO_DEADLINE: Duration = Duration::from_secs(60);

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cloudevents::AttributesReader;
+use sched_relay_transport::{Event, Sink, SinkError};
 use serde_json::Value;
-use sink_core::{Event, Sink, SinkError};
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
 
@@ -453,7 +453,7 @@ impl DeadLetter {
             lines.extend_from_slice(record.to_string().as_bytes());
             lines.push(b'\n');
         }
-        if let Err(error) = sink_file::append(&self.path, &lines, true) {
+        if let Err(error) = sched_relay_file::append(&self.path, &lines, true) {
             let error: SinkError = error;
             tracing::error!(path = %self.path.display(), error = %error, lost = %String::from_utf8_lossy(&lines), "Cannot write the dead-letter file");
         }
@@ -464,7 +464,7 @@ impl DeadLetter {
 mod tests {
     use super::*;
     use cloudevents::{EventBuilder, EventBuilderV10};
-    use sink_core::RecordingSink;
+    use sched_relay_transport::RecordingSink;
 
     fn event(id: &str) -> Event {
         EventBuilderV10::new()
@@ -473,6 +473,7 @@ mod tests {
             .ty("t")
             .build()
             .unwrap()
+            .into()
     }
 
     fn fast_delivery() -> DeliveryConfig {

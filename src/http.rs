@@ -12,7 +12,7 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use sink_core::inbound::{Deliveries, Inbound, hand_over};
+use sched_relay_transport::inbound::{Deliveries, Inbound, hand_over};
 use subtle::ConstantTimeEq;
 
 use crate::telemetry::Telemetry;

@@ -1,19 +1,18 @@
 //! sched-relay: watches Azure Scheduled Events, turns every change into CloudEvents and
 //! delivers them to brokers, files and webhooks; approves events by local policy.
 //!
-//! The data path: [`imds`] fetches a document -> [`diff`] (pure) finds the transitions ->
-//! [`event`] (pure) makes CloudEvents -> [`fanout`] delivers them, one task per sink.
+//! This crate is the wiring and the I/O; the pure logic is `sched_relay_core`. The data
+//! path: [`imds`] fetches a document -> `sched_relay_core::diff` finds the transitions ->
+//! `sched_relay_core::event` makes CloudEvents -> [`store`] keeps them durable ->
+//! [`fanout`] delivers them, one task per sink -> the sinks (`sinks/*` crates).
 
 pub mod agent;
 pub mod approval;
 pub mod config;
 pub mod demo;
-pub mod diff;
-pub mod event;
 pub mod fanout;
 pub mod http;
 pub mod imds;
-pub mod policy;
 pub mod simulator;
 pub mod sinks;
 pub mod store;

@@ -321,7 +321,7 @@ async fn sign_approval(
     to: Option<String>,
     token: Option<String>,
 ) -> ExitCode {
-    use sched_relay::approval::{sign::Draft, verify::SigningKey};
+    use sched_relay_core::approval::{Draft, SigningKey};
     let signing_key = match std::fs::read_to_string(key)
         .map_err(|e| e.to_string())
         .and_then(|text| SigningKey::parse(&text))
@@ -340,7 +340,7 @@ async fn sign_approval(
         );
         return ExitCode::SUCCESS;
     };
-    match sched_relay::approval::sign::publish_to(&to, &event, token.as_deref()).await {
+    match sched_relay::approval::publish_to(&to, &event, token.as_deref()).await {
         Ok(what) => {
             println!("{what}");
             ExitCode::SUCCESS
@@ -353,7 +353,7 @@ async fn sign_approval(
 }
 
 fn gen_approval_key(out: &std::path::Path) -> ExitCode {
-    use sched_relay::approval::verify::SigningKey;
+    use sched_relay_core::approval::SigningKey;
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let written = SigningKey::generate_ed25519().and_then(|text| {

@@ -3,14 +3,14 @@
 //! and one arm in [`SinkKind::build`].
 
 use async_trait::async_trait;
+use sched_relay_amqp::AmqpSinkConfig;
+use sched_relay_exec::{ExecSink, ExecSinkConfig};
+use sched_relay_file::{FileSink, FileSinkConfig, StdoutSink, StdoutSinkConfig};
+use sched_relay_kafka::KafkaSinkConfig;
+use sched_relay_nats::NatsSinkConfig;
+use sched_relay_transport::{Event, Sink, SinkError};
+use sched_relay_webhook::WebhookSinkConfig;
 use serde::{Deserialize, Serialize};
-use sink_amqp::AmqpSinkConfig;
-use sink_core::{Event, Sink, SinkError};
-use sink_exec::{ExecSink, ExecSinkConfig};
-use sink_file::{FileSink, FileSinkConfig, StdoutSink, StdoutSinkConfig};
-use sink_kafka::KafkaSinkConfig;
-use sink_nats::NatsSinkConfig;
-use sink_webhook::WebhookSinkConfig;
 
 /// One `[[sinks]]` entry: a unique name plus the kind-specific settings.
 #[derive(Debug, Clone, PartialEq)]
@@ -106,14 +106,16 @@ impl SinkKind {
             SinkKind::File(config) => Box::new(FileSink::new(config.clone())),
             SinkKind::Stdout(config) => Box::new(StdoutSink::new(config.clone())),
             #[cfg(feature = "nats")]
-            SinkKind::Nats(config) => Box::new(sink_nats::NatsSink::new(config.clone())),
+            SinkKind::Nats(config) => Box::new(sched_relay_nats::NatsSink::new(config.clone())),
             #[cfg(feature = "amqp")]
-            SinkKind::Amqp(config) => Box::new(sink_amqp::AmqpSink::new(config.clone())),
+            SinkKind::Amqp(config) => Box::new(sched_relay_amqp::AmqpSink::new(config.clone())),
             #[cfg(feature = "webhook")]
-            SinkKind::Webhook(config) => Box::new(sink_webhook::WebhookSink::new(config.clone())),
+            SinkKind::Webhook(config) => {
+                Box::new(sched_relay_webhook::WebhookSink::new(config.clone()))
+            }
             SinkKind::Exec(config) => Box::new(ExecSink::new(config.clone())),
             #[cfg(feature = "kafka")]
-            SinkKind::Kafka(config) => Box::new(sink_kafka::KafkaSink::new(config.clone())),
+            SinkKind::Kafka(config) => Box::new(sched_relay_kafka::KafkaSink::new(config.clone())),
             #[allow(unreachable_patterns)]
             other => Box::new(NotCompiledIn(other.label())),
         }

@@ -10,8 +10,9 @@
 
 use std::path::{Path, PathBuf};
 
-use cloudevents::{AttributesReader, Event};
+use cloudevents::AttributesReader;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use sched_relay_core::Event;
 use serde_json::Value;
 
 /// (sink name, sequence number) -> the structured CloudEvent as JSON.
@@ -352,6 +353,7 @@ mod tests {
             .ty("t")
             .build()
             .unwrap()
+            .into()
     }
 
     fn ids(stored: &[Stored]) -> Vec<String> {

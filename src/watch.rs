@@ -7,11 +7,12 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
+use sched_relay_transport::inbound::{Delivery, Inbound, Reply};
 use serde_json::Value;
-use sink_core::inbound::{Delivery, Inbound, Reply};
 use tokio::sync::{mpsc, watch};
 
-use crate::approval::request::PREFIXES;
+use sched_relay_core::EventKind;
+use sched_relay_core::approval::PREFIXES;
 
 /// One row: what is known about one event of one VM.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -34,8 +35,7 @@ impl Fleet {
     /// Applies one CloudEvent (structured JSON form) to the table.
     pub fn apply(&mut self, event: &Value) {
         let text = |name: &str| event.get(name).and_then(Value::as_str).unwrap_or_default();
-        let ty = text("type");
-        let Some((_, kind)) = ty.split_once(".scheduledevents.") else {
+        let Some(kind) = EventKind::from_type(text("type")).suffix() else {
             return;
         };
         let vm = text("vmname").to_owned();
@@ -274,7 +274,10 @@ async fn follow_file(
                     body: line.to_vec(),
                     shared: true,
                 };
-                if sink_core::inbound::hand_over(&tx, message).await.is_none() {
+                if sched_relay_transport::inbound::hand_over(&tx, message)
+                    .await
+                    .is_none()
+                {
                     return;
                 }
             }
@@ -310,19 +313,19 @@ fn broker(
                 serde_json::json!({"url": base.as_str().trim_end_matches('/')}),
             )
             .map_err(|e| e.to_string())?;
-            let spec = sink_nats::source::NatsSourceSpec {
+            let spec = sched_relay_nats::source::NatsSourceSpec {
                 connection,
                 subject: query("subject").unwrap_or_else(|| "scheduledevents.>".into()),
                 fleet_subject: None,
                 jetstream: None,
             };
-            Ok(tokio::spawn(sink_nats::source::run(spec, tx, stop)))
+            Ok(tokio::spawn(sched_relay_nats::source::run(spec, tx, stop)))
         }
         #[cfg(feature = "amqp")]
         "amqp" | "amqps" => {
             let connection = serde_json::from_value(serde_json::json!({"url": base.as_str()}))
                 .map_err(|e| e.to_string())?;
-            let spec = sink_amqp::source::AmqpSourceSpec {
+            let spec = sched_relay_amqp::source::AmqpSourceSpec {
                 connection,
                 queue: format!("sched-relay-watch-{}", std::process::id()),
                 declare: true,
@@ -332,7 +335,7 @@ fn broker(
                 prefetch: 256,
                 exclusive: true,
             };
-            Ok(tokio::spawn(sink_amqp::source::run(spec, tx, stop)))
+            Ok(tokio::spawn(sched_relay_amqp::source::run(spec, tx, stop)))
         }
         #[cfg(feature = "kafka")]
         "kafka" => {
@@ -347,7 +350,7 @@ fn broker(
             };
             let connection = serde_json::from_value(serde_json::json!({"brokers": host}))
                 .map_err(|e| e.to_string())?;
-            let spec = sink_kafka::source::KafkaSourceSpec {
+            let spec = sched_relay_kafka::source::KafkaSourceSpec {
                 connection,
                 topic,
                 vm_name: String::new(),
@@ -356,7 +359,7 @@ fn broker(
                 max_age: humantime::parse_duration(&query("since").unwrap_or_else(|| "24h".into()))
                     .map_err(|e| format!("since: {e}"))?,
             };
-            Ok(tokio::spawn(sink_kafka::source::run(spec, tx, stop)))
+            Ok(tokio::spawn(sched_relay_kafka::source::run(spec, tx, stop)))
         }
         scheme => Err(format!(
             "--from {scheme}://: this build has no support for it"

@@ -9,10 +9,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{AgentProcess, SimProcess};
-use sched_relay::approval::sign::{Draft, publish_to};
-use sched_relay::approval::verify::SigningKey;
+use sched_relay::approval::publish_to;
+use sched_relay_core::approval::{Draft, SigningKey};
+use sched_relay_transport::testing::{broker_available, unique};
 use serde_json::Value;
-use sink_core::testing::{broker_available, unique};
 
 const NATS: &str = "127.0.0.1:4222";
 const NATS_URL: &str = "nats://127.0.0.1:4222";
@@ -95,7 +95,7 @@ secret = "{HMAC_SECRET}"
     }
 
     /// A valid request for `event_id` on WestNO_0, signed with Ed25519.
-    fn signed(&self, event_id: &str) -> (Draft, cloudevents::Event) {
+    fn signed(&self, event_id: &str) -> (Draft, sched_relay_core::Event) {
         let draft = Draft::new(
             "urn:orchestrator:test",
             Some("WestNO_0"),
@@ -251,7 +251,7 @@ fn post_raw(port: u16, content_type: &str, token: &str, body: Vec<u8>) -> (u16, 
 #[test]
 fn signed_approval_over_http_starts_the_event_and_answers_with_the_outcome() {
     let keys = Keys::new();
-    let port = sink_core::testing::free_port();
+    let port = sched_relay_transport::testing::free_port();
     let (_dir, sim, mut agent) = start(&keys, &HTTP_SOURCE.replace("{port}", &port.to_string()));
     let (draft, event) = keys.signed(FREEZE);
 
@@ -271,7 +271,7 @@ fn signed_approval_over_http_starts_the_event_and_answers_with_the_outcome() {
 #[test]
 fn sign_approval_cli_posts_to_the_agent() {
     let keys = Keys::new();
-    let port = sink_core::testing::free_port();
+    let port = sched_relay_transport::testing::free_port();
     let (dir, sim, _agent) = start(&keys, &HTTP_SOURCE.replace("{port}", &port.to_string()));
     let key_file = dir.path().join("orchestrator.key");
     std::fs::write(&key_file, format!("hmac-sha256:{HMAC_SECRET}\n")).unwrap();
@@ -322,7 +322,7 @@ fn signed_approval_through_a_jetstream_durable_consumer_starts_the_event() {
     let keys = Keys::new();
     let prefix = unique("approvals_js");
     let stream = unique("APPROVALS");
-    block_on(sink_nats::testing::create_stream(
+    block_on(sched_relay_nats::testing::create_stream(
         NATS_URL,
         &stream,
         &format!("{prefix}.>"),
@@ -372,7 +372,7 @@ mod kafka {
     const KAFKA: &str = "127.0.0.1:9092";
 
     fn kafka_available() -> bool {
-        broker_available("Kafka", KAFKA, sink_kafka::testing::HOW)
+        broker_available("Kafka", KAFKA, sched_relay_kafka::testing::HOW)
     }
 
     #[test]
@@ -382,7 +382,7 @@ mod kafka {
         }
         let keys = Keys::new();
         let topic = unique("approvals");
-        block_on(sink_kafka::testing::create_topic(KAFKA, &topic, 8));
+        block_on(sched_relay_kafka::testing::create_topic(KAFKA, &topic, 8));
         let (_dir, sim, agent) = start(
             &keys,
             &format!(
@@ -431,7 +431,7 @@ mod kafka {
             return;
         }
         let topic = unique("partitions");
-        block_on(sink_kafka::testing::create_topic(KAFKA, &topic, 12));
+        block_on(sched_relay_kafka::testing::create_topic(KAFKA, &topic, 12));
         let names: Vec<String> = (0..40).map(|i| format!("vm-{i:03}-WestEU")).collect();
         for name in &names {
             let draft = Draft::new("urn:test", Some(name), vec!["e".into()]);
@@ -442,11 +442,11 @@ mod kafka {
             ))
             .unwrap();
         }
-        let records = sink_kafka::testing::read_all(KAFKA, &topic, 12, names.len());
+        let records = sched_relay_kafka::testing::read_all(KAFKA, &topic, 12, names.len());
         for record in records {
             assert_eq!(
                 record.partition,
-                sink_kafka::source::partition_for(&record.key, 12),
+                sched_relay_kafka::source::partition_for(&record.key, 12),
                 "{}",
                 record.key
             );
@@ -470,7 +470,7 @@ fn forged_stale_replayed_misdirected_and_malformed_requests_are_rejected_over_na
         ),
     );
     let to = format!("{NATS_URL}?subject={subject}.WestNO_0");
-    let send = |event: &cloudevents::Event| block_on(publish_to(&to, event, None)).unwrap();
+    let send = |event: &sched_relay_core::Event| block_on(publish_to(&to, event, None)).unwrap();
     let send_raw = |id: &str, content_type: &str, body: Vec<u8>| {
         block_on(async {
             let client = async_nats::connect(NATS_URL).await.unwrap();
@@ -643,7 +643,7 @@ fn a_request_replayed_after_a_restart_is_refused_over_rabbitmq() {
 #[test]
 fn dry_run_publishes_the_outcome_without_posting() {
     let keys = Keys::new();
-    let port = sink_core::testing::free_port();
+    let port = sched_relay_transport::testing::free_port();
     let (_dir, sim, agent) = start(
         &keys,
         &format!(
@@ -675,7 +675,7 @@ fn dry_run_publishes_the_outcome_without_posting() {
 #[test]
 fn bare_azure_bodies_are_accepted_only_when_allowed_and_only_for_this_vms_events() {
     let keys = Keys::new();
-    let port = sink_core::testing::free_port();
+    let port = sched_relay_transport::testing::free_port();
     let (_dir, sim, agent) = start(
         &keys,
         &HTTP_SOURCE.replace("{port}", &port.to_string()).replace(

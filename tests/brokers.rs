@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 
 use axum::http::HeaderMap;
 use common::{AgentProcess, SimProcess, ids, play};
-use sink_amqp::testing::{Topology, message_ids};
-use sink_core::testing::{broker_available, unique};
-use sink_nats::testing::{PrivateNats, create_stream, stored_ids};
+use sched_relay_amqp::testing::{Topology, message_ids};
+use sched_relay_nats::testing::{PrivateNats, create_stream, stored_ids};
+use sched_relay_transport::testing::{broker_available, unique};
 
 const NATS: &str = "127.0.0.1:4222";
 const RABBITMQ: &str = "127.0.0.1:5672";
@@ -22,7 +22,7 @@ const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 fn brokers_available() -> bool {
     broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js")
         && broker_available("RabbitMQ", RABBITMQ, "rabbitmq-server -detached")
-        && broker_available("Kafka", KAFKA, sink_kafka::testing::HOW)
+        && broker_available("Kafka", KAFKA, sched_relay_kafka::testing::HOW)
 }
 
 /// An HTTP endpoint that keeps the `ce-id` of every request, in arrival order.
@@ -73,7 +73,7 @@ impl Consumers {
         let stream = create_stream(nats_url, &prefix.to_uppercase(), &format!("{prefix}.>")).await;
         let amqp = Topology::new(AMQP_URL).await;
         let topic = unique("sr-e2e-");
-        sink_kafka::testing::create_topic(KAFKA, &topic, 1).await;
+        sched_relay_kafka::testing::create_topic(KAFKA, &topic, 1).await;
         let webhook = WebhookCollector::start().await;
         Consumers {
             prefix,
@@ -141,7 +141,7 @@ url = "{webhook}"
     async fn kafka_ids(&self, expected: usize) -> Vec<String> {
         let topic = self.topic.clone();
         let records = tokio::task::spawn_blocking(move || {
-            sink_kafka::testing::read_all(KAFKA, &topic, 1, expected)
+            sched_relay_kafka::testing::read_all(KAFKA, &topic, 1, expected)
         })
         .await
         .unwrap();
@@ -221,7 +221,7 @@ async fn a_broker_that_is_down_delays_no_other_sink_and_catches_up_when_it_retur
         return;
     }
     // NATS for this test is a private server that is not running yet.
-    let port = sink_core::testing::free_port();
+    let port = sched_relay_transport::testing::free_port();
     let down_url = format!("nats://127.0.0.1:{port}");
     let shared_nats = format!("nats://{NATS}");
     let consumers = Consumers::new(&shared_nats).await;

@@ -15,10 +15,10 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use common::{AgentProcess, SimProcess};
-use sink_amqp::testing::{Topology, message_ids};
-use sink_core::testing::{CuttableProxy, broker_available, unique};
-use sink_kafka::testing::PrivateTansu;
-use sink_nats::testing::{create_stream, stored_ids};
+use sched_relay_amqp::testing::{Topology, message_ids};
+use sched_relay_kafka::testing::PrivateTansu;
+use sched_relay_nats::testing::{create_stream, stored_ids};
+use sched_relay_transport::testing::{CuttableProxy, broker_available, unique};
 
 const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
@@ -177,12 +177,12 @@ async fn round(rng: &mut fastrand::Rng, number: u64, totals: &mut Totals) {
     .await;
     let rabbit_proxy = CuttableProxy::start("127.0.0.1:5672").await;
     let topology = Topology::new(AMQP_URL).await;
-    let kafka_port = sink_core::testing::free_port();
+    let kafka_port = sched_relay_transport::testing::free_port();
     let kafka_proxy = CuttableProxy::start(&format!("127.0.0.1:{kafka_port}")).await;
     let Some(_kafka) = PrivateTansu::start(kafka_port, &kafka_proxy.address()) else {
         return;
     };
-    sink_kafka::testing::create_topic(&kafka_proxy.address(), "chaos", 1).await;
+    sched_relay_kafka::testing::create_topic(&kafka_proxy.address(), "chaos", 1).await;
 
     let sinks = format!(
         r#"
@@ -272,7 +272,7 @@ timeout = "2s"
     }
     let address = kafka_proxy.address();
     let kafka_records = tokio::task::spawn_blocking(move || {
-        sink_kafka::testing::read_all(&address, "chaos", 1, expected_count)
+        sched_relay_kafka::testing::read_all(&address, "chaos", 1, expected_count)
     })
     .await
     .unwrap();

@@ -55,7 +55,7 @@ fn wait_until(url: &str, what: &str, check: impl Fn(u16, &str) -> bool) -> Strin
 #[test]
 fn metrics_health_and_readiness_follow_the_agent() {
     let sim = SimProcess::start("live-migration", 0.02);
-    let port = sink_core::testing::free_port();
+    let port = sched_relay_transport::testing::free_port();
     let base = format!("http://127.0.0.1:{port}");
     let agent = AgentProcess::start(
         &sim.url,
@@ -98,8 +98,8 @@ fn metrics_health_and_readiness_follow_the_agent() {
 #[test]
 fn a_failing_sink_makes_the_agent_unready_and_events_show_what_it_owes() {
     let sim = SimProcess::start("user-reboot", 0.01);
-    let port = sink_core::testing::free_port();
-    let closed = sink_core::testing::free_port();
+    let port = sched_relay_transport::testing::free_port();
+    let closed = sched_relay_transport::testing::free_port();
     let base = format!("http://127.0.0.1:{port}");
     let _agent = AgentProcess::start(
         &sim.url,
@@ -165,10 +165,14 @@ fn watch_shows_the_fleet_from_a_file_sink() {
 #[cfg(feature = "nats")]
 #[test]
 fn watch_follows_the_fleet_on_nats() {
-    if !sink_core::testing::broker_available("NATS", "127.0.0.1:4222", "nats-server -js") {
+    if !sched_relay_transport::testing::broker_available(
+        "NATS",
+        "127.0.0.1:4222",
+        "nats-server -js",
+    ) {
         return;
     }
-    let prefix = sink_core::testing::unique("watch");
+    let prefix = sched_relay_transport::testing::unique("watch");
     let watcher = std::process::Command::new(common::BINARY)
         .args(["watch", "--from"])
         .arg(format!("nats://127.0.0.1:4222?subject={prefix}.>"))

@@ -4,16 +4,13 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use sched_relay_amqp::AmqpSinkConfig;
+use sched_relay_kafka::KafkaSinkConfig;
+use sched_relay_nats::NatsSinkConfig;
+use sched_relay_transport::secret::Secret;
 use serde::{Deserialize, Serialize};
-use sink_amqp::AmqpSinkConfig;
-use sink_core::secret::Secret;
-use sink_kafka::KafkaSinkConfig;
-use sink_nats::NatsSinkConfig;
 
 use crate::sinks::{SinkEntry, SinkKind};
-
-/// The target value of a request meant for every VM of the fleet.
-pub const FLEET_TARGET: &str = "*";
 
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -344,7 +341,7 @@ impl ApprovalsConfig {
             );
         }
         for (index, key) in self.keys.iter().enumerate() {
-            if let Err(message) = crate::approval::verify::Key::load(key) {
+            if let Err(message) = super::keys::load(key) {
                 push(&format!("keys[{index}]"), message);
             }
             if self.keys[..index].iter().any(|other| other.id == key.id) {

@@ -13,25 +13,28 @@
 //! published through the sinks before the message is acknowledged to its source.
 
 pub mod config;
-pub mod request;
-pub mod sign;
-pub mod verify;
+pub mod keys;
+mod publish;
+
+pub use publish::publish_to;
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
-use sink_core::inbound::{Delivery, Inbound, Reply};
+use sched_relay_transport::inbound::{Delivery, Inbound, Reply};
 use tokio::sync::{mpsc, watch};
 
-use crate::event::{ApprovalOutcome, EventFactory, Outcome};
 use crate::fanout::Publisher;
-use crate::imds::{Document, EventStatus, ImdsClient};
+use crate::imds::ImdsClient;
 use crate::store::Outbox;
-use config::{ApprovalsConfig, FLEET_TARGET};
-use request::{Limits, Reason, Rejection, Request};
-use verify::Key;
+use config::ApprovalsConfig;
+use sched_relay_core::approval::{
+    FLEET_TARGET, Key, Limits, Reason, Rejection, Request, canonical, decode_base64, parse,
+};
+use sched_relay_core::document::{Document, EventStatus};
+use sched_relay_core::event::{ApprovalOutcome, EventFactory, Outcome};
 
 /// Requests that arrive together are forwarded in one POST, up to this many.
 const MAX_BATCH: usize = 32;
@@ -77,15 +80,6 @@ pub struct Approver {
 }
 
 impl Approver {
-    /// Loads the configured keys; `validate` has already vetted them.
-    pub fn keys(config: &ApprovalsConfig) -> Result<HashMap<String, Key>, String> {
-        config
-            .keys
-            .iter()
-            .map(|key| Ok((key.id.clone(), Key::load(key)?)))
-            .collect()
-    }
-
     /// Handles deliveries until every source has stopped (the channel closes).
     pub async fn run(self, mut deliveries: mpsc::Receiver<Delivery>) {
         while let Some(first) = deliveries.recv().await {
@@ -257,7 +251,7 @@ impl Approver {
                 fastrand::u64(..)
             )
         };
-        let request = match request::parse(message, &self.limits) {
+        let request = match parse(message, &self.limits) {
             Ok(request) => request,
             Err((rejection, id)) => {
                 return (
@@ -337,9 +331,9 @@ impl Approver {
                 format!("keyid {key_id:?} is not one of approvals.keys"),
             )
         })?;
-        let signature = verify::decode_base64(signature)
+        let signature = decode_base64(signature)
             .ok_or_else(|| Rejection::new(Reason::BadSignature, "the signature is not base64"))?;
-        let canonical = verify::canonical(
+        let canonical = canonical(
             &attributes.id,
             &attributes.source,
             attributes.time.timestamp(),

@@ -13,7 +13,8 @@ use reqwest::{StatusCode, header, redirect};
 use serde_json::Value;
 use url::Url;
 
-use super::document::{Document, DocumentError, Parsed};
+use sched_relay_core::document::{Document, DocumentError, Parsed};
+use sched_relay_core::event::Identity;
 
 /// The Scheduled Events api-versions Azure has published, oldest first.
 pub const KNOWN_API_VERSIONS: [&str; 7] = [
@@ -28,17 +29,6 @@ pub const KNOWN_API_VERSIONS: [&str; 7] = [
 
 /// The api-version used for `/metadata/instance/compute` (independent of Scheduled Events).
 const COMPUTE_API_VERSION: &str = "2021-02-01";
-
-/// Who this VM is, as the metadata service (or the configuration) says.
-#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize)]
-pub struct Identity {
-    /// The VM name that appears in an event's `Resources`.
-    pub name: String,
-    /// The VM's unique id (`vmId`).
-    pub vm_id: Option<String>,
-    /// The Azure resource id, `/subscriptions/.../virtualMachines/<name>`.
-    pub resource_id: Option<String>,
-}
 
 /// Why a request to the metadata service failed. Each variant says what to check.
 #[derive(Debug, thiserror::Error)]

@@ -664,7 +664,10 @@ mod tests {
         assert!(oldest.get("Description").is_none());
         let preview = &state.document("2017-03-01")["Events"][0];
         assert_eq!(preview["Resources"], json!(["_WestNO_0"]));
-        assert!(crate::imds::parse_not_before(preview["NotBefore"].as_str().unwrap()).is_some());
+        assert!(
+            sched_relay_core::document::parse_not_before(preview["NotBefore"].as_str().unwrap())
+                .is_some()
+        );
     }
 
     #[test]

@@ -10,8 +10,8 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
 };
-use sink_core::binding::{self, expand_template};
-use sink_core::{Event, Sink, SinkError};
+use sched_relay_transport::binding::{self, expand_template};
+use sched_relay_transport::{Event, Sink, SinkError};
 use tokio::sync::Mutex;
 
 use crate::{AmqpSinkConfig, HeaderStyle};
@@ -32,7 +32,7 @@ impl AmqpSink {
     }
 
     fn uri(&self) -> Result<String, SinkError> {
-        let password = sink_core::secret::resolve(
+        let password = sched_relay_transport::secret::resolve(
             self.config.password.as_ref(),
             self.config.password_file.as_deref(),
             "password",

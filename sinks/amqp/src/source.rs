@@ -11,7 +11,7 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, ExchangeKind};
-use sink_core::inbound::{Deliveries, Inbound, hand_over, keep_consuming};
+use sched_relay_transport::inbound::{Deliveries, Inbound, hand_over, keep_consuming};
 use tokio::sync::watch;
 
 use crate::{AmqpSink, AmqpSinkConfig};

@@ -9,7 +9,7 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
-use sink_core::testing::unique;
+use sched_relay_transport::testing::unique;
 
 /// An exchange and a queue bound to it with `#`, both removed when the test ends.
 pub struct Topology {

@@ -5,12 +5,12 @@ use std::time::Duration;
 use cloudevents::{AttributesReader, Event, EventBuilder, EventBuilderV10};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
-use sink_amqp::testing::Topology;
-use sink_amqp::{AmqpSink, AmqpSinkConfig, HeaderStyle};
-use sink_core::Sink;
-use sink_core::binding::ContentMode;
-use sink_core::testing::deliver_across_an_outage;
-use sink_core::testing::{
+use sched_relay_amqp::testing::Topology;
+use sched_relay_amqp::{AmqpSink, AmqpSinkConfig, HeaderStyle};
+use sched_relay_transport::Sink;
+use sched_relay_transport::binding::ContentMode;
+use sched_relay_transport::testing::deliver_across_an_outage;
+use sched_relay_transport::testing::{
     CuttableProxy, assert_same_events, broker_available, live_migration_events, unique,
 };
 
@@ -216,7 +216,9 @@ async fn a_wrong_password_is_a_clear_error_that_retrying_cannot_fix() {
         return;
     }
     let mut config = config(&url(), "amq.topic");
-    config.password = Some(sink_core::secret::Secret::new("definitely-wrong"));
+    config.password = Some(sched_relay_transport::secret::Secret::new(
+        "definitely-wrong",
+    ));
     let error = AmqpSink::new(config).health_check().await.unwrap_err();
     assert!(!error.is_retriable(), "{error}");
     assert!(

@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use cloudevents::{AttributesReader, Data};
+use sched_relay_transport::{Event, Sink, SinkError};
 use serde::{Deserialize, Serialize};
-use sink_core::{Event, Sink, SinkError};
 use tokio::io::AsyncWriteExt;
 
 /// `kind = "exec"`.
@@ -84,11 +84,6 @@ impl ExecSink {
                 .map(|v| v.to_string())
                 .unwrap_or_default()
         };
-        let transition = event
-            .ty()
-            .rsplit_once(".scheduledevents.")
-            .map(|(_, rest)| rest.to_owned())
-            .unwrap_or_else(|| event.ty().rsplit('.').next().unwrap_or_default().to_owned());
         let not_before = match event.data() {
             Some(Data::Json(data)) => data["event"]["NotBefore"]
                 .as_str()
@@ -101,7 +96,7 @@ impl ExecSink {
             ("EVENT_TYPE", extension("eventtype")),
             ("EVENT_STATUS", extension("eventstatus")),
             ("NOT_BEFORE", not_before),
-            ("TRANSITION", transition),
+            ("TRANSITION", event.transition().to_owned()),
             ("CE_ID", event.id().to_owned()),
             ("CE_TYPE", event.ty().to_owned()),
             ("VM_NAME", extension("vmname")),
@@ -111,15 +106,13 @@ impl ExecSink {
     }
 
     async fn run(&self, event: &Event) -> Result<(), SinkError> {
-        let environment = Self::environment(event);
-        let transition = environment
-            .iter()
-            .find(|(k, _)| *k == "TRANSITION")
-            .map(|(_, v)| v.clone())
-            .unwrap_or_default();
-        if !self.config.transitions.is_empty() && !self.config.transitions.contains(&transition) {
+        let transition = event.transition();
+        if !self.config.transitions.is_empty()
+            && !self.config.transitions.iter().any(|t| t == transition)
+        {
             return Ok(());
         }
+        let environment = Self::environment(event);
         let program = &self.config.command[0];
         let mut child = tokio::process::Command::new(program)
             .args(&self.config.command[1..])
@@ -131,7 +124,7 @@ impl ExecSink {
             .kill_on_drop(true)
             .spawn()
             .map_err(|e| SinkError::Permanent(format!("cannot run {program}: {e}")))?;
-        let body = sink_core::binding::structured_json(event)?;
+        let body = sched_relay_transport::binding::structured_json(event)?;
         if let Some(mut stdin) = child.stdin.take() {
             // A command that does not read stdin closes it early; that is its right.
             let _ = stdin.write_all(&body).await;
@@ -197,7 +190,7 @@ impl Sink for ExecSink {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sink_core::testing::live_migration_events;
+    use sched_relay_transport::testing::live_migration_events;
 
     fn sink(script: &str, extra: &str) -> ExecSink {
         let timeout = if extra.contains("timeout") {

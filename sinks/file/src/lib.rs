@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 
 use async_trait::async_trait;
 use cloudevents::AttributesReader;
+use sched_relay_transport::{Event, Sink, SinkError};
 use serde::Deserialize;
-use sink_core::{Event, Sink, SinkError};
 
 /// `kind = "file"`: JSON Lines of structured-mode CloudEvents.
 #[derive(Debug, Clone, Deserialize, serde::Serialize, PartialEq)]
@@ -194,6 +194,7 @@ mod tests {
             .data("application/json", serde_json::json!({"x": 1}))
             .build()
             .unwrap()
+            .into()
     }
 
     #[tokio::test]

@@ -10,9 +10,9 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use sched_relay_transport::binding::ContentMode;
+use sched_relay_transport::secret::Secret;
 use serde::{Deserialize, Serialize};
-use sink_core::binding::ContentMode;
-use sink_core::secret::Secret;
 
 #[cfg(feature = "client")]
 mod sink;

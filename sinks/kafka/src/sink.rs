@@ -11,8 +11,8 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::DeliveryResult;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer, ProducerContext};
-use sink_core::binding;
-use sink_core::{Event, Sink, SinkError};
+use sched_relay_transport::binding;
+use sched_relay_transport::{Event, Sink, SinkError};
 use tokio::sync::oneshot;
 
 use crate::KafkaSinkConfig;
@@ -295,7 +295,7 @@ pub fn client_config(config: &KafkaSinkConfig) -> Result<ClientConfig, String> {
     if let Some(user) = &config.sasl_username {
         client.set("sasl.username", user);
     }
-    let password = sink_core::secret::resolve(
+    let password = sched_relay_transport::secret::resolve(
         config.sasl_password.as_ref(),
         config.sasl_password_file.as_deref(),
         "sasl_password",

@@ -9,7 +9,7 @@ use std::time::Duration;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
-use sink_core::inbound::{Deliveries, Inbound, hand_over, keep_consuming};
+use sched_relay_transport::inbound::{Deliveries, Inbound, hand_over, keep_consuming};
 use tokio::sync::watch;
 
 use crate::KafkaSinkConfig;

@@ -10,7 +10,7 @@ use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Message;
 use rdkafka::{Offset, TopicPartitionList};
-use sink_core::testing::unique;
+use sched_relay_transport::testing::unique;
 
 /// How to get the broker the tests expect.
 pub const HOW: &str = "start it with: scripts/kafka-broker start";
@@ -108,8 +108,11 @@ impl PrivateTansu {
             .args(["--advertised-listener-url", &format!("tcp://{advertise}")])
             .args(["--storage-engine", "memory://tansu/"])
             .args(extra);
-        let child = sink_core::testing::spawn_or_skip(&mut command, &format!("{binary} ({HOW})"))?;
-        sink_core::testing::wait_for_port(listen, "the private tansu");
+        let child = sched_relay_transport::testing::spawn_or_skip(
+            &mut command,
+            &format!("{binary} ({HOW})"),
+        )?;
+        sched_relay_transport::testing::wait_for_port(listen, "the private tansu");
         Some(PrivateTansu { child })
     }
 }

@@ -5,14 +5,14 @@
 use std::time::Duration;
 
 use cloudevents::{AttributesReader, Event, EventBuilder, EventBuilderV10};
-use sink_core::Sink;
-use sink_core::binding::ContentMode;
-use sink_core::testing::deliver_across_an_outage;
-use sink_core::testing::{
+use sched_relay_kafka::testing::{HOW, PrivateTansu, Record, create_topic, read_all};
+use sched_relay_kafka::{KafkaSink, KafkaSinkConfig};
+use sched_relay_transport::Sink;
+use sched_relay_transport::binding::ContentMode;
+use sched_relay_transport::testing::deliver_across_an_outage;
+use sched_relay_transport::testing::{
     CuttableProxy, assert_same_events, broker_available, live_migration_events, unique,
 };
-use sink_kafka::testing::{HOW, PrivateTansu, Record, create_topic, read_all};
-use sink_kafka::{KafkaSink, KafkaSinkConfig};
 
 fn brokers() -> String {
     std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
@@ -173,7 +173,7 @@ async fn a_missing_topic_is_reported_by_the_health_check() {
 
 #[tokio::test]
 async fn delivery_resumes_after_the_network_to_the_broker_comes_back() {
-    let listen = sink_core::testing::free_port();
+    let listen = sched_relay_transport::testing::free_port();
     let proxy = CuttableProxy::start(&format!("127.0.0.1:{listen}")).await;
     let Some(_broker) = PrivateTansu::start(listen, &proxy.address()) else {
         return;
@@ -205,7 +205,7 @@ async fn delivery_resumes_after_the_network_to_the_broker_comes_back() {
 /// is a broker that refuses the login: the error must say so and must not be retried forever.
 #[tokio::test]
 async fn a_broker_that_refuses_the_login_gives_a_clear_error_that_is_not_retried() {
-    let listen = sink_core::testing::free_port();
+    let listen = sched_relay_transport::testing::free_port();
     let address = format!("127.0.0.1:{listen}");
     let Some(_broker) = PrivateTansu::start_with(listen, &address, &["--authentication"]) else {
         return;
@@ -214,7 +214,7 @@ async fn a_broker_that_refuses_the_login_gives_a_clear_error_that_is_not_retried
     config.security_protocol = "sasl_plaintext".into();
     config.sasl_mechanism = Some("PLAIN".into());
     config.sasl_username = Some("relay".into());
-    config.sasl_password = Some(sink_core::secret::Secret::new("wrong"));
+    config.sasl_password = Some(sched_relay_transport::secret::Secret::new("wrong"));
     let error = KafkaSink::new(config).health_check().await.unwrap_err();
     assert!(!error.is_retriable(), "{error}");
     assert!(

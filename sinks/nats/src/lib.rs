@@ -8,9 +8,9 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use sched_relay_transport::binding::{ContentMode, unknown_template_fields};
+use sched_relay_transport::secret::Secret;
 use serde::{Deserialize, Serialize};
-use sink_core::binding::{ContentMode, unknown_template_fields};
-use sink_core::secret::Secret;
 
 #[cfg(feature = "client")]
 mod sink;

@@ -2,8 +2,8 @@
 
 use async_nats::jetstream;
 use async_trait::async_trait;
-use sink_core::binding::{self, expand_template};
-use sink_core::{Event, Sink, SinkError};
+use sched_relay_transport::binding::{self, expand_template};
+use sched_relay_transport::{Event, Sink, SinkError};
 use tokio::sync::Mutex;
 
 use crate::NatsSinkConfig;
@@ -42,7 +42,7 @@ impl NatsSink {
         if self.config.jetstream {
             // The stream drops a message whose id it has seen within its duplicate window,
             // so retrying a half-acknowledged batch does not duplicate the acknowledged part.
-            headers.insert("Nats-Msg-Id", cloudevents::AttributesReader::id(event));
+            headers.insert("Nats-Msg-Id", cloudevents::AttributesReader::id(&**event));
         }
         headers
     }
@@ -160,13 +160,16 @@ pub async fn connect(config: &NatsSinkConfig) -> Result<async_nats::Client, Sink
             ))
         })?;
     }
-    if let Some(token) =
-        sink_core::secret::resolve(config.token.as_ref(), config.token_file.as_deref(), "token")
-            .map_err(SinkError::Permanent)?
+    if let Some(token) = sched_relay_transport::secret::resolve(
+        config.token.as_ref(),
+        config.token_file.as_deref(),
+        "token",
+    )
+    .map_err(SinkError::Permanent)?
     {
         options = options.token(token);
     }
-    let password = sink_core::secret::resolve(
+    let password = sched_relay_transport::secret::resolve(
         config.password.as_ref(),
         config.password_file.as_deref(),
         "password",

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::pull};
 use futures_util::StreamExt;
-use sink_core::inbound::{Deliveries, Inbound, Reply, hand_over, keep_consuming};
+use sched_relay_transport::inbound::{Deliveries, Inbound, Reply, hand_over, keep_consuming};
 use tokio::sync::watch;
 
 use crate::NatsSinkConfig;

@@ -39,7 +39,7 @@ pub struct PrivateNats {
 impl PrivateNats {
     /// Starts a server on a free port.
     pub fn start(extra: &[&str]) -> Option<PrivateNats> {
-        let port = sink_core::testing::free_port();
+        let port = sched_relay_transport::testing::free_port();
         PrivateNats::start_on(port, extra)
     }
 
@@ -68,11 +68,12 @@ impl PrivateNats {
             ])
             .arg(self.store.path())
             .args(&self.extra);
-        let Some(child) = sink_core::testing::spawn_or_skip(&mut command, &binary) else {
+        let Some(child) = sched_relay_transport::testing::spawn_or_skip(&mut command, &binary)
+        else {
             return false;
         };
         self.child = Some(child);
-        sink_core::testing::wait_for_port(self.port, "the private nats-server");
+        sched_relay_transport::testing::wait_for_port(self.port, "the private nats-server");
         true
     }
 

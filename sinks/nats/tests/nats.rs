@@ -5,13 +5,13 @@ use std::time::Duration;
 
 use cloudevents::{AttributesReader, Event};
 use futures_util::StreamExt;
-use sink_core::Sink;
-use sink_core::binding::ContentMode;
-use sink_core::testing::{
+use sched_relay_nats::testing::{PrivateNats, create_stream, stored_ids};
+use sched_relay_nats::{NatsSink, NatsSinkConfig};
+use sched_relay_transport::Sink;
+use sched_relay_transport::binding::ContentMode;
+use sched_relay_transport::testing::{
     assert_same_events, broker_available, deliver_until_accepted, live_migration_events, unique,
 };
-use sink_nats::testing::{PrivateNats, create_stream, stored_ids};
-use sink_nats::{NatsSink, NatsSinkConfig};
 
 const HOW: &str = "start it with: nats-server -a 127.0.0.1 -p 4222 -js -sd /tmp/nats";
 
@@ -254,7 +254,7 @@ async fn a_refused_login_is_a_clear_error_that_retrying_cannot_fix() {
         ContentMode::Binary,
     );
     config.user = Some("relay".into());
-    config.password = Some(sink_core::secret::Secret::new("wrong"));
+    config.password = Some(sched_relay_transport::secret::Secret::new("wrong"));
     let sink = NatsSink::new(config);
     let error = sink.health_check().await.unwrap_err();
     assert!(!error.is_retriable(), "{error}");
@@ -267,6 +267,6 @@ async fn a_refused_login_is_a_clear_error_that_retrying_cannot_fix() {
         ContentMode::Binary,
     );
     good.user = Some("relay".into());
-    good.password = Some(sink_core::secret::Secret::new("right"));
+    good.password = Some(sched_relay_transport::secret::Secret::new("right"));
     NatsSink::new(good).health_check().await.unwrap();
 }

@@ -9,9 +9,9 @@ use reqwest::header::{
     AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER,
 };
 use reqwest::{StatusCode, redirect};
+use sched_relay_transport::binding::{self, BATCH_CONTENT_TYPE};
+use sched_relay_transport::{Event, Sink, SinkError};
 use sha2::Sha256;
-use sink_core::binding::{self, BATCH_CONTENT_TYPE};
-use sink_core::{Event, Sink, SinkError};
 
 use crate::WebhookSinkConfig;
 
@@ -76,7 +76,7 @@ impl WebhookSink {
                 }
             }
         }
-        match sink_core::secret::resolve(
+        match sched_relay_transport::secret::resolve(
             config.bearer_token.as_ref(),
             config.bearer_token_file.as_deref(),
             "bearer_token",
@@ -91,7 +91,7 @@ impl WebhookSink {
             Ok(None) => {}
             Err(error) => broken = Some(error),
         }
-        let hmac_key = match sink_core::secret::resolve(
+        let hmac_key = match sched_relay_transport::secret::resolve(
             config.hmac_key.as_ref(),
             config.hmac_key_file.as_deref(),
             "hmac_key",

@@ -9,10 +9,10 @@ use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use cloudevents::{AttributesReader, Event};
-use sink_core::Sink;
-use sink_core::binding::ContentMode;
-use sink_core::testing::live_migration_events;
-use sink_webhook::{WebhookSink, WebhookSinkConfig, signature};
+use sched_relay_transport::Sink;
+use sched_relay_transport::binding::ContentMode;
+use sched_relay_transport::testing::live_migration_events;
+use sched_relay_webhook::{WebhookSink, WebhookSinkConfig, signature};
 
 #[derive(Clone)]
 enum Answer {
@@ -217,8 +217,8 @@ async fn server_errors_and_timeouts_are_retried_but_client_errors_are_not() {
 async fn bodies_are_signed_and_custom_headers_and_token_are_sent() {
     let (server, url) = Server::start(vec![]).await;
     let mut config = config(&url);
-    config.hmac_key = Some(sink_core::secret::Secret::new("shared-secret"));
-    config.bearer_token = Some(sink_core::secret::Secret::new("tok"));
+    config.hmac_key = Some(sched_relay_transport::secret::Secret::new("shared-secret"));
+    config.bearer_token = Some(sched_relay_transport::secret::Secret::new("tok"));
     config.headers.insert("X-Fleet".into(), "west".into());
     WebhookSink::new(config)
         .deliver(&live_migration_events("vm")[..2])
@@ -236,7 +236,7 @@ async fn bodies_are_signed_and_custom_headers_and_token_are_sent() {
 
 #[tokio::test]
 async fn an_unreachable_endpoint_is_retriable_and_reported_by_the_health_check() {
-    let port = sink_core::testing::free_port();
+    let port = sched_relay_transport::testing::free_port();
     let sink = WebhookSink::new(config(&format!("http://127.0.0.1:{port}/events")));
     let error = sink.health_check().await.unwrap_err();
     assert!(

@@ -1,7 +1,9 @@
 //! Helpers for the sink crates' tests: the documentation's live migration as CloudEvents, and
 //! the rule for tests that need a real broker (fail under CI, skip with a message elsewhere).
 
-use cloudevents::{Event, EventBuilder, EventBuilderV10};
+use cloudevents::{EventBuilder, EventBuilderV10};
+
+use crate::Event;
 
 /// The live-migration sequence as the agent publishes it for VM `vm`: document:1, then
 /// scheduled, started, completed of one Freeze, each followed by its document snapshot.
@@ -24,6 +26,7 @@ pub fn live_migration_events(vm: &str) -> Vec<Event> {
             )
             .build()
             .expect("a valid event")
+            .into()
     };
     let azure_event = |status: &str, not_before: &str| {
         serde_json::json!({"EventId": id, "EventStatus": status, "EventType": "Freeze",
@@ -57,6 +60,7 @@ pub fn live_migration_events(vm: &str) -> Vec<Event> {
             )
             .build()
             .expect("a valid event")
+            .into()
     };
     let scheduled = azure_event("Scheduled", "Mon, 11 Apr 2022 22:26:58 GMT");
     let started = azure_event("Started", "");
@@ -74,11 +78,12 @@ pub fn live_migration_events(vm: &str) -> Vec<Event> {
 /// Asserts that events decoded from a protocol carry what was sent: the same ids in the same
 /// order, the same required attributes, every extension (as text, since binary mode carries
 /// extensions as header strings), and the same data.
-pub fn assert_same_events(received: &[Event], sent: &[Event]) {
+pub fn assert_same_events(received: &[cloudevents::Event], sent: &[Event]) {
     use cloudevents::AttributesReader;
-    let ids = |events: &[Event]| events.iter().map(|e| e.id().to_owned()).collect::<Vec<_>>();
-    assert_eq!(ids(received), ids(sent));
-    let data = |event: &Event| -> Option<serde_json::Value> {
+    let received_ids: Vec<&str> = received.iter().map(|e| e.id()).collect();
+    let sent_ids: Vec<&str> = sent.iter().map(|e| e.id()).collect();
+    assert_eq!(received_ids, sent_ids);
+    let data = |event: &cloudevents::Event| -> Option<serde_json::Value> {
         match event.data()? {
             cloudevents::Data::Json(value) => Some(value.clone()),
             cloudevents::Data::Binary(bytes) => serde_json::from_slice(bytes).ok(),

@@ -14,7 +14,7 @@
 //! order of the previous document. Each EventId yields at most one transition per document,
 //! so per-EventId order is the document order.
 
-use crate::imds::{Document, EventStatus, ScheduledEvent};
+use crate::document::{Document, EventStatus, ScheduledEvent};
 
 /// What happened to one Azure event between two documents.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

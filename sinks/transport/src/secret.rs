@@ -88,7 +88,10 @@ mod tests {
                 .contains("SINK_CORE_TEST_UNSET")
         );
 
-        let dir = std::env::temp_dir().join(format!("sink-core-secret-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!(
+            "sched-relay-transport-secret-{}",
+            std::process::id()
+        ));
         std::fs::write(&dir, "from-file\n").unwrap();
         assert_eq!(
             resolve(None, Some(&dir), "password").unwrap().as_deref(),

@@ -1,10 +1,12 @@
 //! The specification's test vectors (copied from shared/spec/vectors into tests/vectors):
 //! each document sequence must yield exactly the CloudEvents the vector lists.
 
-use cloudevents::{AttributesReader, Event};
-use sched_relay::agent::events_for_document;
-use sched_relay::event::{DEFAULT_TYPE_PREFIX, EventFactory, PartitionKey};
-use sched_relay::imds::{Document, Identity};
+use cloudevents::AttributesReader;
+use sched_relay_core::Event;
+use sched_relay_core::document::Document;
+use sched_relay_core::event::{
+    DEFAULT_TYPE_PREFIX, EventFactory, Identity, PartitionKey, events_for_document,
+};
 use serde_json::Value;
 
 fn check_vector(name: &str) {

@@ -22,8 +22,6 @@ use ed25519_dalek::{Signer, Verifier};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-use super::config::{KeyAlgorithm, KeyConfig};
-
 /// The first line of the canonical form; a new form gets a new first line.
 pub const CANONICAL_VERSION: &str = "sched-relay-approval-v1";
 
@@ -63,54 +61,27 @@ impl std::fmt::Debug for Key {
 }
 
 impl Key {
-    /// Reads a configured key (its secret or public key, inline, by env or from a file).
-    pub fn load(config: &KeyConfig) -> Result<Key, String> {
-        if config.id.is_empty() || config.id.contains(char::is_whitespace) {
-            return Err(format!(
-                "id {:?} must be non-empty without spaces",
-                config.id
-            ));
+    /// A shared HMAC-SHA256 secret, as given (UTF-8 text). At least 16 bytes.
+    pub fn hmac(secret: &str) -> Result<Key, String> {
+        if secret.len() < 16 {
+            return Err(
+                "the HMAC secret must be at least 16 bytes (32 random bytes recommended)".into(),
+            );
         }
-        match config.algorithm {
-            KeyAlgorithm::HmacSha256 => {
-                if config.public_key.is_some() || config.public_key_file.is_some() {
-                    return Err(
-                        "an hmac-sha256 key takes secret or secret_file, not public_key".into(),
-                    );
-                }
-                let secret = sink_core::secret::resolve(
-                    config.secret.as_ref(),
-                    config.secret_file.as_deref(),
-                    "secret",
-                )?
-                .ok_or("an hmac-sha256 key needs secret or secret_file")?;
-                if secret.len() < 16 {
-                    return Err(
-                        "the HMAC secret must be at least 16 bytes (32 random bytes recommended)"
-                            .into(),
-                    );
-                }
-                Ok(Key::Hmac(secret.into_bytes()))
-            }
-            KeyAlgorithm::Ed25519 => {
-                if config.secret.is_some() || config.secret_file.is_some() {
-                    return Err("an ed25519 key takes public_key or public_key_file: the VM never holds the private key".into());
-                }
-                let text = match (&config.public_key, &config.public_key_file) {
-                    (Some(_), Some(_)) => {
-                        return Err("set public_key or public_key_file, not both".into());
-                    }
-                    (Some(text), None) => text.clone(),
-                    (None, Some(path)) => std::fs::read_to_string(path).map_err(|e| {
-                        format!("cannot read public_key_file {}: {e}", path.display())
-                    })?,
-                    (None, None) => {
-                        return Err("an ed25519 key needs public_key or public_key_file".into());
-                    }
-                };
-                Ok(Key::Ed25519(parse_public_key(&text)?))
-            }
+        Ok(Key::Hmac(secret.as_bytes().to_vec()))
+    }
+
+    /// An Ed25519 public key: base64 of the raw 32 bytes (surrounding white space ignored).
+    pub fn ed25519(public_key: &str) -> Result<Key, String> {
+        Ok(Key::Ed25519(parse_public_key(public_key)?))
+    }
+
+    /// Checks a key id as configured: non-empty, no white space (it is one line of a header).
+    pub fn check_id(id: &str) -> Result<(), String> {
+        if id.is_empty() || id.contains(char::is_whitespace) {
+            return Err(format!("id {id:?} must be non-empty without spaces"));
         }
+        Ok(())
     }
 
     /// Whether `signature` (raw bytes) signs `message` with this key. Constant-time for HMAC.
@@ -268,28 +239,5 @@ mod tests {
         assert!(!ed_public.verify(b"message", &signature));
         // An HMAC key never accepts an Ed25519 signature and the other way round.
         assert!(!hmac_key.verify(b"message", &signature));
-    }
-
-    #[test]
-    fn configured_keys_are_checked_with_clear_messages() {
-        let key = |text: &str| Key::load(&toml::from_str::<KeyConfig>(text).unwrap());
-        assert!(
-            key("id = \"k\"\nalgorithm = \"hmac-sha256\"\nsecret = \"short\"")
-                .unwrap_err()
-                .contains("at least 16 bytes")
-        );
-        assert!(
-            key("id = \"k\"\nalgorithm = \"ed25519\"\nsecret = \"0123456789abcdef\"")
-                .unwrap_err()
-                .contains("public_key")
-        );
-        assert!(
-            key("id = \"k\"\nalgorithm = \"ed25519\"\npublic_key = \"AAAA\"")
-                .unwrap_err()
-                .contains("32 bytes")
-        );
-        assert!(
-            key("id = \"k\"\nalgorithm = \"hmac-sha256\"\nsecret = \"0123456789abcdef\"").is_ok()
-        );
     }
 }

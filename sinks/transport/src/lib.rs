@@ -1,11 +1,12 @@
-//! The contract between sched-relay's fan-out and every sink: the [`Sink`] trait, the
+//! What every sched-relay connection shares, both ways. Outbound: the [`Sink`] trait, the
 //! [`SinkError`] that tells the fan-out whether retrying can help, and a [`RecordingSink`]
-//! that tests use to see exactly what reached a sink.
+//! that tests use to see exactly what reached a sink. Inbound ([`inbound`]): how approval
+//! sources hand messages to the agent and learn when to acknowledge them. And [`secret`]:
+//! credentials in configurations, never printed.
 //!
 //! Retry policy lives in one place (the agent's fan-out), so a sink never retries on its own:
 //! it reports each failure once, classified, and the fan-out decides.
 
-pub mod binding;
 pub mod inbound;
 pub mod secret;
 pub mod testing;
@@ -13,7 +14,10 @@ pub mod testing;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-pub use cloudevents::Event;
+/// The protocol bindings are pure and live in the core; sinks reach them from here.
+pub use sched_relay_core::binding;
+/// A relayed CloudEvent with its typed kind.
+pub use sched_relay_core::{Event, EventKind};
 
 /// A destination for CloudEvents. One task of the fan-out owns each sink and calls it with
 /// batches in order; a sink never sees two batches at once.
@@ -45,6 +49,13 @@ pub enum SinkError {
     /// configuration, message rejected); the batch goes to the dead-letter file.
     #[error("{0} (not retriable)")]
     Permanent(String),
+}
+
+impl From<binding::EncodeError> for SinkError {
+    /// An event that cannot be encoded never will be.
+    fn from(error: binding::EncodeError) -> SinkError {
+        SinkError::Permanent(error.0)
+    }
 }
 
 impl SinkError {

@@ -5,9 +5,9 @@
 //! Nothing here is believed yet: the parser only says what the message claims, or why it
 //! cannot be read. Attribute values are kept exactly as sent, since the signature covers them.
 
+use crate::inbound::Inbound;
 use chrono::{DateTime, Utc};
 use serde_json::Value;
-use sink_core::inbound::Inbound;
 
 /// Which check refused a request, and why, in the order the checks run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -400,8 +400,8 @@ mod tests {
     use super::*;
     use crate::approval::sign::Draft;
     use crate::approval::verify::{Key, SigningKey, canonical, decode_base64};
+    use crate::binding::{self, ContentMode, HeaderStyle};
     use proptest::prelude::*;
-    use sink_core::binding::{self, ContentMode, HeaderStyle};
 
     fn limits() -> Limits {
         Limits {

@@ -2,12 +2,173 @@
 //! deterministic ids, the Azure EventId as `subject`, lower-case extensions, and `data` holding
 //! the Azure event exactly as received. Pure: the observation time is passed in.
 
+use std::ops::Deref;
+
 use chrono::{DateTime, Utc};
-use cloudevents::{Event, EventBuilder, EventBuilderV10};
+use cloudevents::{AttributesReader, EventBuilder, EventBuilderV10};
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::diff::Transition;
-use crate::imds::{Document, Identity};
+use crate::diff::{Transition, TransitionKind, diff};
+use crate::document::Document;
+
+/// Who this VM is, as the metadata service (or the configuration) says.
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize)]
+pub struct Identity {
+    /// The VM name that appears in an event's `Resources`.
+    pub name: String,
+    /// The VM's unique id (`vmId`).
+    pub vm_id: Option<String>,
+    /// The Azure resource id, `/subscriptions/.../virtualMachines/<name>`.
+    pub resource_id: Option<String>,
+}
+
+/// What a relayed CloudEvent reports. Known when the event is made, and read back from the
+/// `type` in exactly one place ([`EventKind::from_type`]) when an event returns from storage,
+/// so sinks, templates and logs never parse the `type` string themselves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EventKind {
+    /// A change of one Azure event: `<prefix>.scheduled`, `.started`, ...
+    Transition(TransitionKind),
+    /// The whole document: `<prefix>.document`.
+    Document,
+    /// The outcome of an approval request: `<prefix>.approval.accepted|rejected|failed`.
+    Approval(ApprovalOutcome),
+    /// An approval request itself (`<prefix>.approval.requested`), as orchestrators send.
+    ApprovalRequest,
+    /// A `type` sched-relay does not make.
+    Other,
+}
+
+impl EventKind {
+    /// Every kind sched-relay makes, for tests and documentation.
+    pub const ALL: [EventKind; 10] = [
+        EventKind::Transition(TransitionKind::Scheduled),
+        EventKind::Transition(TransitionKind::Started),
+        EventKind::Transition(TransitionKind::Completed),
+        EventKind::Transition(TransitionKind::Cancelled),
+        EventKind::Transition(TransitionKind::Updated),
+        EventKind::Document,
+        EventKind::Approval(ApprovalOutcome::Accepted),
+        EventKind::Approval(ApprovalOutcome::Rejected),
+        EventKind::Approval(ApprovalOutcome::Failed),
+        EventKind::ApprovalRequest,
+    ];
+
+    /// The name after the type prefix: `scheduled`, `document`, `approval.accepted`, ...
+    /// This is `{transition}` in templates and `SCHED_RELAY_TRANSITION` for the exec sink.
+    /// `None` for [`EventKind::Other`].
+    pub fn suffix(self) -> Option<&'static str> {
+        Some(match self {
+            EventKind::Transition(kind) => kind.as_str(),
+            EventKind::Document => "document",
+            EventKind::Approval(ApprovalOutcome::Accepted) => "approval.accepted",
+            EventKind::Approval(ApprovalOutcome::Rejected) => "approval.rejected",
+            EventKind::Approval(ApprovalOutcome::Failed) => "approval.failed",
+            EventKind::ApprovalRequest => "approval.requested",
+            EventKind::Other => return None,
+        })
+    }
+
+    /// The kind of a `type` made with any prefix: the longest known suffix after a `.`.
+    pub fn from_type(ty: &str) -> EventKind {
+        EventKind::ALL
+            .into_iter()
+            .filter(|kind| {
+                let suffix = kind.suffix().expect("ALL has no Other");
+                ty.strip_suffix(suffix)
+                    .is_some_and(|prefix| prefix.ends_with('.'))
+            })
+            .max_by_key(|kind| kind.suffix().map(str::len))
+            .unwrap_or(EventKind::Other)
+    }
+}
+
+/// A CloudEvent as sched-relay relays it: the event itself plus what it reports, so nobody
+/// downstream parses the `type` back. Serializes as the plain CloudEvent (structured JSON).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    kind: EventKind,
+    cloud: cloudevents::Event,
+}
+
+impl Event {
+    /// Wraps an event whose kind is known.
+    pub fn new(kind: EventKind, cloud: cloudevents::Event) -> Event {
+        Event { kind, cloud }
+    }
+
+    pub fn kind(&self) -> EventKind {
+        self.kind
+    }
+
+    /// The name after the type prefix (`scheduled`, `approval.accepted`, ...), or for a type
+    /// sched-relay does not make, its last segment.
+    pub fn transition(&self) -> &str {
+        match self.kind.suffix() {
+            Some(suffix) => suffix,
+            None => self.cloud.ty().rsplit('.').next().unwrap_or_default(),
+        }
+    }
+
+    /// The same event under another id (backlogs in benchmarks and tests); the kind stays.
+    pub fn with_id(mut self, id: impl Into<String>) -> Event {
+        cloudevents::event::AttributesWriter::set_id(&mut self.cloud, id.into());
+        self
+    }
+
+    pub fn into_cloud(self) -> cloudevents::Event {
+        self.cloud
+    }
+}
+
+impl From<cloudevents::Event> for Event {
+    /// Reads the kind from the `type` (events from storage, or made elsewhere).
+    fn from(cloud: cloudevents::Event) -> Event {
+        Event {
+            kind: EventKind::from_type(cloud.ty()),
+            cloud,
+        }
+    }
+}
+
+/// An event decoded from a protocol equals the relayed event it carries.
+impl PartialEq<cloudevents::Event> for Event {
+    fn eq(&self, other: &cloudevents::Event) -> bool {
+        self.cloud == *other
+    }
+}
+
+impl PartialEq<Event> for cloudevents::Event {
+    fn eq(&self, other: &Event) -> bool {
+        *self == other.cloud
+    }
+}
+
+impl Default for Event {
+    fn default() -> Event {
+        cloudevents::Event::default().into()
+    }
+}
+
+impl Deref for Event {
+    type Target = cloudevents::Event;
+    fn deref(&self) -> &cloudevents::Event {
+        &self.cloud
+    }
+}
+
+impl Serialize for Event {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.cloud.serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for Event {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Event, D::Error> {
+        cloudevents::Event::deserialize(deserializer).map(Event::from)
+    }
+}
 
 /// The default prefix of every `type`.
 pub const DEFAULT_TYPE_PREFIX: &str = "com.azure.scheduledevents";
@@ -23,6 +184,36 @@ pub enum PartitionKey {
     VmName,
 }
 
+/// `[events]`: the shape of the published CloudEvents.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct EventsConfig {
+    #[serde(default = "default_type_prefix")]
+    pub type_prefix: String,
+    #[serde(default = "default_true")]
+    pub document_events: bool,
+    #[serde(default)]
+    pub partition_key: PartitionKey,
+}
+
+impl Default for EventsConfig {
+    fn default() -> Self {
+        EventsConfig {
+            type_prefix: default_type_prefix(),
+            document_events: true,
+            partition_key: PartitionKey::default(),
+        }
+    }
+}
+
+fn default_type_prefix() -> String {
+    DEFAULT_TYPE_PREFIX.into()
+}
+
+fn default_true() -> bool {
+    true
+}
+
 /// Builds the CloudEvents of one VM.
 #[derive(Debug, Clone)]
 pub struct EventFactory {
@@ -34,7 +225,7 @@ pub struct EventFactory {
 }
 
 /// How an approval request ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ApprovalOutcome {
     /// The metadata service answered 200 (or, in a dry run, would have been asked).
     Accepted,
@@ -98,6 +289,17 @@ impl EventFactory {
 
     /// The CloudEvent of one transition.
     pub fn transition(&self, transition: &Transition, observed: DateTime<Utc>) -> Event {
+        Event::new(
+            EventKind::Transition(transition.kind),
+            self.transition_event(transition, observed),
+        )
+    }
+
+    fn transition_event(
+        &self,
+        transition: &Transition,
+        observed: DateTime<Utc>,
+    ) -> cloudevents::Event {
         let event = &transition.event;
         let affects = event.affects(&self.vm.name);
         let previous_status = transition.previous_status.as_ref().map(|s| s.as_str());
@@ -137,7 +339,7 @@ impl EventFactory {
 
     /// The `document` CloudEvent: the whole document, once per incarnation.
     pub fn document(&self, document: &Document, observed: DateTime<Utc>) -> Event {
-        EventBuilderV10::new()
+        let cloud = EventBuilderV10::new()
             .id(format!("document:{}", document.incarnation))
             .source(self.source.clone())
             .ty(format!("{}.document", self.type_prefix))
@@ -148,7 +350,8 @@ impl EventFactory {
             .extension("partitionkey", self.vm.name.as_str())
             .data("application/json", document.raw.clone())
             .build()
-            .expect("every required attribute is set above")
+            .expect("every required attribute is set above");
+        Event::new(EventKind::Document, cloud)
     }
 
     /// The outcome event of one approval request: `<prefix>.approval.<outcome>`, id
@@ -191,10 +394,33 @@ impl EventFactory {
         if outcome.dry_run {
             builder = builder.extension("dryrun", true);
         }
-        builder
+        let cloud = builder
             .build()
-            .expect("every required attribute is set above")
+            .expect("every required attribute is set above");
+        Event::new(EventKind::Approval(outcome.outcome), cloud)
     }
+}
+
+/// Every CloudEvent one document yields after `previous`: one per transition, in diff order,
+/// then the `document` snapshot when enabled. Nothing at all when the incarnation is the same.
+pub fn events_for_document(
+    factory: &EventFactory,
+    previous: Option<&Document>,
+    current: &Document,
+    include_document: bool,
+    observed: DateTime<Utc>,
+) -> Vec<Event> {
+    if previous.is_some_and(|previous| previous.incarnation == current.incarnation) {
+        return Vec::new();
+    }
+    let mut events: Vec<_> = diff(previous, current)
+        .iter()
+        .map(|transition| factory.transition(transition, observed))
+        .collect();
+    if include_document {
+        events.push(factory.document(current, observed));
+    }
+    events
 }
 
 /// CloudEvents integers are signed 32-bit; an incarnation beyond that (never seen, but the
@@ -209,8 +435,6 @@ fn incarnation_value(incarnation: u64) -> cloudevents::event::ExtensionValue {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::diff::diff;
-    use cloudevents::AttributesReader;
 
     fn factory() -> EventFactory {
         EventFactory::new(
@@ -310,5 +534,55 @@ mod tests {
             event.extension("eventsource").is_none(),
             "absent fields add no extension"
         );
+    }
+
+    #[test]
+    fn every_kind_reads_back_from_its_type_with_any_prefix() {
+        for prefix in [DEFAULT_TYPE_PREFIX, "com.contoso.maintenance", "x"] {
+            for kind in EventKind::ALL {
+                let ty = format!("{prefix}.{}", kind.suffix().unwrap());
+                assert_eq!(EventKind::from_type(&ty), kind, "{ty}");
+            }
+        }
+        // A bare suffix, or a type sched-relay does not make, is `Other`.
+        assert_eq!(EventKind::from_type("scheduled"), EventKind::Other);
+        assert_eq!(EventKind::from_type("com.x.rescheduled"), EventKind::Other);
+        let other: Event = cloudevents::Event::default().into();
+        assert_eq!(other.kind(), EventKind::Other);
+    }
+
+    #[test]
+    fn events_made_here_carry_the_kind_their_type_reads_back_as() {
+        let factory = EventFactory::new(
+            "com.contoso.maint",
+            None,
+            factory().vm,
+            PartitionKey::EventId,
+        );
+        let current = document(json!({"DocumentIncarnation": 3, "Events": [
+            {"EventId": "E1", "EventStatus": "Scheduled"}]}));
+        let outcome = Outcome {
+            outcome: ApprovalOutcome::Rejected,
+            request_id: "r".into(),
+            event_ids: vec!["E1".into()],
+            reason: "bad_signature".into(),
+            detail: String::new(),
+            channel: "http".into(),
+            dry_run: false,
+            nonce: None,
+        };
+        let made = [
+            factory.transition(&diff(None, &current)[0], Utc::now()),
+            factory.document(&current, Utc::now()),
+            factory.approval_outcome(&outcome, Utc::now()),
+        ];
+        let names: Vec<&str> = made.iter().map(Event::transition).collect();
+        assert_eq!(names, ["scheduled", "document", "approval.rejected"]);
+        for event in made {
+            let stored = serde_json::to_string(&event).unwrap();
+            let read: Event = serde_json::from_str(&stored).unwrap();
+            assert_eq!(read.kind(), event.kind(), "{stored}");
+            assert_eq!(read, event);
+        }
     }
 }

@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::imds::{EventSource, EventStatus, EventType, ScheduledEvent};
+use crate::document::{EventSource, EventStatus, EventType, ScheduledEvent};
 
 /// `[policy]`: off unless a rule is set.
 #[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
@@ -87,7 +87,7 @@ pub fn evaluate(policy: &PolicyConfig, event: &ScheduledEvent, vm_name: &str) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::imds::Document;
+    use crate::document::Document;
     use serde_json::json;
 
     fn event(fields: serde_json::Value) -> ScheduledEvent {

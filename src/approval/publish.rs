@@ -1,78 +1,9 @@
-//! The orchestrator's side, for `sched-relay sign-approval` and for tests: build a signed
-//! approval request and, optionally, publish it to a broker or POST it to an agent.
+//! The orchestrator's side of the wire, for `sched-relay sign-approval --to` and for tests:
+//! publish a request (built and signed by `sched_relay_core::approval::Draft`) to a broker,
+//! or POST it to an agent, with the same clients the sinks use.
 
-use chrono::{DateTime, SubsecRound, Utc};
-use cloudevents::{Event, EventBuilder, EventBuilderV10};
+use sched_relay_core::Event;
 use serde_json::json;
-
-use super::verify::{SigningKey, canonical};
-
-/// What to approve, and for whom.
-#[derive(Debug, Clone)]
-pub struct Draft {
-    pub id: String,
-    pub source: String,
-    pub time: DateTime<Utc>,
-    /// The VM (or `*` for the fleet, or none: any VM whose events list it in Resources).
-    pub vm_name: Option<String>,
-    pub event_ids: Vec<String>,
-    /// `<type_prefix>.approval.requested`.
-    pub request_type: String,
-}
-
-impl Draft {
-    /// A request with a random id, from `source`, timed now.
-    pub fn new(source: &str, vm_name: Option<&str>, event_ids: Vec<String>) -> Draft {
-        Draft {
-            id: format!("{:032x}", fastrand::u128(..)),
-            source: source.to_owned(),
-            time: Utc::now().trunc_subsecs(3),
-            vm_name: vm_name.map(str::to_owned),
-            event_ids,
-            request_type: format!("{}.approval.requested", crate::event::DEFAULT_TYPE_PREFIX),
-        }
-    }
-
-    /// The text a key signs (see [`super::verify`]).
-    pub fn canonical(&self) -> String {
-        canonical(
-            &self.id,
-            &self.source,
-            self.time.timestamp(),
-            self.vm_name.as_deref(),
-            &self.event_ids,
-        )
-    }
-
-    /// The request as a CloudEvent, signed with `key` named `key_id` when given.
-    pub fn event(&self, signer: Option<(&str, &SigningKey)>) -> Event {
-        let requests: Vec<_> = self
-            .event_ids
-            .iter()
-            .map(|id| json!({ "EventId": id }))
-            .collect();
-        let mut builder = EventBuilderV10::new()
-            .id(self.id.clone())
-            .source(self.source.clone())
-            .ty(self.request_type.clone())
-            .time(self.time)
-            .data("application/json", json!({ "StartRequests": requests }));
-        if let Some(vm) = &self.vm_name {
-            // Also the Kafka record key, which routes the request to the VM's partition.
-            builder = builder
-                .extension("vmname", vm.as_str())
-                .extension("partitionkey", vm.as_str());
-        }
-        if let Some((key_id, key)) = signer {
-            builder = builder
-                .extension("keyid", key_id)
-                .extension("signature", key.sign(self.canonical().as_bytes()));
-        }
-        builder
-            .build()
-            .expect("every required attribute is set above")
-    }
-}
 
 /// Publishes a request to `to`, the way an orchestrator would, and says what happened:
 /// `nats://host:4222[?subject=S]`, `amqp://user:pass@host:5672/%2f[?exchange=E&routing_key=K]`,
@@ -101,7 +32,7 @@ pub async fn publish_to(to: &str, event: &Event, token: Option<&str>) -> Result<
             url.port_or_known_default().unwrap_or_default()
         )
     };
-    let deliver = |sink: Box<dyn sink_core::Sink>, what: String| async move {
+    let deliver = |sink: Box<dyn sched_relay_transport::Sink>, what: String| async move {
         sink.deliver(std::slice::from_ref(event))
             .await
             .map(|()| what)
@@ -111,12 +42,12 @@ pub async fn publish_to(to: &str, event: &Event, token: Option<&str>) -> Result<
         #[cfg(feature = "nats")]
         "nats" | "tls" => {
             let subject = query("subject").unwrap_or(format!("scheduledevents.approvals.{vm}"));
-            let config: sink_nats::NatsSinkConfig = serde_json::from_value(
+            let config: sched_relay_nats::NatsSinkConfig = serde_json::from_value(
                 json!({"url": format!("{}://{}", url.scheme(), host()), "subject": subject}),
             )
             .map_err(|e| e.to_string())?;
             deliver(
-                Box::new(sink_nats::NatsSink::new(config)),
+                Box::new(sched_relay_nats::NatsSink::new(config)),
                 format!("published to NATS subject {subject}"),
             )
             .await
@@ -127,11 +58,11 @@ pub async fn publish_to(to: &str, event: &Event, token: Option<&str>) -> Result<
             let routing_key = query("routing_key").unwrap_or(format!("approvals.{vm}"));
             let mut base = url.clone();
             base.set_query(None);
-            let config: sink_amqp::AmqpSinkConfig = serde_json::from_value(json!({
+            let config: sched_relay_amqp::AmqpSinkConfig = serde_json::from_value(json!({
                 "url": base.to_string(), "exchange": exchange, "routing_key": routing_key,
             }))
             .map_err(|e| e.to_string())?;
-            deliver(Box::new(sink_amqp::AmqpSink::new(config)), format!("published to AMQP exchange {exchange} with routing key {routing_key} (confirmed and routed)")).await
+            deliver(Box::new(sched_relay_amqp::AmqpSink::new(config)), format!("published to AMQP exchange {exchange} with routing key {routing_key} (confirmed and routed)")).await
         }
         #[cfg(feature = "kafka")]
         "kafka" => {
@@ -139,13 +70,13 @@ pub async fn publish_to(to: &str, event: &Event, token: Option<&str>) -> Result<
                 "" => "scheduledevents.approvals".to_owned(),
                 topic => topic.to_owned(),
             };
-            let config: sink_kafka::KafkaSinkConfig = serde_json::from_value(json!({
+            let config: sched_relay_kafka::KafkaSinkConfig = serde_json::from_value(json!({
                 "brokers": host(), "topic": topic,
                 "options": {"partitioner": "murmur2_random"},
             }))
             .map_err(|e| e.to_string())?;
             deliver(
-                Box::new(sink_kafka::KafkaSink::new(config)),
+                Box::new(sched_relay_kafka::KafkaSink::new(config)),
                 format!("produced to Kafka topic {topic} with key {vm}"),
             )
             .await

@@ -7,24 +7,8 @@
 use std::future::Future;
 use std::time::Duration;
 
+pub use sched_relay_core::inbound::Inbound;
 use tokio::sync::{mpsc, oneshot, watch};
-
-/// One message as it arrived, before anything is believed about it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Inbound {
-    /// `nats`, `jetstream`, `amqp`, `kafka` or `http`.
-    pub transport: &'static str,
-    /// Where it came from: subject, queue, `topic/partition@offset`, `POST /approvals`.
-    pub channel: String,
-    /// Header name/value pairs as received (names in their original case).
-    pub headers: Vec<(String, String)>,
-    /// The message's content type, if the protocol carries one outside the headers.
-    pub content_type: Option<String>,
-    pub body: Vec<u8>,
-    /// The channel also carries other VMs' requests (a fleet subject, every partition of a
-    /// topic): requests that name another VM are skipped without an outcome.
-    pub shared: bool,
-}
 
 /// What the agent made of a message.
 #[derive(Debug, Clone, PartialEq)]

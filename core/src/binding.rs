@@ -8,11 +8,16 @@
 //! `application/cloudevents+json`. cloudevents-sdk's own transport bindings are not used: they
 //! pin old versions of rdkafka, reqwest and async-nats.
 
+use cloudevents::AttributesReader;
 use cloudevents::event::{AttributeValue, Data, ExtensionValue};
-use cloudevents::{AttributesReader, Event};
 use serde::{Deserialize, Serialize};
 
-use crate::SinkError;
+use crate::Event;
+
+/// An event that cannot be encoded (its data does not serialize). Retrying cannot help.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct EncodeError(pub String);
 
 /// The content type of a structured-mode message.
 pub const STRUCTURED_CONTENT_TYPE: &str = "application/cloudevents+json; charset=utf-8";
@@ -72,7 +77,11 @@ pub const AMQP_1_0: HeaderStyle = HeaderStyle {
 };
 
 /// Encodes an event in one content mode for one protocol.
-pub fn encode(event: &Event, mode: ContentMode, style: HeaderStyle) -> Result<Encoded, SinkError> {
+pub fn encode(
+    event: &Event,
+    mode: ContentMode,
+    style: HeaderStyle,
+) -> Result<Encoded, EncodeError> {
     match mode {
         ContentMode::Structured => Ok(Encoded {
             headers: Vec::new(),
@@ -108,9 +117,9 @@ pub fn encode(event: &Event, mode: ContentMode, style: HeaderStyle) -> Result<En
 }
 
 /// The event as one structured-mode JSON document.
-pub fn structured_json(event: &Event) -> Result<Vec<u8>, SinkError> {
+pub fn structured_json(event: &Event) -> Result<Vec<u8>, EncodeError> {
     serde_json::to_vec(event).map_err(|e| {
-        SinkError::Permanent(format!(
+        EncodeError(format!(
             "event {} cannot be encoded as JSON: {e}",
             event.id()
         ))
@@ -118,20 +127,19 @@ pub fn structured_json(event: &Event) -> Result<Vec<u8>, SinkError> {
 }
 
 /// A batch of events as one `application/cloudevents-batch+json` array.
-pub fn batch_json(events: &[Event]) -> Result<Vec<u8>, SinkError> {
+pub fn batch_json(events: &[Event]) -> Result<Vec<u8>, EncodeError> {
     serde_json::to_vec(events)
-        .map_err(|e| SinkError::Permanent(format!("batch cannot be encoded as JSON: {e}")))
+        .map_err(|e| EncodeError(format!("batch cannot be encoded as JSON: {e}")))
 }
 
 /// The event's `data` as bytes (empty when the event has none).
-pub fn data_bytes(event: &Event) -> Result<Vec<u8>, SinkError> {
+pub fn data_bytes(event: &Event) -> Result<Vec<u8>, EncodeError> {
     match event.data() {
         None => Ok(Vec::new()),
         Some(Data::Binary(bytes)) => Ok(bytes.clone()),
         Some(Data::String(text)) => Ok(text.clone().into_bytes()),
-        Some(Data::Json(value)) => serde_json::to_vec(value).map_err(|e| {
-            SinkError::Permanent(format!("data of {} cannot be encoded: {e}", event.id()))
-        }),
+        Some(Data::Json(value)) => serde_json::to_vec(value)
+            .map_err(|e| EncodeError(format!("data of {} cannot be encoded: {e}", event.id()))),
     }
 }
 
@@ -162,15 +170,10 @@ fn header_value(text: &str, style: HeaderStyle) -> String {
 /// routing-key or topic template. Characters a broker gives meaning to (`.`, `*`, `>`, `#`,
 /// spaces) are replaced by `_` inside a value, so a value can never add levels or wildcards.
 pub fn expand_template(template: &str, event: &Event) -> String {
-    let transition = event
-        .ty()
-        .rsplit_once(".scheduledevents.")
-        .map(|(_, rest)| rest.to_owned())
-        .unwrap_or_else(|| event.ty().rsplit('.').next().unwrap_or_default().to_owned());
     let value = |name: &str| -> String {
         let raw = match name {
             "vmname" => attribute(event, "vmname"),
-            "transition" => Some(transition.clone()),
+            "transition" => Some(event.transition().to_owned()),
             "eventtype" => attribute(event, "eventtype"),
             "eventid" => event.subject().map(str::to_owned),
             "type" => Some(event.ty().to_owned()),
@@ -254,9 +257,10 @@ mod tests {
             )
             .build()
             .unwrap()
+            .into()
     }
 
-    fn decode_http(encoded: &Encoded) -> Event {
+    fn decode_http(encoded: &Encoded) -> cloudevents::Event {
         let mut headers = http::HeaderMap::new();
         for (name, value) in &encoded.headers {
             headers.insert(
@@ -318,7 +322,7 @@ mod tests {
                 .content_type
                 .starts_with("application/cloudevents+json")
         );
-        assert_eq!(decode_http(&encoded), event);
+        assert_eq!(decode_http(&encoded), *event);
     }
 
     #[test]
@@ -357,7 +361,8 @@ mod tests {
             .ty("com.azure.scheduledevents.approval.accepted")
             .extension("vmname", "evil.*.>")
             .build()
-            .unwrap();
+            .unwrap()
+            .into();
         assert_eq!(
             expand_template("a.{vmname}.{transition}", &tricky),
             "a.evil____.approval_accepted"
