@@ -729,7 +729,7 @@ fn burst(report: &mut Report, sizes: &Sizes, topology: &Topology) {
 /// then the fan-out starts against the real brokers.
 async fn backlog(report: &mut Report, sizes: &Sizes, topology: &Topology, collector: &Collector) {
     use sched_relay::fanout::Fanout;
-    use sched_relay::sinks::SinkEntry;
+    use sched_relay::sinks::registry;
     use sched_relay::store::Outbox;
     let dir = tempfile::tempdir().unwrap();
     let names: Vec<String> = ["nats", "amqp", "kafka", "webhook"]
@@ -760,7 +760,7 @@ async fn backlog(report: &mut Report, sizes: &Sizes, topology: &Topology, collec
         topology.sinks(&collector.url)
     ))
     .unwrap();
-    let sinks = config.sinks.iter().map(SinkEntry::named).collect();
+    let sinks = config.sinks.iter().map(registry::named).collect();
     let outbox = Arc::new(outbox);
     let started = Instant::now();
     let fanout = Fanout::start(sinks, &config.delivery, dir.path(), outbox.clone());

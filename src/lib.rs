@@ -13,6 +13,8 @@ pub mod demo;
 pub mod fanout;
 pub mod http;
 pub mod imds;
+pub mod logging;
+pub mod retry;
 pub mod simulator;
 pub mod sinks;
 pub mod store;

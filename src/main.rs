@@ -6,8 +6,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use sched_relay::config::{Config, LogFormat};
+use sched_relay::config::Config;
 use sched_relay::imds::ImdsClient;
+use sched_relay::logging::LogFormat;
 use sched_relay::simulator::{Scenario, Simulator};
 
 #[derive(Parser)]

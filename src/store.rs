@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use cloudevents::AttributesReader;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use sched_relay_core::Event;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 /// (sink name, sequence number) -> the structured CloudEvent as JSON.
@@ -26,6 +27,36 @@ const SEEN_REQUESTS: TableDefinition<&str, i64> = TableDefinition::new("seen_req
 
 /// The file inside `state.dir`.
 pub const FILE_NAME: &str = "outbox.redb";
+
+/// `[state]`: where the agent keeps what must survive it.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StateConfig {
+    #[serde(default = "default_state_dir")]
+    pub dir: PathBuf,
+}
+
+impl Default for StateConfig {
+    fn default() -> Self {
+        StateConfig {
+            dir: default_state_dir(),
+        }
+    }
+}
+
+fn default_state_dir() -> PathBuf {
+    PathBuf::from("/var/lib/sched-relay")
+}
+
+impl StateConfig {
+    /// Problems, as (key under `state`, message).
+    pub fn validate(&self) -> Vec<(String, String)> {
+        if self.dir.as_os_str().is_empty() {
+            return vec![("dir".into(), "must name a directory".into())];
+        }
+        Vec::new()
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -321,6 +352,14 @@ impl Outbox {
         counters.insert(sink.to_owned(), counter);
         Ok(counter.depth)
     }
+}
+
+/// The state directory must exist and be writable before anything is promised.
+pub fn check_state_dir(dir: &Path) -> Result<(), std::io::Error> {
+    std::fs::create_dir_all(dir)?;
+    let probe = dir.join(".write-test");
+    std::fs::write(&probe, b"")?;
+    std::fs::remove_file(probe)
 }
 
 #[cfg(test)]

@@ -7,11 +7,12 @@ use std::sync::{Arc, OnceLock};
 
 use chrono::Utc;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
-use crate::approval::Snapshot;
 use crate::fanout::SinkHealth;
+use crate::imds::Snapshot;
 use crate::store::Outbox;
 
 /// Seconds buckets for request latencies: IMDS answers in about a millisecond on a VM, the
@@ -19,6 +20,15 @@ use crate::store::Outbox;
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0,
 ];
+
+/// `[telemetry]`: the agent's own HTTP listener (`/healthz`, `POST /approvals`). Off unless
+/// `listen` is set; keep it on loopback unless something outside the VM must reach it.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TelemetryConfig {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub listen: Option<std::net::SocketAddr>,
+}
 
 /// Every metric the agent exports: name, kind and help text. README's metrics table, the
 /// Grafana dashboard and the alert rules use these names (a test checks they exist).

@@ -261,15 +261,9 @@ impl ImdsClient {
                 timeout,
             };
         }
-        let mut reason = error.to_string();
-        let mut source = std::error::Error::source(&error);
-        while let Some(cause) = source {
-            reason = format!("{reason}: {cause}");
-            source = cause.source();
-        }
         ImdsError::Unreachable {
             url: url.to_owned(),
-            reason,
+            reason: sched_relay_transport::error_chain(&error),
         }
     }
 }

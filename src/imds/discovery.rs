@@ -72,6 +72,25 @@ fn collect_files(path: &Path, files: &mut Vec<(std::time::SystemTime, PathBuf)>)
     }
 }
 
+/// The metadata service's base URL: as configured, or for `"discover"` the address in
+/// a DHCP lease's option 245 (VMs outside a VNet), else the usual 169.254.169.254.
+pub fn resolve_endpoint(config: &super::ImdsConfig) -> url::Url {
+    let fallback = || url::Url::parse("http://169.254.169.254").expect("a valid URL");
+    if config.endpoint != "discover" {
+        return url::Url::parse(&config.endpoint).expect("validated by Config::validate");
+    }
+    match discover_endpoint(&config.lease_paths) {
+        Some((address, lease)) => {
+            tracing::info!(address = %address, lease = %lease.display(), "Discovered the metadata endpoint from DHCP option 245");
+            url::Url::parse(&format!("http://{address}")).unwrap_or_else(|_| fallback())
+        }
+        None => {
+            tracing::warn!(searched = ?config.lease_paths, "No DHCP lease with option 245 found; using 169.254.169.254");
+            fallback()
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

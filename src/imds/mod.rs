@@ -3,7 +3,20 @@
 //! and live in `sched_relay_core::document`.
 
 mod client;
+mod config;
 mod discovery;
+mod identity;
 
 pub use client::{ImdsClient, ImdsError, KNOWN_API_VERSIONS};
+pub use config::{ImdsConfig, MIN_POLL_INTERVAL};
+pub use discovery::resolve_endpoint;
 pub use discovery::{DEFAULT_LEASE_PATHS, discover_endpoint, lease_option_245};
+pub use identity::{IdentityConfig, resolve_identity};
+
+/// The latest document the poller fetched, and when: what the remote-approval checks and the
+/// `/events` view read.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    pub document: std::sync::Arc<sched_relay_core::document::Document>,
+    pub fetched: std::time::Instant,
+}

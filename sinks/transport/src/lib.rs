@@ -51,6 +51,18 @@ pub enum SinkError {
     Permanent(String),
 }
 
+/// An error with every cause behind it, `outer: inner: root`: clients such as reqwest put the
+/// useful part (a refused connection, a TLS failure) in the causes, not in the top message.
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text = format!("{text}: {cause}");
+        source = cause.source();
+    }
+    text
+}
+
 impl From<binding::EncodeError> for SinkError {
     /// An event that cannot be encoded never will be.
     fn from(error: binding::EncodeError) -> SinkError {

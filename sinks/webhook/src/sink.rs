@@ -130,7 +130,7 @@ impl WebhookSink {
             } else {
                 SinkError::Retriable(format!(
                     "POST {url} ({what}) failed: {}",
-                    error_chain(&error)
+                    sched_relay_transport::error_chain(&error)
                 ))
             }
         })?;
@@ -169,16 +169,6 @@ fn parse_retry_after(value: &str) -> Option<Duration> {
     let date = chrono::DateTime::parse_from_rfc2822(value.trim()).ok()?;
     let wait = date.with_timezone(&chrono::Utc) - chrono::Utc::now();
     Some(wait.to_std().unwrap_or_default())
-}
-
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text = format!("{text}: {cause}");
-        source = cause.source();
-    }
-    text
 }
 
 fn header_map(pairs: &[(String, String)], content_type: &str) -> Result<HeaderMap, SinkError> {

@@ -1,14 +1,14 @@
-//! The closed set of sink kinds a configuration can name, and the one place that turns a
-//! sink's configuration into a running [`Sink`]. Adding a sink is one crate, one variant here
-//! and one arm in [`SinkKind::build`].
+//! The closed set of sink kinds a configuration can name (`[[sinks]]` entries: plain data,
+//! with their checks), and the [`registry`] that turns an entry into a running sink. Adding
+//! a sink is one crate, one variant here and one arm in [`registry::build`].
 
-use async_trait::async_trait;
+pub mod registry;
+
 use sched_relay_amqp::AmqpSinkConfig;
-use sched_relay_exec::{ExecSink, ExecSinkConfig};
-use sched_relay_file::{FileSink, FileSinkConfig, StdoutSink, StdoutSinkConfig};
+use sched_relay_exec::ExecSinkConfig;
+use sched_relay_file::{FileSinkConfig, StdoutSinkConfig};
 use sched_relay_kafka::KafkaSinkConfig;
 use sched_relay_nats::NatsSinkConfig;
-use sched_relay_transport::{Event, Sink, SinkError};
 use sched_relay_webhook::WebhookSinkConfig;
 use serde::{Deserialize, Serialize};
 
@@ -18,16 +18,6 @@ pub struct SinkEntry {
     /// Names the sink in logs, metrics and the dead-letter file.
     pub name: String,
     pub kind: SinkKind,
-}
-
-impl SinkEntry {
-    /// The running sink, with its name, ready for the fan-out.
-    pub fn named(&self) -> crate::fanout::NamedSink {
-        crate::fanout::NamedSink {
-            name: self.name.clone(),
-            sink: self.kind.build(),
-        }
-    }
 }
 
 /// The sink kinds, tagged by `kind` in the configuration.
@@ -98,45 +88,6 @@ impl SinkKind {
             SinkKind::Kafka(kafka) => kafka.validate(),
             _ => Vec::new(),
         }
-    }
-
-    /// Builds the sink. Network access (for broker sinks) happens here, never in validation.
-    pub fn build(&self) -> Box<dyn Sink> {
-        match self {
-            SinkKind::File(config) => Box::new(FileSink::new(config.clone())),
-            SinkKind::Stdout(config) => Box::new(StdoutSink::new(config.clone())),
-            #[cfg(feature = "nats")]
-            SinkKind::Nats(config) => Box::new(sched_relay_nats::NatsSink::new(config.clone())),
-            #[cfg(feature = "amqp")]
-            SinkKind::Amqp(config) => Box::new(sched_relay_amqp::AmqpSink::new(config.clone())),
-            #[cfg(feature = "webhook")]
-            SinkKind::Webhook(config) => {
-                Box::new(sched_relay_webhook::WebhookSink::new(config.clone()))
-            }
-            SinkKind::Exec(config) => Box::new(ExecSink::new(config.clone())),
-            #[cfg(feature = "kafka")]
-            SinkKind::Kafka(config) => Box::new(sched_relay_kafka::KafkaSink::new(config.clone())),
-            #[allow(unreachable_patterns)]
-            other => Box::new(NotCompiledIn(other.label())),
-        }
-    }
-}
-
-/// Stands in for a sink whose cargo feature is off. Validation refuses such configurations
-/// before anything runs, so this only ever reports the same, clearly.
-struct NotCompiledIn(&'static str);
-
-#[async_trait]
-impl Sink for NotCompiledIn {
-    async fn deliver(&self, _batch: &[Event]) -> Result<(), SinkError> {
-        Err(SinkError::Permanent(format!(
-            "this sched-relay was built without {} support",
-            self.0
-        )))
-    }
-
-    async fn health_check(&self) -> Result<(), SinkError> {
-        self.deliver(&[]).await
     }
 }
 

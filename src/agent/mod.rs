@@ -1,0 +1,183 @@
+//! The agent's wiring: [`run`] opens the state store, resolves who and where, starts the
+//! fan-out, the listener and the approval sources, then hands over to the poller until
+//! shutdown, and drains.
+//!
+//! The data path reads top to bottom: `imds` fetch -> `diff` -> `event` -> `store` ->
+//! `fanout` -> sinks ([`poller`]); local approvals are in [`local_policy`], remote ones in
+//! `crate::approval`. IMDS errors never produce transitions: a failed or malformed fetch
+//! leaves the previous document in place, so the next good document is diffed against the
+//! last good one.
+
+mod local_policy;
+mod poller;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use sched_relay_core::document::Document;
+use sched_relay_core::event::EventFactory;
+
+use crate::approval::{self, Approver};
+use crate::config::Config;
+use crate::fanout::Fanout;
+use crate::imds::{ImdsClient, ImdsError};
+use crate::sinks::registry;
+use crate::store::{Outbox, StoreError};
+use poller::Poller;
+
+/// Why the agent could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error(
+        "cannot create the state directory {path}: {error} (set state.dir to a writable directory)"
+    )]
+    StateDir { path: String, error: std::io::Error },
+    #[error(transparent)]
+    Imds(#[from] ImdsError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Sources(#[from] approval::sources::StartError),
+    #[error("approvals: {0}")]
+    Approvals(String),
+}
+
+/// How `run` starts, beyond the configuration.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RunOptions {
+    /// Move an existing (say, damaged) state store aside and start afresh.
+    pub fresh_state: bool,
+    /// Check approvals (remote and by policy) and publish their outcomes, but POST nothing.
+    pub dry_run: bool,
+}
+
+/// Runs the agent until `shutdown` completes, then drains the sinks and returns.
+pub async fn run(
+    config: Config,
+    options: RunOptions,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), AgentError> {
+    crate::store::check_state_dir(&config.state.dir).map_err(|error| AgentError::StateDir {
+        path: config.state.dir.display().to_string(),
+        error,
+    })?;
+    let client = Arc::new(ImdsClient::new(
+        crate::imds::resolve_endpoint(&config.imds),
+        &config.imds.api_version,
+        config.imds.request_timeout,
+        config.imds.first_call_timeout,
+    )?);
+    let identity = crate::imds::resolve_identity(&config.identity, &client).await;
+    let factory = EventFactory::new(
+        &config.events.type_prefix,
+        config.identity.source.as_deref(),
+        identity,
+        config.events.partition_key,
+    );
+    tracing::info!(
+        endpoint = %client.base(),
+        api_version = %config.imds.api_version,
+        poll_interval = ?config.imds.poll_interval,
+        vm_name = %factory.vm.name,
+        source = %factory.source,
+        sinks = config.sinks.len(),
+        "Agent starting"
+    );
+
+    // Health checks run in each sink's own task (see fanout): a broker that is slow to answer
+    // must not hold back the first poll, since a Preempt notice can be 30 s.
+    let sinks = config.sinks.iter().map(registry::named).collect();
+    let outbox = Outbox::open(
+        &config.state.dir,
+        config.delivery.queue_capacity,
+        options.fresh_state,
+    )?;
+    // Restart recovery: the first document fetched is compared with the last one processed,
+    // so whatever changed while the agent was down still yields its transitions.
+    let previous = match outbox.last_document()? {
+        None => None,
+        Some(raw) => match Document::from_value(raw) {
+            Ok(parsed) => {
+                tracing::info!(
+                    incarnation = parsed.document.incarnation,
+                    "Resuming after the last processed document"
+                );
+                Some(parsed.document)
+            }
+            Err(error) => {
+                return Err(StoreError::Corrupt {
+                    path: config
+                        .state
+                        .dir
+                        .join(crate::store::FILE_NAME)
+                        .display()
+                        .to_string(),
+                    what: "last document",
+                    reason: error.to_string(),
+                }
+                .into());
+            }
+        },
+    };
+    let outbox = Arc::new(outbox);
+    let fanout = Fanout::start(sinks, &config.delivery, &config.state.dir, outbox.clone());
+    let dry_run = options.dry_run || config.approvals.dry_run;
+    if dry_run {
+        tracing::warn!(
+            "Dry run: approvals are checked and their outcomes published, but nothing is POSTed to the metadata service"
+        );
+    }
+    let (latest, latest_rx) = tokio::sync::watch::channel(None);
+    let (stop, stop_rx) = tokio::sync::watch::channel(false);
+    if config.telemetry.listen.is_some() {
+        crate::telemetry::prometheus();
+    }
+    let telemetry = Arc::new(crate::telemetry::Telemetry {
+        first_poll_done: false.into(),
+        sinks: fanout.health(),
+        outbox: outbox.clone(),
+        latest: latest_rx.clone(),
+    });
+    let approver = Approver::new(
+        &config.approvals,
+        dry_run,
+        factory.clone(),
+        client.clone(),
+        latest_rx,
+        config.imds.poll_interval,
+        fanout.publisher(),
+    )
+    .map_err(AgentError::Approvals)?;
+    let remote = approval::sources::start_listener_and_sources(
+        &config.approvals,
+        &config.sinks,
+        config.telemetry.listen,
+        telemetry.clone(),
+        approver,
+        stop_rx,
+    )
+    .await?;
+
+    let mut poller = Poller {
+        client,
+        factory,
+        fanout,
+        config: config.clone(),
+        previous,
+        approvals: std::collections::HashMap::new(),
+        latest,
+        dry_run,
+        telemetry,
+        document_gauges: Vec::new(),
+    };
+    poller.poll_until(shutdown).await;
+    let _ = stop.send(true);
+    remote.stop().await;
+    tracing::info!(timeout = ?config.delivery.shutdown_timeout, "Shutting down, draining sinks");
+    poller
+        .fanout
+        .shutdown(config.delivery.shutdown_timeout)
+        .await;
+    tracing::info!("Agent stopped");
+    Ok(())
+}

@@ -1,0 +1,208 @@
+//! The poll loop: fetch the document, diff each new incarnation against the previous one,
+//! store and publish its CloudEvents, then let local policy look at it.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use cloudevents::AttributesReader;
+use sched_relay_core::EventKind;
+use sched_relay_core::document::Document;
+use sched_relay_core::event::{EventFactory, events_for_document};
+
+use super::local_policy::ApprovalState;
+use crate::config::Config;
+use crate::fanout::Fanout;
+use crate::imds::{ImdsClient, Snapshot};
+use crate::retry::Backoff;
+
+/// After this long without a good answer, an operator has to look: log at ERROR.
+const IMDS_FAILING_ALERT: Duration = Duration::from_secs(30);
+
+pub(super) struct Poller {
+    pub(super) client: Arc<ImdsClient>,
+    pub(super) factory: EventFactory,
+    pub(super) fanout: Fanout,
+    pub(super) config: Config,
+    pub(super) previous: Option<Document>,
+    pub(super) approvals: HashMap<String, ApprovalState>,
+    /// The latest document, for the remote-approval checks.
+    pub(super) latest: tokio::sync::watch::Sender<Option<Snapshot>>,
+    pub(super) dry_run: bool,
+    pub(super) telemetry: Arc<crate::telemetry::Telemetry>,
+    /// The (EventType, EventStatus) label pairs of the `sched_relay_document_events` gauge
+    /// set for the last document, so they go back to 0 when events leave.
+    pub(super) document_gauges: Vec<(String, String)>,
+}
+
+impl Poller {
+    pub(super) async fn poll_until(&mut self, shutdown: impl Future<Output = ()>) {
+        tokio::pin!(shutdown);
+        let interval = self.config.imds.poll_interval;
+        let mut failures: u32 = 0;
+        let mut failing_since: Option<Instant> = None;
+        let mut alerted = false;
+        loop {
+            let started = Instant::now();
+            let fetched = tokio::select! {
+                _ = &mut shutdown => return,
+                fetched = self.client.fetch() => fetched,
+            };
+            metrics::counter!("sched_relay_imds_polls_total").increment(1);
+            metrics::histogram!("sched_relay_imds_poll_duration_seconds")
+                .record(started.elapsed().as_secs_f64());
+            let wait = match fetched {
+                Ok(parsed) => {
+                    if failures > 0 {
+                        tracing::info!(failures, "Metadata service answers again");
+                    }
+                    failures = 0;
+                    failing_since = None;
+                    alerted = false;
+                    for warning in &parsed.warnings {
+                        tracing::warn!(incarnation = parsed.document.incarnation, warning = %warning, "Tolerated an odd field in the document");
+                    }
+                    self.share(&parsed.document);
+                    metrics::gauge!("sched_relay_imds_last_success_timestamp_seconds")
+                        .set(Utc::now().timestamp() as f64);
+                    let incarnation = parsed.document.incarnation;
+                    let new_document = self.on_document(parsed.document).await;
+                    // Ready once a fetched document is processed (its events stored).
+                    if self
+                        .previous
+                        .as_ref()
+                        .is_some_and(|previous| previous.incarnation == incarnation)
+                    {
+                        self.telemetry
+                            .first_poll_done
+                            .store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    self.apply_policy(new_document).await;
+                    interval
+                }
+                Err(error) => {
+                    failures += 1;
+                    let since = *failing_since.get_or_insert(started);
+                    metrics::counter!("sched_relay_imds_errors_total", "kind" => error.kind())
+                        .increment(1);
+                    let wait = Backoff::new(interval, self.config.imds.max_backoff)
+                        .jittered(failures - 1)
+                        .max(interval);
+                    if !alerted && since.elapsed() >= IMDS_FAILING_ALERT {
+                        alerted = true;
+                        tracing::error!(kind = error.kind(), failures, error = %error, "Metadata service failing for over 30 s; no events can be seen");
+                    } else {
+                        tracing::warn!(kind = error.kind(), failures, retry_in = ?wait, error = %error, "Metadata service request failed");
+                    }
+                    wait
+                }
+            };
+            tokio::select! {
+                _ = &mut shutdown => return,
+                _ = tokio::time::sleep_until((started + wait).into()) => {}
+            }
+        }
+    }
+
+    /// `sched_relay_document_events{event_type, status}`: how many events of each kind the
+    /// current document holds (kinds that left go back to 0).
+    fn set_document_gauges(&mut self, document: &Document) {
+        let mut counts: HashMap<(String, String), f64> = self
+            .document_gauges
+            .drain(..)
+            .map(|labels| (labels, 0.0))
+            .collect();
+        for event in &document.events {
+            let event_type = event
+                .raw
+                .get("EventType")
+                .and_then(|t| t.as_str())
+                .unwrap_or("unknown")
+                .to_owned();
+            *counts
+                .entry((event_type, event.status.as_str().to_owned()))
+                .or_default() += 1.0;
+        }
+        for ((event_type, status), count) in counts {
+            metrics::gauge!("sched_relay_document_events", "event_type" => event_type.clone(), "status" => status.clone()).set(count);
+            if count > 0.0 {
+                self.document_gauges.push((event_type, status));
+            }
+        }
+    }
+
+    /// Tells the approval checks about the latest document (a copy only when it changed).
+    fn share(&self, document: &Document) {
+        self.latest.send_modify(|latest| match latest {
+            Some(snapshot) if snapshot.document.incarnation == document.incarnation => {
+                snapshot.fetched = Instant::now();
+            }
+            _ => {
+                *latest = Some(Snapshot {
+                    document: Arc::new(document.clone()),
+                    fetched: Instant::now(),
+                })
+            }
+        });
+    }
+
+    /// Diffs a fetched document against the previous one and publishes what changed.
+    /// Returns whether the document was new (a new incarnation) and is now processed: its
+    /// events are durable in the outbox.
+    async fn on_document(&mut self, document: Document) -> bool {
+        if let Some(previous) = &self.previous {
+            if previous.incarnation == document.incarnation {
+                return false;
+            }
+            if document.incarnation < previous.incarnation {
+                tracing::warn!(
+                    previous = previous.incarnation,
+                    current = document.incarnation,
+                    "DocumentIncarnation went backwards (service re-enabled?); diffing against the last document anyway"
+                );
+            }
+        }
+        let events = events_for_document(
+            &self.factory,
+            self.previous.as_ref(),
+            &document,
+            self.config.events.document_events,
+            Utc::now(),
+        );
+        if let Err(error) = self.fanout.publish(&events, Some(&document.raw)).await {
+            // Not processed: the next poll derives the same transitions again.
+            tracing::error!(incarnation = document.incarnation, error = %error, "Cannot store the transitions of a new document; it will be processed again");
+            return false;
+        }
+        for event in &events {
+            let EventKind::Transition(kind) = event.kind() else {
+                continue;
+            };
+            let transition = kind.as_str();
+            let extension = |name| {
+                event
+                    .extension(name)
+                    .map(|v| v.to_string())
+                    .unwrap_or_default()
+            };
+            tracing::info!(
+                event_id = event.subject().unwrap_or_default(),
+                transition,
+                incarnation = document.incarnation,
+                event_type = %extension("eventtype"),
+                status = %extension("eventstatus"),
+                affects_vm = %extension("affectsvm"),
+                id = %event.id(),
+                "Transition"
+            );
+            metrics::counter!("sched_relay_transitions_total", "transition" => transition.to_owned()).increment(1);
+        }
+        metrics::gauge!("sched_relay_incarnation").set(document.incarnation as f64);
+        self.set_document_gauges(&document);
+        self.approvals.retain(|id, _| document.event(id).is_some());
+        self.previous = Some(document);
+        true
+    }
+}

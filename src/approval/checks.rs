@@ -1,0 +1,264 @@
+//! The five checks a request passes before anything is sent, in order: format,
+//! authenticity, freshness, targeting, state (see the module documentation of `approval`).
+
+use std::sync::Arc;
+
+use chrono::Utc;
+use sched_relay_core::approval::{
+    FLEET_TARGET, Reason, Rejection, Request, canonical, decode_base64, parse,
+};
+use sched_relay_core::document::{Document, EventStatus};
+use sched_relay_transport::inbound::Inbound;
+
+use super::{Approver, Verdict};
+
+impl Approver {
+    /// Runs the checks on one message. Returns the request id (or a made-up one for
+    /// messages without a readable id), its EventIds and the verdict.
+    pub(super) async fn check(
+        &self,
+        message: &Inbound,
+        document: &mut Option<Arc<Document>>,
+    ) -> (String, Vec<String>, Verdict) {
+        let made_up = || {
+            format!(
+                "unidentified:{}:{:016x}",
+                message.transport,
+                fastrand::u64(..)
+            )
+        };
+        let request = match parse(message, &self.limits) {
+            Ok(request) => request,
+            Err((rejection, id)) => {
+                return (
+                    id.unwrap_or_else(made_up),
+                    Vec::new(),
+                    Verdict::Reject(rejection),
+                );
+            }
+        };
+        let request_id = request.id().map(str::to_owned).unwrap_or_else(made_up);
+        let event_ids = request.event_ids.clone();
+        if message.shared
+            && let Some(target) = request.vm_name()
+            && target != FLEET_TARGET
+            && !target.eq_ignore_ascii_case(&self.factory.vm.name)
+        {
+            return (
+                request_id,
+                event_ids,
+                Verdict::Skip(format!("addressed to {target}")),
+            );
+        }
+        let verdict = match self.checks(&request, document).await {
+            Ok(()) => Verdict::Valid,
+            Err(rejection) => Verdict::Reject(rejection),
+        };
+        (request_id, event_ids, verdict)
+    }
+
+    async fn checks(
+        &self,
+        request: &Request,
+        document: &mut Option<Arc<Document>>,
+    ) -> Result<(), Rejection> {
+        self.authenticity(request)?;
+        self.freshness(request).await?;
+        self.targeting(request)?;
+        let document = match document {
+            Some(document) => document.clone(),
+            None => document.insert(self.latest_document().await?).clone(),
+        };
+        self.state(request, &document)
+    }
+
+    fn authenticity(&self, request: &Request) -> Result<(), Rejection> {
+        let unsigned = |what: &str| {
+            Rejection::new(
+                Reason::Unsigned,
+                format!(
+                    "{what}; unsigned requests are accepted only with approvals.allow_unsigned = true"
+                ),
+            )
+        };
+        let Some(attributes) = &request.cloud_event else {
+            return if self.config.allow_unsigned {
+                Ok(())
+            } else {
+                Err(unsigned("a bare StartRequests body carries no signature"))
+            };
+        };
+        let Some(signature) = &attributes.signature else {
+            return if self.config.allow_unsigned {
+                Ok(())
+            } else {
+                Err(unsigned("the request has no signature extension"))
+            };
+        };
+        let key_id = attributes.key_id.as_deref().ok_or_else(|| {
+            Rejection::new(
+                Reason::UnknownKey,
+                "the request is signed but names no keyid",
+            )
+        })?;
+        let key = self.keys.get(key_id).ok_or_else(|| {
+            Rejection::new(
+                Reason::UnknownKey,
+                format!("keyid {key_id:?} is not one of approvals.keys"),
+            )
+        })?;
+        let signature = decode_base64(signature)
+            .ok_or_else(|| Rejection::new(Reason::BadSignature, "the signature is not base64"))?;
+        let canonical = canonical(
+            &attributes.id,
+            &attributes.source,
+            attributes.time.timestamp(),
+            attributes.vm_name.as_deref(),
+            &request.event_ids,
+        );
+        if key.verify(canonical.as_bytes(), &signature) {
+            Ok(())
+        } else {
+            Err(Rejection::new(
+                Reason::BadSignature,
+                format!(
+                    "the signature does not match the request with key {key_id:?} (was anything changed on the way, or signed with another key?)"
+                ),
+            ))
+        }
+    }
+
+    async fn freshness(&self, request: &Request) -> Result<(), Rejection> {
+        // A bare body has neither time nor id: only allow_unsigned lets it this far.
+        let Some(attributes) = &request.cloud_event else {
+            return Ok(());
+        };
+        let now = Utc::now();
+        let age = now.signed_duration_since(attributes.time);
+        let max_age =
+            chrono::Duration::from_std(self.config.max_age).unwrap_or(chrono::Duration::MAX);
+        let skew =
+            chrono::Duration::from_std(self.config.clock_skew).unwrap_or(chrono::Duration::MAX);
+        if age > max_age {
+            return Err(Rejection::new(
+                Reason::Expired,
+                format!(
+                    "time {} is {}s old; at most {}s (approvals.max_age)",
+                    attributes.time,
+                    age.num_seconds(),
+                    max_age.num_seconds()
+                ),
+            ));
+        }
+        if -age > skew {
+            return Err(Rejection::new(
+                Reason::FromTheFuture,
+                format!(
+                    "time {} is {}s ahead of this VM's clock; at most {}s (approvals.clock_skew)",
+                    attributes.time,
+                    (-age).num_seconds(),
+                    skew.num_seconds()
+                ),
+            ));
+        }
+        let keep_until = (attributes.time + max_age).timestamp() + 1;
+        let outbox = self.outbox.clone();
+        let id = attributes.id.clone();
+        let now = now.timestamp();
+        let new =
+            tokio::task::spawn_blocking(move || outbox.remember_request(&id, keep_until, now))
+                .await
+                .map_err(|e| e.to_string())
+                .and_then(|result| result.map_err(|e| e.to_string()));
+        match new {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(Rejection::new(
+                Reason::Replayed,
+                format!("request id {:?} was already handled", attributes.id),
+            )),
+            // Without a durable record a replay could not be recognised later: refuse.
+            Err(error) => Err(Rejection::new(
+                Reason::Replayed,
+                format!("cannot record the request id, so it is refused: {error}"),
+            )),
+        }
+    }
+
+    fn targeting(&self, request: &Request) -> Result<(), Rejection> {
+        let me = &self.factory.vm.name;
+        match request.vm_name() {
+            None => Ok(()),
+            Some(target) if target.eq_ignore_ascii_case(me) => Ok(()),
+            Some(FLEET_TARGET) if self.config.allow_fleet => Ok(()),
+            Some(FLEET_TARGET) => Err(Rejection::new(
+                Reason::WrongTarget,
+                "the request is for the whole fleet (vmname \"*\"); that needs approvals.allow_fleet = true",
+            )),
+            Some(target) => Err(Rejection::new(
+                Reason::WrongTarget,
+                format!("the request is for VM {target:?}, and this is {me:?}"),
+            )),
+        }
+    }
+
+    fn state(&self, request: &Request, document: &Document) -> Result<(), Rejection> {
+        for event_id in &request.event_ids {
+            let Some(event) = document.event(event_id) else {
+                return Err(Rejection::new(
+                    Reason::UnknownEvent,
+                    format!(
+                        "EventId {event_id} is not in the current document (incarnation {}): unknown, or already over",
+                        document.incarnation
+                    ),
+                ));
+            };
+            match &event.status {
+                EventStatus::Scheduled => {}
+                EventStatus::Started => {
+                    return Err(Rejection::new(
+                        Reason::EventStarted,
+                        format!("EventId {event_id} has already Started"),
+                    ));
+                }
+                other => {
+                    return Err(Rejection::new(
+                        Reason::EventNotScheduled,
+                        format!("EventId {event_id} is {}, not Scheduled", other.as_str()),
+                    ));
+                }
+            }
+            if request.vm_name().is_none() && !event.affects(&self.factory.vm.name) {
+                return Err(Rejection::new(
+                    Reason::NotAffected,
+                    format!(
+                        "the request names no VM, and EventId {event_id} does not list this VM in Resources"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The poller's document when it is fresher than one poll interval; else a new fetch.
+    async fn latest_document(&self) -> Result<Arc<Document>, Rejection> {
+        let cached = self.latest.borrow().clone();
+        if let Some(snapshot) = &cached
+            && snapshot.fetched.elapsed() <= self.poll_interval
+        {
+            return Ok(snapshot.document.clone());
+        }
+        match self.client.fetch().await {
+            Ok(parsed) => Ok(Arc::new(parsed.document)),
+            Err(error) => match cached {
+                Some(snapshot) => {
+                    tracing::warn!(error = %error, "Cannot fetch a fresh document for an approval; checking against the last one");
+                    Ok(snapshot.document)
+                }
+                None => Err(Rejection::new(
+                    Reason::UnknownEvent,
+                    format!("no document from the metadata service yet: {error}"),
+                )),
+            },
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! Starting remote approvals: the HTTP listener (which also serves metrics, health and the
+//! events view), the checker task and every configured broker source, each fed into one
+//! channel; and stopping them in order when the agent stops.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::Approver;
+use super::config::ApprovalsConfig;
+use crate::sinks::SinkEntry;
+
+/// How long sources get to finish the message they are handling when the agent stops.
+const SOURCE_STOP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why remote approvals could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(
+        "cannot listen on telemetry.listen {address}: {error} (is another process using the port?)"
+    )]
+    Listen {
+        address: SocketAddr,
+        error: std::io::Error,
+    },
+    #[error("approvals: {0}")]
+    Approvals(String),
+}
+
+/// The running remote-approval machinery: the checker task and its sources.
+pub struct RemoteApprovals {
+    approver: Option<tokio::task::JoinHandle<()>>,
+    sources: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl RemoteApprovals {
+    /// Lets each source finish the message it is handling, then lets the checker finish.
+    pub async fn stop(self) {
+        for source in self.sources {
+            if tokio::time::timeout(SOURCE_STOP_TIMEOUT, source)
+                .await
+                .is_err()
+            {
+                tracing::warn!("An approval source did not stop in time");
+            }
+        }
+        if let Some(approver) = self.approver {
+            let _ = approver.await;
+        }
+    }
+}
+
+/// Starts the HTTP listener (when configured: metrics, health, events, approvals), the
+/// approval checker and every configured approval source. Sources stop when `stop` turns true.
+// Without any broker feature only the HTTP source exists.
+#[cfg_attr(
+    not(any(feature = "nats", feature = "amqp", feature = "kafka")),
+    allow(unused_variables)
+)]
+pub async fn start_listener_and_sources(
+    approvals: &ApprovalsConfig,
+    sinks: &[SinkEntry],
+    listen: Option<SocketAddr>,
+    telemetry: Arc<crate::telemetry::Telemetry>,
+    approver: Approver,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<RemoteApprovals, StartError> {
+    let dry_run = approver.dry_run();
+    let vm_name = approver.vm_name().to_owned();
+    let (deliveries, inbox) = tokio::sync::mpsc::channel(64);
+    let mut sources = Vec::new();
+    let mut started = false;
+    if let Some(listen) = listen {
+        let endpoint = match &approvals.http {
+            Some(http) if http.enabled => {
+                let token = sched_relay_transport::secret::resolve(
+                    http.token.as_ref(),
+                    http.token_file.as_deref(),
+                    "approvals.http.token",
+                )
+                .map_err(StartError::Approvals)?;
+                Some(crate::http::ApprovalEndpoint {
+                    deliveries: deliveries.clone(),
+                    token,
+                })
+            }
+            _ => None,
+        };
+        started |= endpoint.is_some();
+        let mut stopped = stop.clone();
+        let (bound, task) = crate::http::serve(
+            listen,
+            telemetry,
+            endpoint,
+            approvals.max_message_bytes * 2 + 1024,
+            async move {
+                let _ = stopped.wait_for(|stop| *stop).await;
+            },
+        )
+        .await
+        .map_err(|error| StartError::Listen {
+            address: listen,
+            error,
+        })?;
+        if started {
+            tracing::info!(address = %bound, "Approval source ready (HTTP POST /approvals)");
+        } else {
+            tracing::info!(address = %bound, "HTTP listener ready");
+        }
+        sources.push(task);
+    }
+    #[cfg(feature = "nats")]
+    if let Some(nats) = &approvals.nats {
+        use crate::approval::config::{BrokerSource, for_vm};
+        let spec = sched_relay_nats::source::NatsSourceSpec {
+            connection: nats.resolve(sinks).map_err(StartError::Approvals)?,
+            subject: for_vm(&nats.subject, &vm_name),
+            fleet_subject: nats.fleet_subject.as_ref().map(|s| for_vm(s, &vm_name)),
+            jetstream: nats
+                .stream
+                .as_ref()
+                .map(|stream| (stream.clone(), for_vm(&nats.durable, &vm_name))),
+        };
+        sources.push(tokio::spawn(sched_relay_nats::source::run(
+            spec,
+            deliveries.clone(),
+            stop.clone(),
+        )));
+        started = true;
+    }
+    #[cfg(feature = "amqp")]
+    if let Some(amqp) = &approvals.amqp {
+        use crate::approval::config::{BrokerSource, for_vm};
+        let spec = sched_relay_amqp::source::AmqpSourceSpec {
+            connection: amqp.resolve(sinks).map_err(StartError::Approvals)?,
+            queue: for_vm(&amqp.queue, &vm_name),
+            declare: amqp.declare,
+            exchange: amqp.exchange.clone(),
+            routing_key: for_vm(&amqp.routing_key, &vm_name),
+            fleet_routing_key: amqp.fleet_routing_key.clone(),
+            prefetch: amqp.prefetch,
+            exclusive: false,
+        };
+        sources.push(tokio::spawn(sched_relay_amqp::source::run(
+            spec,
+            deliveries.clone(),
+            stop.clone(),
+        )));
+        started = true;
+    }
+    #[cfg(feature = "kafka")]
+    if let Some(kafka) = &approvals.kafka {
+        use crate::approval::config::{BrokerSource, KafkaPartitions, for_vm};
+        let spec = sched_relay_kafka::source::KafkaSourceSpec {
+            connection: kafka.resolve(sinks).map_err(StartError::Approvals)?,
+            topic: kafka.topic.clone(),
+            vm_name: vm_name.clone(),
+            by_key: kafka.partitions == KafkaPartitions::Key,
+            group_id: for_vm(&kafka.group_id, &vm_name),
+            max_age: approvals.max_age,
+        };
+        sources.push(tokio::spawn(sched_relay_kafka::source::run(
+            spec,
+            deliveries.clone(),
+            stop.clone(),
+        )));
+        started = true;
+    }
+    drop(deliveries);
+    let approver = started.then(|| {
+        tracing::info!(
+            dry_run,
+            keys = approvals.keys.len(),
+            allow_unsigned = approvals.allow_unsigned,
+            allow_fleet = approvals.allow_fleet,
+            "Remote approvals enabled"
+        );
+        tokio::spawn(approver.run(inbox))
+    });
+    Ok(RemoteApprovals { approver, sources })
+}

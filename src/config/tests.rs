@@ -1,0 +1,254 @@
+//! Loading and validating whole configurations, as users write them.
+
+use std::path::Path;
+use std::time::Duration;
+
+use figment::providers::Env;
+
+use super::*;
+
+fn load(toml: &str, env: &[(&str, &str)]) -> Result<Config, ConfigErrors> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.toml");
+    std::fs::write(&path, toml).unwrap();
+    let _guards: Vec<_> = env.iter().map(|(k, v)| EnvGuard::set(k, v)).collect();
+    // Each test sees only its own variables, so tests running in parallel cannot leak
+    // overrides into each other; the provider is otherwise the real one.
+    let keys: Vec<String> = env
+        .iter()
+        .map(|(k, _)| k.trim_start_matches(ENV_PREFIX).to_ascii_lowercase())
+        .collect();
+    let provider = Env::prefixed(ENV_PREFIX)
+        .filter(move |key| keys.iter().any(|k| key.as_str().eq_ignore_ascii_case(k)));
+    load::load(Some(&path), provider)
+}
+
+struct EnvGuard(String);
+impl EnvGuard {
+    fn set(key: &str, value: &str) -> Self {
+        // SAFETY: only this module's tests touch SCHED_RELAY_* variables, each with
+        // names no other test reads.
+        unsafe { std::env::set_var(key, value) };
+        EnvGuard(key.to_owned())
+    }
+}
+impl Drop for EnvGuard {
+    fn drop(&mut self) {
+        unsafe { std::env::remove_var(&self.0) };
+    }
+}
+
+#[test]
+fn the_product_contract_example_loads() {
+    let config = load(
+        r#"
+        [imds]
+        endpoint = "http://169.254.169.254"
+        api_version = "2020-07-01"
+        poll_interval = "1s"
+        [identity]
+        vm_name = "WestNO_0"
+        [state]
+        dir = "/var/lib/sched-relay"
+        [policy]
+        approve_user_initiated = true
+        approve_freeze_max_seconds = 9
+        [[sinks]]
+        name = "audit"
+        kind = "file"
+        path = "/var/log/sched-relay/events.jsonl"
+        "#,
+        &[],
+    )
+    .unwrap();
+    assert_eq!(config.imds.poll_interval, Duration::from_secs(1));
+    assert_eq!(config.policy.approve_freeze_max_seconds, Some(9));
+    assert_eq!(config.sinks[0].name, "audit");
+    assert_eq!(config.sinks[0].kind.label(), "file");
+}
+
+#[test]
+fn defaults_poll_every_second_and_print_to_stdout() {
+    let config = load("", &[]).unwrap();
+    // The Default impls and serde's defaults must agree: the demo and tests build
+    // configurations in code, users write files.
+    assert_eq!(config, Config::default());
+    assert!(config.identity.from_metadata && config.events.document_events);
+    assert_eq!(config.sinks[0].kind.label(), "stdout");
+}
+
+#[test]
+fn environment_overrides_the_file() {
+    let config = load(
+        "[imds]\npoll_interval = \"1s\"\n",
+        &[
+            ("SCHED_RELAY_IMDS__POLL_INTERVAL", "250ms"),
+            ("SCHED_RELAY_POLICY__APPROVE_USER_INITIATED", "true"),
+        ],
+    )
+    .unwrap();
+    assert_eq!(config.imds.poll_interval, Duration::from_millis(250));
+    assert!(config.policy.approve_user_initiated);
+}
+
+#[test]
+fn every_problem_is_reported_at_once_with_its_key_path() {
+    let errors = load(
+        r#"
+        [imds]
+        endpoint = "ftp://x"
+        api_version = "latest"
+        poll_interval = "50ms"
+        [policy]
+        approve_freeze_max_seconds = -1
+        [[sinks]]
+        name = "a"
+        kind = "stdout"
+        [[sinks]]
+        name = "a"
+        kind = "file"
+        path = ""
+        "#,
+        &[],
+    )
+    .unwrap_err();
+    let paths: Vec<&str> = errors.0.iter().map(|p| p.path.as_str()).collect();
+    assert_eq!(
+        paths,
+        [
+            "imds.endpoint",
+            "imds.api_version",
+            "imds.poll_interval",
+            "policy.approve_freeze_max_seconds",
+            "sinks[1].name",
+            "sinks[1].path"
+        ],
+        "{errors}"
+    );
+}
+
+#[test]
+fn unknown_keys_and_bad_types_are_refused_with_their_path() {
+    let errors = load("[imds]\npoll_intervall = \"1s\"\n", &[]).unwrap_err();
+    assert_eq!(errors.0[0].path, "imds.poll_intervall");
+    assert!(errors.0[0].message.contains("poll_interval"), "{errors}");
+
+    let errors = load("[imds]\npoll_interval = \"soon\"\n", &[]).unwrap_err();
+    assert_eq!(errors.0[0].path, "imds.poll_interval", "{errors}");
+
+    let errors = load(
+        "[imds]\npoll_intervall = \"1s\"\n[log]\nformat = \"xml\"\n[[sinks]]\nname = \"k\"\nkind = \"carrier-pigeon\"\n[telemetri]\n",
+        &[],
+    )
+    .unwrap_err();
+    let paths: Vec<&str> = errors.0.iter().map(|p| p.path.as_str()).collect();
+    assert_eq!(
+        paths,
+        ["telemetri", "imds.poll_intervall", "log.format", "sinks[0]"],
+        "{errors}"
+    );
+
+    let errors = load("[[sinks]]\nname = \"k\"\nkind = \"carrier-pigeon\"\n", &[]).unwrap_err();
+    assert!(errors.0[0].message.contains("carrier-pigeon"), "{errors}");
+    assert!(errors.0[0].message.contains("sink \"k\""), "{errors}");
+
+    let errors = load(
+        "[[sinks]]\nname = \"f\"\nkind = \"file\"\npth = \"x\"\n",
+        &[],
+    )
+    .unwrap_err();
+    assert!(errors.0[0].message.contains("pth"), "{errors}");
+}
+
+#[test]
+fn a_missing_config_file_is_an_error_not_a_silent_default() {
+    let errors = Config::load(Some(Path::new("/nonexistent/sched-relay.toml"))).unwrap_err();
+    assert_eq!(errors.0[0].path, "--config");
+}
+
+#[test]
+fn secrets_never_appear_in_the_printed_configuration() {
+    let mut value: toml::Value = toml::from_str(
+        r#"
+        url = "amqp://guest:hunter2@127.0.0.1:5672/%2f"
+        [auth]
+        password = "hunter2"
+        bearer_token = "hunter2"
+        password_file = "/run/secrets/pw"
+        "#,
+    )
+    .unwrap();
+    redact::redact(&mut value);
+    let printed = toml::to_string(&value).unwrap();
+    assert!(!printed.contains("hunter2"), "{printed}");
+    assert!(printed.contains("/run/secrets/pw"), "{printed}");
+}
+
+// [approvals] checks that depend on other sections (sinks, telemetry).
+
+fn problems(text: &str) -> Vec<String> {
+    let config: Config = toml::from_str(text).unwrap();
+    config.validate().iter().map(|p| p.to_string()).collect()
+}
+
+#[test]
+fn sources_without_a_key_or_a_connection_are_refused_with_the_fix() {
+    let found = problems("[approvals.nats]\nsubject = \"a.{vmname}\"\n");
+    assert!(
+        found
+            .iter()
+            .any(|p| p.starts_with("approvals.keys:") && p.contains("allow_unsigned")),
+        "{found:?}"
+    );
+    assert!(
+        found
+            .iter()
+            .any(|p| p.starts_with("approvals.nats:") && p.contains("connection")),
+        "{found:?}"
+    );
+}
+
+#[test]
+fn a_source_must_name_a_sink_of_its_own_kind() {
+    let found = problems(
+        "[approvals]\nallow_unsigned = true\n[approvals.amqp]\nsink = \"audit\"\n\
+         [[sinks]]\nname = \"audit\"\nkind = \"file\"\npath = \"/tmp/x\"\n",
+    );
+    assert_eq!(
+        found,
+        [
+            "approvals.amqp: sink = \"audit\" is a file sink; the amqp source needs a sink of kind \"amqp\""
+        ]
+    );
+}
+
+#[test]
+fn http_approvals_need_the_listener_and_off_loopback_a_token() {
+    let base = "[approvals]\nallow_unsigned = true\n[approvals.http]\n";
+    assert!(
+        problems(base)
+            .iter()
+            .any(|p| p.contains("telemetry.listen"))
+    );
+    let open = format!("{base}[telemetry]\nlisten = \"0.0.0.0:9464\"\n");
+    assert!(
+        problems(&open)
+            .iter()
+            .any(|p| p.starts_with("approvals.http.token"))
+    );
+    let loopback = format!("{base}[telemetry]\nlisten = \"127.0.0.1:9464\"\n");
+    assert!(problems(&loopback).is_empty());
+}
+
+#[test]
+fn placeholders_other_than_vmname_are_refused() {
+    let found = problems(
+        "[approvals]\nallow_unsigned = true\n[approvals.nats]\nconnection = { url = \"nats://h:4222\" }\nsubject = \"a.{eventid}\"\n",
+    );
+    assert!(
+        found
+            .iter()
+            .any(|p| p.starts_with("approvals.nats.subject")),
+        "{found:?}"
+    );
+}

@@ -1,0 +1,296 @@
+//! Fan-out: every event goes to every sink through the durable outbox (see `store`). Each sink
+//! has its own task that reads its part of the outbox in order, delivers in batches, and
+//! removes events only once the sink confirmed them, so a slow or broken sink never delays
+//! the others and a crash or restart loses nothing. Retriable failures are retried with
+//! exponential backoff and full jitter (or the wait the destination asked for); what can never
+//! be delivered goes to a dead-letter file (`<state.dir>/dead-letter/<sink>.jsonl`) with the
+//! reason.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use cloudevents::AttributesReader;
+use sched_relay_transport::{Event, Sink};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tokio::sync::{Notify, watch};
+use tokio::task::JoinSet;
+
+use crate::store::{Outbox, StoreError};
+use worker::{DeadLetter, Worker};
+
+mod worker;
+
+/// The longest `Retry-After` a destination can impose.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
+/// How long a task waits before reading the outbox again after a store error.
+const STORE_RETRY: Duration = Duration::from_secs(1);
+
+/// `[delivery]`: queues, batches and retries of the fan-out, for every sink.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DeliveryConfig {
+    #[serde(default = "default_queue_capacity")]
+    pub queue_capacity: usize,
+    #[serde(default = "default_batch_size")]
+    pub batch_size: usize,
+    #[serde(default = "default_retry_initial", with = "humantime_serde")]
+    pub retry_initial: Duration,
+    #[serde(default = "default_retry_max", with = "humantime_serde")]
+    pub retry_max: Duration,
+    #[serde(default = "default_shutdown_timeout", with = "humantime_serde")]
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for DeliveryConfig {
+    fn default() -> Self {
+        DeliveryConfig {
+            queue_capacity: default_queue_capacity(),
+            batch_size: default_batch_size(),
+            retry_initial: default_retry_initial(),
+            retry_max: default_retry_max(),
+            shutdown_timeout: default_shutdown_timeout(),
+        }
+    }
+}
+
+fn default_queue_capacity() -> usize {
+    10_000
+}
+fn default_batch_size() -> usize {
+    100
+}
+fn default_retry_initial() -> Duration {
+    Duration::from_millis(200)
+}
+fn default_retry_max() -> Duration {
+    Duration::from_secs(30)
+}
+fn default_shutdown_timeout() -> Duration {
+    Duration::from_secs(10)
+}
+
+impl DeliveryConfig {
+    /// Problems, as (key under `delivery`, message).
+    pub fn validate(&self) -> Vec<(String, String)> {
+        let mut problems: Vec<(String, String)> = Vec::new();
+        if self.queue_capacity == 0 {
+            problems.push(("queue_capacity".into(), "must be at least 1".into()));
+        }
+        if self.batch_size == 0 {
+            problems.push(("batch_size".into(), "must be at least 1".into()));
+        }
+        if self.retry_initial.is_zero() || self.retry_max < self.retry_initial {
+            problems.push((
+                "retry_max".into(),
+                "expected 0 < delivery.retry_initial <= delivery.retry_max".into(),
+            ));
+        }
+        problems
+    }
+}
+
+/// A sink with its name, ready to be driven by the fan-out.
+pub struct NamedSink {
+    pub name: String,
+    pub sink: Box<dyn Sink>,
+}
+
+/// What the delivery tasks are asked to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Deliver, and wait for more.
+    Run,
+    /// Deliver what is stored, then stop.
+    Drain,
+    /// Stop now; what is undelivered stays in the outbox for the next start.
+    Stop,
+}
+
+/// What a sink's task last learned about its destination, for `/readyz` and `/events`.
+#[derive(Debug, Default)]
+pub struct SinkHealth {
+    healthy: std::sync::atomic::AtomicBool,
+    last_error: std::sync::Mutex<Option<String>>,
+}
+
+impl SinkHealth {
+    fn set(&self, sink: &str, result: Result<(), String>) {
+        let healthy = result.is_ok();
+        self.healthy
+            .store(healthy, std::sync::atomic::Ordering::Relaxed);
+        *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = result.err();
+        metrics::gauge!("sched_relay_sink_up", "sink" => sink.to_owned()).set(if healthy {
+            1.0
+        } else {
+            0.0
+        });
+    }
+
+    /// Whether the last health check or delivery succeeded.
+    pub fn healthy(&self) -> bool {
+        self.healthy.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The error of the last failed check or delivery, while it has not succeeded since.
+    pub fn last_error(&self) -> Option<String> {
+        self.last_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+/// The running fan-out.
+pub struct Fanout {
+    publisher: Publisher,
+    health: Vec<(String, Arc<SinkHealth>)>,
+    outbox: Arc<Outbox>,
+    names: Vec<String>,
+    mode: watch::Sender<Mode>,
+    tasks: JoinSet<()>,
+}
+
+/// Stores events for every sink and wakes their tasks; cheap to clone, so the poller and
+/// the approval handler can both publish.
+#[derive(Clone)]
+pub struct Publisher {
+    outbox: Arc<Outbox>,
+    names: Arc<[String]>,
+    wakers: Arc<[Arc<Notify>]>,
+    dead_letter_dir: PathBuf,
+}
+
+impl Fanout {
+    /// Starts one delivery task per sink. Events already in the outbox (from before a
+    /// restart) are delivered first.
+    pub fn start(
+        sinks: Vec<NamedSink>,
+        delivery: &DeliveryConfig,
+        state_dir: &Path,
+        outbox: Arc<Outbox>,
+    ) -> Fanout {
+        let dead_letter_dir = state_dir.join("dead-letter");
+        let (mode, mode_rx) = watch::channel(Mode::Run);
+        let mut tasks = JoinSet::new();
+        let mut names = Vec::new();
+        let mut wakers = Vec::new();
+        let mut health = Vec::new();
+        for NamedSink { name, sink } in sinks {
+            let wake = Arc::new(Notify::new());
+            let status = Arc::new(SinkHealth::default());
+            health.push((name.clone(), status.clone()));
+            let worker = Worker {
+                health: status,
+                dead_letter: DeadLetter::new(&dead_letter_dir, &name),
+                name: name.clone(),
+                sink,
+                outbox: outbox.clone(),
+                wake: wake.clone(),
+                delivery: delivery.clone(),
+                mode: mode_rx.clone(),
+            };
+            tasks.spawn(worker.run());
+            names.push(name);
+            wakers.push(wake);
+        }
+        Fanout {
+            publisher: Publisher {
+                outbox: outbox.clone(),
+                names: names.clone().into(),
+                wakers: wakers.into(),
+                dead_letter_dir,
+            },
+            health,
+            outbox,
+            names,
+            mode,
+            tasks,
+        }
+    }
+
+    /// Each sink's name and health, in configuration order.
+    pub fn health(&self) -> Vec<(String, Arc<SinkHealth>)> {
+        self.health.clone()
+    }
+
+    /// A handle that publishes into this fan-out.
+    pub fn publisher(&self) -> Publisher {
+        self.publisher.clone()
+    }
+
+    /// See [`Publisher::publish`].
+    pub async fn publish(
+        &self,
+        events: &[Event],
+        document: Option<&Value>,
+    ) -> Result<(), StoreError> {
+        self.publisher.publish(events, document).await
+    }
+
+    /// Lets every sink deliver what is stored for at most `timeout`, then stops them. What is
+    /// still undelivered stays in the outbox and goes out after the next start.
+    pub async fn shutdown(mut self, timeout: Duration) {
+        let _ = self.mode.send(Mode::Drain);
+        let drained = tokio::time::timeout(timeout, async {
+            while self.tasks.join_next().await.is_some() {}
+        })
+        .await;
+        if drained.is_err() {
+            let _ = self.mode.send(Mode::Stop);
+            while self.tasks.join_next().await.is_some() {}
+            for name in &self.names {
+                let depth = self.outbox.depth(name).unwrap_or_default();
+                if depth > 0 {
+                    tracing::warn!(sink = %name, undelivered = depth, "Sink not drained in time; its events stay in the outbox for the next start");
+                }
+            }
+        }
+    }
+}
+
+impl Publisher {
+    /// The durable store the publisher writes to.
+    pub fn outbox(&self) -> &Arc<Outbox> {
+        &self.outbox
+    }
+
+    /// Stores events for every sink (with the document they came from, which is then
+    /// processed) durably, and wakes the sinks. Never waits for a sink. When this returns an
+    /// error nothing was stored: the caller must not treat the document as processed.
+    pub async fn publish(
+        &self,
+        events: &[Event],
+        document: Option<&Value>,
+    ) -> Result<(), StoreError> {
+        let outbox = self.outbox.clone();
+        let names = self.names.to_vec();
+        let events_owned = events.to_vec();
+        let document = document.cloned();
+        let overflow = tokio::task::spawn_blocking(move || {
+            outbox.commit(&names, &events_owned, document.as_ref())
+        })
+        .await
+        .map_err(|e| StoreError::Io {
+            path: "outbox".into(),
+            reason: format!("store task failed: {e}"),
+        })??;
+        for (sink, event) in overflow {
+            let reason =
+                "outbox full for this sink (raise delivery.queue_capacity or fix the sink)";
+            tracing::error!(sink = %sink, event_id = %event.id(), reason, "Event not stored for this sink, written to its dead-letter file");
+            metrics::counter!("sched_relay_sink_dead_lettered_total", "sink" => sink.clone())
+                .increment(1);
+            DeadLetter::new(&self.dead_letter_dir, &sink)
+                .write(std::slice::from_ref(&event), reason);
+        }
+        for wake in self.wakers.iter() {
+            wake.notify_one();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

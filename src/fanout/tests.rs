@@ -1,0 +1,166 @@
+//! The fan-out's guarantees against a recording sink: order, retries, dead letters, restarts.
+
+use super::*;
+use cloudevents::{EventBuilder, EventBuilderV10};
+use sched_relay_transport::{RecordingSink, SinkError};
+
+fn event(id: &str) -> Event {
+    EventBuilderV10::new()
+        .id(id)
+        .source("urn:test")
+        .ty("t")
+        .build()
+        .unwrap()
+        .into()
+}
+
+fn fast_delivery() -> DeliveryConfig {
+    DeliveryConfig {
+        retry_initial: Duration::from_millis(1),
+        retry_max: Duration::from_millis(5),
+        ..DeliveryConfig::default()
+    }
+}
+
+fn ids(events: &[Event]) -> Vec<String> {
+    events.iter().map(|e| e.id().to_owned()).collect()
+}
+
+fn start(dir: &Path, sinks: Vec<(&str, RecordingSink)>, delivery: &DeliveryConfig) -> Fanout {
+    let outbox = Arc::new(Outbox::open(dir, delivery.queue_capacity, false).unwrap());
+    let sinks = sinks
+        .into_iter()
+        .map(|(name, sink)| NamedSink {
+            name: name.into(),
+            sink: Box::new(sink),
+        })
+        .collect();
+    Fanout::start(sinks, delivery, dir, outbox)
+}
+
+#[tokio::test]
+async fn retriable_failures_are_retried_in_order_until_delivered() {
+    let dir = tempfile::tempdir().unwrap();
+    let flaky = RecordingSink::new();
+    flaky.fail_next((0..3).map(|_| SinkError::Retriable("broker down".into())));
+    let healthy = RecordingSink::new();
+    let fanout = start(
+        dir.path(),
+        vec![("flaky", flaky.clone()), ("healthy", healthy.clone())],
+        &fast_delivery(),
+    );
+    fanout
+        .publish(&[event("1"), event("2")], None)
+        .await
+        .unwrap();
+    fanout.publish(&[event("3")], None).await.unwrap();
+    fanout.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(ids(&flaky.delivered()), ["1", "2", "3"]);
+    assert_eq!(ids(&healthy.delivered()), ["1", "2", "3"]);
+    assert!(flaky.attempts() >= 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_after_from_the_destination_is_honoured_over_the_backoff() {
+    let dir = tempfile::tempdir().unwrap();
+    let sink = RecordingSink::new();
+    sink.fail_next([SinkError::RetryAfter {
+        message: "429".into(),
+        after: Duration::from_secs(120),
+    }]);
+    let fanout = start(dir.path(), vec![("hook", sink.clone())], &fast_delivery());
+    fanout.publish(&[event("1")], None).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(119)).await;
+    assert!(sink.delivered().is_empty(), "retried before Retry-After");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(ids(&sink.delivered()), ["1"]);
+    fanout.shutdown(Duration::from_secs(1)).await;
+}
+
+#[tokio::test]
+async fn a_refused_batch_goes_to_the_dead_letter_file_and_delivery_continues() {
+    let dir = tempfile::tempdir().unwrap();
+    let sink = RecordingSink::new();
+    sink.fail_next([SinkError::Permanent("schema rejected".into())]);
+    let fanout = start(dir.path(), vec![("picky", sink.clone())], &fast_delivery());
+    fanout.publish(&[event("1")], None).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    fanout.publish(&[event("2")], None).await.unwrap();
+    fanout.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(ids(&sink.delivered()), ["2"]);
+    let dead = std::fs::read_to_string(dir.path().join("dead-letter/picky.jsonl")).unwrap();
+    let record: serde_json::Value = serde_json::from_str(dead.lines().next().unwrap()).unwrap();
+    assert_eq!(record["event"]["id"], "1");
+    assert!(
+        record["reason"]
+            .as_str()
+            .unwrap()
+            .contains("schema rejected")
+    );
+}
+
+#[tokio::test]
+async fn what_a_dead_sink_could_not_take_is_kept_and_delivered_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let down = RecordingSink::new();
+    down.fail_next((0..10_000).map(|_| SinkError::Retriable("down".into())));
+    let healthy = RecordingSink::new();
+    let fanout = start(
+        dir.path(),
+        vec![("down", down.clone()), ("healthy", healthy.clone())],
+        &fast_delivery(),
+    );
+    fanout
+        .publish(&[event("1"), event("2")], None)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        ids(&healthy.delivered()),
+        ["1", "2"],
+        "the healthy sink is not held back"
+    );
+    fanout.shutdown(Duration::from_millis(100)).await;
+    assert!(down.delivered().is_empty());
+    assert!(
+        !dir.path().join("dead-letter/down.jsonl").exists(),
+        "kept, not dead-lettered"
+    );
+
+    // The next start: the sink is back, and gets what it missed, in order; the healthy
+    // sink gets nothing twice.
+    let back = RecordingSink::new();
+    let healthy_again = RecordingSink::new();
+    let fanout = start(
+        dir.path(),
+        vec![("down", back.clone()), ("healthy", healthy_again.clone())],
+        &fast_delivery(),
+    );
+    fanout.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(ids(&back.delivered()), ["1", "2"]);
+    assert!(healthy_again.delivered().is_empty());
+}
+
+#[tokio::test]
+async fn a_full_outbox_dead_letters_instead_of_blocking() {
+    let dir = tempfile::tempdir().unwrap();
+    let down = RecordingSink::new();
+    down.fail_next((0..10_000).map(|_| SinkError::Retriable("down".into())));
+    let delivery = DeliveryConfig {
+        queue_capacity: 2,
+        batch_size: 1,
+        ..fast_delivery()
+    };
+    let fanout = start(dir.path(), vec![("down", down.clone())], &delivery);
+    fanout
+        .publish(&[event("1"), event("2"), event("3")], None)
+        .await
+        .unwrap();
+    let dead = std::fs::read_to_string(dir.path().join("dead-letter/down.jsonl")).unwrap();
+    assert!(
+        dead.contains("\"id\":\"3\"") && dead.contains("outbox full"),
+        "{dead}"
+    );
+    assert!(!dead.contains("\"id\":\"1\""));
+    fanout.shutdown(Duration::from_millis(50)).await;
+}

@@ -1,0 +1,243 @@
+//! One sink's delivery task: reads the sink's part of the outbox in order, delivers in
+//! batches, retries what may succeed later, dead-letters what never will, and removes events
+//! only once the sink confirmed them.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use cloudevents::AttributesReader;
+use sched_relay_transport::{Event, Sink, SinkError};
+use tokio::sync::{Notify, watch};
+
+use super::{DeliveryConfig, MAX_RETRY_AFTER, Mode, STORE_RETRY, SinkHealth};
+use crate::retry::Backoff;
+use crate::store::{Outbox, StoreError};
+
+pub(super) struct Worker {
+    pub(super) name: String,
+    pub(super) sink: Box<dyn Sink>,
+    pub(super) outbox: Arc<Outbox>,
+    pub(super) wake: Arc<Notify>,
+    pub(super) delivery: DeliveryConfig,
+    pub(super) dead_letter: DeadLetter,
+    pub(super) mode: watch::Receiver<Mode>,
+    pub(super) health: Arc<SinkHealth>,
+}
+
+impl Worker {
+    pub(super) async fn run(mut self) {
+        // Checked here, concurrently with the other sinks and with polling. A failed check is
+        // reported, and delivery is tried all the same: the retry rules decide.
+        let checked = tokio::select! {
+            result = self.sink.health_check() => Some(result),
+            _ = self.stopped() => None,
+        };
+        if let Some(result) = &checked {
+            self.health.set(
+                &self.name,
+                result.as_ref().map_err(|e| e.to_string()).copied(),
+            );
+        }
+        match checked {
+            Some(Ok(())) => tracing::info!(sink = %self.name, "Sink ready"),
+            Some(Err(error)) => {
+                tracing::error!(sink = %self.name, error = %error, "Sink health check failed; its events will be retried or dead-lettered")
+            }
+            None => return,
+        }
+        loop {
+            if *self.mode.borrow() == Mode::Stop {
+                return;
+            }
+            // Register for a wake-up before reading, so an event stored in between is not missed.
+            let wake = self.wake.clone();
+            let woken = wake.notified();
+            let pending = match self.read().await {
+                Ok(pending) => pending,
+                Err(error) => {
+                    tracing::error!(sink = %self.name, error = %error, "Cannot read the outbox; will try again");
+                    tokio::select! {
+                        _ = tokio::time::sleep(STORE_RETRY) => continue,
+                        _ = self.stopped() => return,
+                    }
+                }
+            };
+            if pending.is_empty() {
+                if *self.mode.borrow() == Mode::Drain {
+                    return;
+                }
+                let mut mode = self.mode.clone();
+                tokio::select! {
+                    _ = woken => {}
+                    _ = mode.changed() => {}
+                }
+                continue;
+            }
+            let mut batch = Vec::with_capacity(pending.len());
+            let mut seqs = Vec::with_capacity(pending.len());
+            for stored in pending {
+                match stored.event {
+                    Ok(event) => {
+                        batch.push(event);
+                        seqs.push(stored.seq);
+                    }
+                    Err(reason) => {
+                        tracing::error!(sink = %self.name, seq = stored.seq, reason = %reason, "An unreadable event in the outbox; dropped from it and logged here in full");
+                        self.forget(&[stored.seq]).await;
+                    }
+                }
+            }
+            if batch.is_empty() {
+                continue;
+            }
+            if !self.deliver(&batch).await {
+                return; // stopped: the batch stays in the outbox
+            }
+            self.forget(&seqs).await;
+        }
+    }
+
+    async fn read(&self) -> Result<Vec<crate::store::Stored>, StoreError> {
+        let outbox = self.outbox.clone();
+        let name = self.name.clone();
+        let max = self.delivery.batch_size;
+        tokio::task::spawn_blocking(move || outbox.pending(&name, max))
+            .await
+            .map_err(|e| StoreError::Io {
+                path: "outbox".into(),
+                reason: format!("store task failed: {e}"),
+            })?
+    }
+
+    /// Removes delivered (or dead-lettered) events. If that fails they are delivered again
+    /// later: at least once, with the same ids.
+    async fn forget(&self, seqs: &[u64]) {
+        let outbox = self.outbox.clone();
+        let name = self.name.clone();
+        let seqs = seqs.to_vec();
+        let removed = tokio::task::spawn_blocking(move || outbox.remove(&name, &seqs)).await;
+        if let Ok(Err(error)) | Err(error) = removed.map_err(|e| StoreError::Io {
+            path: "outbox".into(),
+            reason: e.to_string(),
+        }) {
+            tracing::error!(sink = %self.name, error = %error, "Cannot remove delivered events from the outbox; they will be sent again");
+        }
+    }
+
+    /// Completes when the fan-out is told to stop now.
+    fn stopped(&self) -> impl std::future::Future<Output = ()> + 'static {
+        let mut mode = self.mode.clone();
+        async move {
+            while *mode.borrow_and_update() != Mode::Stop {
+                if mode.changed().await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Delivers one batch, retrying while retrying can help. Returns false when told to stop
+    /// before the batch was delivered or dead-lettered.
+    async fn deliver(&mut self, batch: &[Event]) -> bool {
+        let mut attempt: u32 = 0;
+        loop {
+            // At the shutdown deadline an attempt in flight is abandoned; the batch stays in
+            // the outbox (it may also have arrived: at least once).
+            let result = tokio::select! {
+                result = self.sink.deliver(batch) => result,
+                _ = self.stopped() => return false,
+            };
+            self.health.set(
+                &self.name,
+                result.as_ref().map_err(|e| e.to_string()).copied(),
+            );
+            if result.is_err() {
+                metrics::counter!("sched_relay_sink_failed_total", "sink" => self.name.clone())
+                    .increment(1);
+            }
+            match result {
+                Ok(()) => {
+                    metrics::counter!("sched_relay_sink_delivered_total", "sink" => self.name.clone())
+                        .increment(batch.len() as u64);
+                    if attempt > 0 {
+                        tracing::info!(sink = %self.name, attempts = attempt + 1, "Sink recovered, batch delivered");
+                    }
+                    // The agent's own part of the latency: from the document's arrival (the
+                    // event's `time`) to the destination's confirmation.
+                    let now = chrono::Utc::now();
+                    for event in batch {
+                        let latency = event
+                            .time()
+                            .map(|observed| {
+                                (now - *observed).num_microseconds().unwrap_or(i64::MAX)
+                            })
+                            .unwrap_or_default();
+                        metrics::histogram!("sched_relay_sink_delivery_latency_seconds", "sink" => self.name.clone())
+                            .record(latency as f64 / 1e6);
+                        tracing::debug!(sink = %self.name, event_id = %event.id(), latency_us = latency, "Delivered");
+                    }
+                    return true;
+                }
+                Err(error) if error.is_retriable() => {
+                    // A destination that says when to come back is believed, within an hour.
+                    let wait = error
+                        .retry_after()
+                        .map(|after| after.min(MAX_RETRY_AFTER))
+                        .unwrap_or_else(|| {
+                            Backoff::new(self.delivery.retry_initial, self.delivery.retry_max)
+                                .jittered(attempt)
+                        });
+                    metrics::counter!("sched_relay_sink_retried_total", "sink" => self.name.clone()).increment(1);
+                    tracing::warn!(sink = %self.name, attempt = attempt + 1, retry_in = ?wait, error = %error, "Delivery failed, will retry");
+                    attempt = attempt.saturating_add(1);
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = self.stopped() => return false,
+                    }
+                }
+                Err(error) => {
+                    metrics::counter!("sched_relay_sink_dead_lettered_total", "sink" => self.name.clone())
+                        .increment(batch.len() as u64);
+                    tracing::error!(sink = %self.name, events = batch.len(), error = %error, "Delivery refused, batch written to the dead-letter file");
+                    self.dead_letter.write(batch, &error.to_string());
+                    return true;
+                }
+            }
+        }
+    }
+}
+
+/// The dead-letter file of one sink.
+pub(super) struct DeadLetter {
+    pub(super) path: PathBuf,
+}
+
+impl DeadLetter {
+    pub(super) fn new(dir: &Path, sink: &str) -> Self {
+        DeadLetter {
+            path: dir.join(format!("{sink}.jsonl")),
+        }
+    }
+
+    /// Appends one line per event: `{"sink", "reason", "at", "event"}`. If even that fails,
+    /// the event is logged in full so an operator can still recover it from the logs.
+    pub(super) fn write(&self, events: &[Event], reason: &str) {
+        let sink = self
+            .path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let at = chrono::Utc::now().to_rfc3339();
+        let mut lines = Vec::new();
+        for event in events {
+            let record =
+                serde_json::json!({"sink": sink, "reason": reason, "at": at, "event": event});
+            lines.extend_from_slice(record.to_string().as_bytes());
+            lines.push(b'\n');
+        }
+        if let Err(error) = sched_relay_file::append(&self.path, &lines, true) {
+            let error: SinkError = error;
+            tracing::error!(path = %self.path.display(), error = %error, lost = %String::from_utf8_lossy(&lines), "Cannot write the dead-letter file");
+        }
+    }
+}

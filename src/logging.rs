@@ -1,0 +1,54 @@
+//! `[log]`: what the agent logs and in which format, and the one place that sets up
+//! `tracing` for the binary.
+
+use serde::{Deserialize, Serialize};
+
+/// `[log]`.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    /// A tracing filter (`info`, `sched_relay=debug,warn`); RUST_LOG wins when set.
+    #[serde(default = "default_log_level")]
+    pub level: String,
+    #[serde(default)]
+    pub format: LogFormat,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            level: default_log_level(),
+            format: LogFormat::default(),
+        }
+    }
+}
+
+fn default_log_level() -> String {
+    "info".into()
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq, Default, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines on stderr.
+    #[default]
+    Pretty,
+    /// One JSON object per line on stderr, for log shippers.
+    Json,
+}
+
+impl LogConfig {
+    /// Problems, as (key under `log`, message).
+    pub fn validate(&self) -> Vec<(String, String)> {
+        if tracing_subscriber::EnvFilter::try_new(&self.level).is_err() {
+            return vec![(
+                "level".into(),
+                format!(
+                    "{:?} is not a log filter; expected e.g. \"info\" or \"sched_relay=debug,warn\"",
+                    self.level
+                ),
+            )];
+        }
+        Vec::new()
+    }
+}
