@@ -29,6 +29,26 @@ pub struct PolicyConfig {
 }
 
 impl PolicyConfig {
+    /// Problems, as (key under `policy`, message).
+    pub fn validate(&self) -> Vec<(String, String)> {
+        let mut problems = Vec::new();
+        if self.approve_freeze_max_seconds.is_some_and(|max| max < 0) {
+            problems.push((
+                "approve_freeze_max_seconds".to_owned(),
+                "must be 0 or more (seconds of Freeze to approve)".to_owned(),
+            ));
+        }
+        for (index, event_type) in self.approve_event_types.iter().enumerate() {
+            if event_type.trim().is_empty() {
+                problems.push((
+                    format!("approve_event_types[{index}]"),
+                    "is empty; expected an EventType such as \"Preempt\"".to_owned(),
+                ));
+            }
+        }
+        problems
+    }
+
     /// Whether any rule can approve anything.
     pub fn is_enabled(&self) -> bool {
         self.approve_user_initiated

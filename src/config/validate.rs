@@ -15,7 +15,7 @@ impl Config {
         };
         section("imds", self.imds.validate());
         section("identity", self.identity.validate());
-        section("events", events_problems(&self.events));
+        section("events", self.events.validate());
         section("state", self.state.validate());
         section("policy", self.policy.validate());
         section("delivery", self.delivery.validate());
@@ -96,17 +96,4 @@ impl Config {
         }
         problems
     }
-}
-
-fn events_problems(events: &sched_relay_core::event::EventsConfig) -> Vec<(String, String)> {
-    if events.type_prefix.is_empty() || events.type_prefix.contains(char::is_whitespace) {
-        return vec![(
-            "type_prefix".into(),
-            format!(
-                "{:?} must be a non-empty reverse-DNS name without spaces",
-                events.type_prefix
-            ),
-        )];
-    }
-    Vec::new()
 }

@@ -1,0 +1,154 @@
+//! The CloudEvents contract of product.md, attribute by attribute, and the typed kinds.
+
+use super::*;
+use cloudevents::AttributesReader;
+
+fn factory() -> EventFactory {
+    EventFactory::new(
+        DEFAULT_TYPE_PREFIX,
+        None,
+        Identity {
+            name: "WestNO_0".into(),
+            vm_id: Some("vm-id".into()),
+            resource_id: None,
+        },
+        PartitionKey::EventId,
+    )
+}
+
+fn document(value: Value) -> Document {
+    Document::from_value(value).unwrap().document
+}
+
+#[test]
+fn transition_event_has_every_attribute_of_the_contract() {
+    let raw_event = json!({"EventId": "E1", "EventStatus": "Scheduled", "EventType": "Freeze",
+        "Resources": ["WestNO_0"], "EventSource": "Platform", "DurationInSeconds": 5,
+        "NotBefore": "Mon, 11 Apr 2022 22:26:58 GMT", "Unknown": {"kept": true}});
+    let current = document(json!({"DocumentIncarnation": 2, "Events": [raw_event.clone()]}));
+    let transition = &diff(None, &current)[0];
+    let observed = "2022-04-11T22:00:00Z".parse().unwrap();
+    let event = factory().transition(transition, observed);
+
+    assert_eq!(event.id(), "E1:scheduled");
+    assert_eq!(event.ty(), "com.azure.scheduledevents.scheduled");
+    assert_eq!(event.source(), "urn:sched-relay:vm:WestNO_0");
+    assert_eq!(event.subject(), Some("E1"));
+    assert_eq!(event.time(), Some(&observed));
+    assert_eq!(event.datacontenttype(), Some("application/json"));
+    let ext = |name| event.extension(name).unwrap().to_string();
+    assert_eq!(ext("incarnation"), "2");
+    assert_eq!(ext("eventtype"), "Freeze");
+    assert_eq!(ext("eventstatus"), "Scheduled");
+    assert_eq!(ext("eventsource"), "Platform");
+    assert_eq!(ext("vmname"), "WestNO_0");
+    assert_eq!(ext("affectsvm"), "true");
+    assert_eq!(ext("partitionkey"), "E1");
+
+    let structured = serde_json::to_value(&event).unwrap();
+    assert_eq!(structured["specversion"], "1.0");
+    assert_eq!(structured["incarnation"], 2);
+    assert_eq!(structured["affectsvm"], true);
+    let data = &structured["data"];
+    assert_eq!(data["incarnation"], 2);
+    assert_eq!(
+        data["vm"],
+        json!({"name": "WestNO_0", "id": "vm-id", "resourceId": null})
+    );
+    assert_eq!(data["affectsVm"], true);
+    assert_eq!(data["previousStatus"], Value::Null);
+    assert_eq!(
+        data["event"], raw_event,
+        "the Azure event travels exactly as received"
+    );
+}
+
+#[test]
+fn source_prefers_configuration_then_resource_id() {
+    let mut vm = factory().vm;
+    vm.resource_id = Some("/subscriptions/s/virtualMachines/WestNO_0".into());
+    let from_resource = EventFactory::new("p", None, vm.clone(), PartitionKey::EventId);
+    assert_eq!(
+        from_resource.source,
+        "/subscriptions/s/virtualMachines/WestNO_0"
+    );
+    let configured = EventFactory::new("p", Some("urn:x"), vm, PartitionKey::EventId);
+    assert_eq!(configured.source, "urn:x");
+}
+
+#[test]
+fn document_event_carries_the_whole_document() {
+    let raw = json!({"DocumentIncarnation": "7", "Events": []});
+    let event = factory().document(&document(raw.clone()), Utc::now());
+    assert_eq!(event.id(), "document:7");
+    assert_eq!(event.subject(), Some("7"));
+    assert_eq!(event.ty(), "com.azure.scheduledevents.document");
+    assert_eq!(serde_json::to_value(&event).unwrap()["data"], raw);
+}
+
+#[test]
+fn partition_key_can_be_the_vm_name() {
+    let mut factory = factory();
+    factory.partition_key = PartitionKey::VmName;
+    let current = document(json!({"DocumentIncarnation": 1, "Events": [
+        {"EventId": "E1", "EventStatus": "Started"}]}));
+    let event = factory.transition(&diff(None, &current)[0], Utc::now());
+    assert_eq!(
+        event.extension("partitionkey").unwrap().to_string(),
+        "WestNO_0"
+    );
+    assert!(
+        event.extension("eventsource").is_none(),
+        "absent fields add no extension"
+    );
+}
+
+#[test]
+fn every_kind_reads_back_from_its_type_with_any_prefix() {
+    for prefix in [DEFAULT_TYPE_PREFIX, "com.contoso.maintenance", "x"] {
+        for kind in EventKind::ALL {
+            let ty = format!("{prefix}.{}", kind.suffix().unwrap());
+            assert_eq!(EventKind::from_type(&ty), kind, "{ty}");
+        }
+    }
+    // A bare suffix, or a type sched-relay does not make, is `Other`.
+    assert_eq!(EventKind::from_type("scheduled"), EventKind::Other);
+    assert_eq!(EventKind::from_type("com.x.rescheduled"), EventKind::Other);
+    let other: Event = cloudevents::Event::default().into();
+    assert_eq!(other.kind(), EventKind::Other);
+}
+
+#[test]
+fn events_made_here_carry_the_kind_their_type_reads_back_as() {
+    let factory = EventFactory::new(
+        "com.contoso.maint",
+        None,
+        factory().vm,
+        PartitionKey::EventId,
+    );
+    let current = document(json!({"DocumentIncarnation": 3, "Events": [
+        {"EventId": "E1", "EventStatus": "Scheduled"}]}));
+    let outcome = Outcome {
+        outcome: ApprovalOutcome::Rejected,
+        request_id: "r".into(),
+        event_ids: vec!["E1".into()],
+        reason: "bad_signature".into(),
+        detail: String::new(),
+        channel: "http".into(),
+        dry_run: false,
+        nonce: None,
+    };
+    let made = [
+        factory.transition(&diff(None, &current)[0], Utc::now()),
+        factory.document(&current, Utc::now()),
+        factory.approval_outcome(&outcome, Utc::now()),
+    ];
+    let names: Vec<&str> = made.iter().map(Event::transition).collect();
+    assert_eq!(names, ["scheduled", "document", "approval.rejected"]);
+    for event in made {
+        let stored = serde_json::to_string(&event).unwrap();
+        let read: Event = serde_json::from_str(&stored).unwrap();
+        assert_eq!(read.kind(), event.kind(), "{stored}");
+        assert_eq!(read, event);
+    }
+}

@@ -1,0 +1,189 @@
+//! The structure the project promises (README "Layout"), checked so it cannot rot:
+//! the core crate stays pure, the agent's modules import each other one way, and no source
+//! file grows past 500 lines.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+
+#[test]
+fn the_core_crate_depends_on_no_runtime_store_or_broker_client() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let output = std::process::Command::new(cargo)
+        .current_dir(ROOT)
+        .args([
+            "tree",
+            "--offline",
+            "-p",
+            "sched-relay-core",
+            "-e",
+            "normal",
+            "--prefix",
+            "none",
+        ])
+        .output()
+        .expect("cargo tree runs");
+    let tree = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(tree.contains("sched-relay-core"), "{tree}");
+    let crates: BTreeSet<&str> = tree
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    for forbidden in [
+        "tokio",
+        "redb",
+        "reqwest",
+        "rdkafka",
+        "lapin",
+        "async-nats",
+        "axum",
+        "hyper",
+    ] {
+        assert!(
+            !crates.contains(forbidden),
+            "sched-relay-core pulls in {forbidden}:\n{tree}"
+        );
+    }
+}
+
+/// Every `.rs` file under `dir`.
+fn sources(dir: &Path) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            found.extend(sources(&path));
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            found.push(path);
+        }
+    }
+    found
+}
+
+/// The top-level modules each top-level module of `src/` names as `crate::<module>`.
+fn module_imports() -> BTreeMap<String, BTreeSet<String>> {
+    let src = Path::new(ROOT).join("src");
+    let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for file in sources(&src) {
+        let relative = file.strip_prefix(&src).unwrap();
+        let first = relative
+            .components()
+            .next()
+            .unwrap()
+            .as_os_str()
+            .to_string_lossy();
+        let module = first.trim_end_matches(".rs").to_owned();
+        if module == "main" || module == "lib" {
+            continue;
+        }
+        // Code only: a doc link to another module is not an import.
+        let text: String = std::fs::read_to_string(&file)
+            .unwrap()
+            .lines()
+            .map(|line| line.split("//").next().unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("\n");
+        let mut names = BTreeSet::new();
+        for (at, _) in text.match_indices("crate::") {
+            let rest = &text[at + "crate::".len()..];
+            if let Some(group) = rest.strip_prefix('{') {
+                let group = &group[..group.find('}').unwrap_or(group.len())];
+                names.extend(
+                    group
+                        .split(',')
+                        .map(|n| n.trim().split("::").next().unwrap_or("").to_owned()),
+                );
+            } else {
+                let name: String = rest
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_')
+                    .collect();
+                names.insert(name);
+            }
+        }
+        names.retain(|n| !n.is_empty() && *n != module && n.chars().next().unwrap().is_lowercase());
+        graph.entry(module).or_default().extend(names);
+    }
+    graph
+}
+
+#[test]
+fn the_agent_modules_import_each_other_without_cycles() {
+    let graph = module_imports();
+    assert!(
+        graph.contains_key("agent") && graph.contains_key("config"),
+        "{graph:?}"
+    );
+    // Depth-first search for a back edge; report the cycle as a path.
+    fn visit(
+        node: &str,
+        graph: &BTreeMap<String, BTreeSet<String>>,
+        path: &mut Vec<String>,
+        done: &mut BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(start) = path.iter().position(|n| n == node) {
+            let mut cycle = path[start..].to_vec();
+            cycle.push(node.to_owned());
+            return Some(cycle);
+        }
+        if done.contains(node) {
+            return None;
+        }
+        path.push(node.to_owned());
+        for next in graph.get(node).into_iter().flatten() {
+            if let Some(cycle) = visit(next, graph, path, done) {
+                return Some(cycle);
+            }
+        }
+        path.pop();
+        done.insert(node.to_owned());
+        None
+    }
+    let mut done = BTreeSet::new();
+    for module in graph.keys() {
+        if let Some(cycle) = visit(module, &graph, &mut Vec::new(), &mut done) {
+            panic!("import cycle: {}\n{graph:#?}", cycle.join(" -> "));
+        }
+    }
+}
+
+#[test]
+fn configuration_is_assembled_from_its_owners_and_nothing_imports_it_back() {
+    let graph = module_imports();
+    let importers: Vec<&String> = graph
+        .iter()
+        .filter(|(_, imports)| imports.contains("config"))
+        .map(|(module, _)| module)
+        .collect();
+    // Only the wiring (agent) and the demo, which builds a configuration in code.
+    assert_eq!(importers, ["agent", "demo"], "{graph:#?}");
+}
+
+#[test]
+fn no_source_file_is_longer_than_500_lines() {
+    let root = Path::new(ROOT);
+    let mut dirs = vec![root.join("src"), root.join("core/src")];
+    for entry in std::fs::read_dir(root.join("sinks")).unwrap() {
+        dirs.push(entry.unwrap().path().join("src"));
+    }
+    let long: Vec<String> = dirs
+        .iter()
+        .flat_map(|dir| sources(dir))
+        .filter_map(|file| {
+            let lines = std::fs::read_to_string(&file).unwrap().lines().count();
+            (lines > 500).then(|| {
+                format!(
+                    "{} ({lines} lines)",
+                    file.strip_prefix(root).unwrap().display()
+                )
+            })
+        })
+        .collect();
+    assert!(long.is_empty(), "split these by job: {long:?}");
+}
