@@ -1,5 +1,5 @@
-//! `[log]`: what the agent logs and in which format, and the one place that sets up
-//! `tracing` for the binary.
+//! `[log]`: what the agent logs and in which format, and [`init`], the one place that sets
+//! up `tracing` for the binary.
 
 use serde::{Deserialize, Serialize};
 
@@ -50,5 +50,20 @@ impl LogConfig {
             )];
         }
         Vec::new()
+    }
+}
+
+/// Sets up `tracing` on stderr: `filter` unless `RUST_LOG` is set, colour only for a person
+/// at a terminal (journald and log files get plain text).
+pub fn init(filter: &str, format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(filter));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+        LogFormat::Pretty => builder.init(),
     }
 }

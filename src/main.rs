@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use sched_relay::config::Config;
 use sched_relay::imds::ImdsClient;
-use sched_relay::logging::LogFormat;
+use sched_relay::logging::{self, LogFormat};
 use sched_relay::simulator::{Scenario, Simulator};
 
 #[derive(Parser)]
@@ -123,20 +123,6 @@ enum Command {
     },
 }
 
-fn init_logging(filter: &str, format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(filter));
-    // Colour only for a person at a terminal; journald and log files get plain text.
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Json => builder.json().flatten_event(true).init(),
-        LogFormat::Pretty => builder.init(),
-    }
-}
-
 /// Completes on the first SIGINT or SIGTERM; a second one exits at once.
 async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};
@@ -191,7 +177,7 @@ async fn main() -> ExitCode {
                 Ok(config) => config,
                 Err(code) => return code,
             };
-            init_logging(
+            logging::init(
                 &config.log.level,
                 cli.log_format.unwrap_or(config.log.format),
             );
@@ -219,7 +205,7 @@ async fn main() -> ExitCode {
             scenario,
             time_scale,
         } => {
-            init_logging("info", format);
+            logging::init("info", format);
             let mut scenario = match Scenario::load(&scenario) {
                 Ok(scenario) => scenario,
                 Err(error) => {
@@ -248,7 +234,7 @@ async fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Command::Watch { from, once, settle } => {
-            init_logging("warn", format);
+            logging::init("warn", format);
             match sched_relay::watch::run(from, once, settle, &mut std::io::stdout()).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(error) => {
@@ -258,7 +244,7 @@ async fn main() -> ExitCode {
             }
         }
         Command::Demo => {
-            init_logging("sched_relay=info", format);
+            logging::init("sched_relay=info", format);
             match sched_relay::demo::run().await {
                 Ok(_) => ExitCode::SUCCESS,
                 Err(error) => {

@@ -3,6 +3,7 @@
 //! or POST it to an agent, with the same clients the sinks use.
 
 use sched_relay_core::Event;
+#[cfg(any(feature = "nats", feature = "amqp", feature = "kafka"))]
 use serde_json::json;
 
 /// Publishes a request to `to`, the way an orchestrator would, and says what happened:

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use cloudevents::{AttributesReader, Data};
-use sched_relay_transport::{Event, Sink, SinkError};
+use sched_relay_transport::{Event, EventKind, Sink, SinkError};
 use serde::{Deserialize, Serialize};
 use tokio::io::AsyncWriteExt;
 
@@ -62,6 +62,19 @@ impl ExecSinkConfig {
         }
         if self.timeout.is_zero() {
             problems.push(("timeout", "must be more than 0s".to_owned()));
+        }
+        // An unknown name would never match, and its events would be confirmed unrun.
+        let known: Vec<&str> = EventKind::ALL.iter().filter_map(|k| k.suffix()).collect();
+        for transition in &self.transitions {
+            if !known.contains(&transition.as_str()) {
+                problems.push((
+                    "transitions",
+                    format!(
+                        "{transition:?} is not a transition; expected some of {}",
+                        known.join(", ")
+                    ),
+                ));
+            }
         }
         problems
     }
@@ -281,5 +294,38 @@ mod tests {
                 .unwrap_err()
                 .is_retriable()
         );
+    }
+
+    #[test]
+    fn a_transition_filter_that_can_never_match_is_refused() {
+        let config: ExecSinkConfig = toml::from_str(
+            "command = [\"/bin/true\"]\ntransitions = [\"scheduled\", \"accepted\", \"approval.failed\"]",
+        )
+        .unwrap();
+        let problems = config.validate();
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert_eq!(problems[0].0, "transitions");
+        assert!(problems[0].1.contains("\"accepted\""), "{problems:?}");
+        assert!(problems[0].1.contains("approval.accepted"), "{problems:?}");
+    }
+
+    #[test]
+    fn the_transition_is_the_same_whatever_the_type_prefix() {
+        for prefix in ["com.azure.scheduledevents", "com.contoso.maintenance"] {
+            use cloudevents::EventBuilder;
+            let event: Event = cloudevents::EventBuilderV10::new()
+                .id("r:accepted")
+                .source("urn:x")
+                .ty(format!("{prefix}.approval.accepted"))
+                .build()
+                .unwrap()
+                .into();
+            let environment = ExecSink::environment(&event);
+            let transition = environment
+                .iter()
+                .find(|(k, _)| *k == "TRANSITION")
+                .unwrap();
+            assert_eq!(transition.1, "approval.accepted", "{prefix}");
+        }
     }
 }
