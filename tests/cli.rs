@@ -128,8 +128,11 @@ fn check_config_exits_2_with_one_line_per_problem() {
 
 #[test]
 fn events_prints_the_document_and_approve_starts_an_event() {
-    let sim = SimProcess::start("live-migration", 0.0005); // the Freeze appears after 60 ms
-    std::thread::sleep(Duration::from_millis(200));
+    // At this scale the Freeze appears after 600 ms, would start by itself 4.5 s later, and
+    // once approved stays Started for 600 ms: room for a process start on a loaded machine
+    // (at 0.0005 it stayed Started for 60 ms, and the check below lost that race under load).
+    let sim = SimProcess::start("live-migration", 0.005);
+    std::thread::sleep(Duration::from_millis(900));
     let output = Command::new(BINARY)
         .args(["events", "--endpoint", &sim.url])
         .output()
