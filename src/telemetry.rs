@@ -161,6 +161,21 @@ pub struct Telemetry {
 }
 
 impl Telemetry {
+    /// Readiness and views over the sinks' health, the outbox and the latest document;
+    /// not ready until the poller reports the first document processed.
+    pub fn new(
+        sinks: Vec<(String, Arc<SinkHealth>)>,
+        outbox: Arc<Outbox>,
+        latest: watch::Receiver<Option<Snapshot>>,
+    ) -> Telemetry {
+        Telemetry {
+            first_poll_done: false.into(),
+            sinks,
+            outbox,
+            latest,
+        }
+    }
+
     /// Refreshes the gauges read from the store (outbox depth and oldest age per sink), then
     /// renders every metric in the Prometheus text format.
     pub fn render_metrics(&self) -> String {

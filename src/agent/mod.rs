@@ -121,8 +121,10 @@ pub async fn run(
     };
     let outbox = Arc::new(outbox);
     let fanout = Fanout::start(sinks, &config.delivery, &config.state.dir, outbox.clone());
-    let dry_run = options.dry_run || config.approvals.dry_run;
-    if dry_run {
+    // `--dry-run` overrides the file: from here on the configuration is the one truth.
+    let mut config = config;
+    config.approvals.dry_run |= options.dry_run;
+    if config.approvals.dry_run {
         tracing::warn!(
             "Dry run: approvals are checked and their outcomes published, but nothing is POSTed to the metadata service"
         );
@@ -132,15 +134,13 @@ pub async fn run(
     if config.telemetry.listen.is_some() {
         crate::telemetry::prometheus();
     }
-    let telemetry = Arc::new(crate::telemetry::Telemetry {
-        first_poll_done: false.into(),
-        sinks: fanout.health(),
-        outbox: outbox.clone(),
-        latest: latest_rx.clone(),
-    });
+    let telemetry = Arc::new(crate::telemetry::Telemetry::new(
+        fanout.health(),
+        outbox.clone(),
+        latest_rx.clone(),
+    ));
     let approver = Approver::new(
         &config.approvals,
-        dry_run,
         factory.clone(),
         client.clone(),
         latest_rx,
@@ -158,26 +158,13 @@ pub async fn run(
     )
     .await?;
 
-    let mut poller = Poller {
-        client,
-        factory,
-        fanout,
-        config: config.clone(),
-        previous,
-        approvals: std::collections::HashMap::new(),
-        latest,
-        dry_run,
-        telemetry,
-        document_gauges: Vec::new(),
-    };
+    let shutdown_timeout = config.delivery.shutdown_timeout;
+    let mut poller = Poller::new(config, client, factory, fanout, telemetry, latest, previous);
     poller.poll_until(shutdown).await;
     let _ = stop.send(true);
     remote.stop().await;
-    tracing::info!(timeout = ?config.delivery.shutdown_timeout, "Shutting down, draining sinks");
-    poller
-        .fanout
-        .shutdown(config.delivery.shutdown_timeout)
-        .await;
+    tracing::info!(timeout = ?shutdown_timeout, "Shutting down, draining sinks");
+    poller.fanout.shutdown(shutdown_timeout).await;
     tracing::info!("Agent stopped");
     Ok(())
 }

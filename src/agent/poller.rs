@@ -38,6 +38,31 @@ pub(super) struct Poller {
 }
 
 impl Poller {
+    /// A poller that resumes after `previous` (the last document processed before a restart,
+    /// if any) and publishes each fetched document to `latest`.
+    pub(super) fn new(
+        config: Config,
+        client: Arc<ImdsClient>,
+        factory: EventFactory,
+        fanout: Fanout,
+        telemetry: Arc<crate::telemetry::Telemetry>,
+        latest: tokio::sync::watch::Sender<Option<Snapshot>>,
+        previous: Option<Document>,
+    ) -> Poller {
+        Poller {
+            dry_run: config.approvals.dry_run,
+            client,
+            factory,
+            fanout,
+            config,
+            previous,
+            approvals: HashMap::new(),
+            latest,
+            telemetry,
+            document_gauges: Vec::new(),
+        }
+    }
+
     pub(super) async fn poll_until(&mut self, shutdown: impl Future<Output = ()>) {
         tokio::pin!(shutdown);
         let interval = self.config.imds.poll_interval;

@@ -75,13 +75,13 @@ pub struct Approver {
 }
 
 impl Approver {
-    /// An approver for this VM (`factory`), with the configured keys loaded. `latest` is the
+    /// An approver for this VM (`factory`), with the configured keys loaded (a dry run when
+    /// `config.dry_run`). `latest` is the
     /// poller's latest document; when it is older than `poll_interval`, the checks fetch a
     /// fresh one. Outcomes go out through `publisher`, whose store also keeps the replay
     /// records.
     pub fn new(
         config: &ApprovalsConfig,
-        dry_run: bool,
         factory: EventFactory,
         client: Arc<ImdsClient>,
         latest: watch::Receiver<Option<Snapshot>>,
@@ -96,7 +96,7 @@ impl Approver {
             },
             keys: keys::load_all(config)?,
             config: config.clone(),
-            dry_run,
+            dry_run: config.dry_run,
             factory,
             client,
             latest,
