@@ -569,3 +569,72 @@ fn an_incarnation_that_goes_backwards_is_survived_and_invents_nothing() {
         agent.log()
     );
 }
+
+/// An in-process IMDS stand-in that serves one fixed document to every request, named as
+/// such: the simulator only serves well-typed fields, and this case needs an odd one. It
+/// counts the requests it answered.
+fn fixed_imds(body: &'static str) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let served = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = served.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            let mut request = [0u8; 4096];
+            let _ = stream.read(&mut request);
+            let response = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = stream.write_all(response.as_bytes());
+            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    (url, served)
+}
+
+/// At the shipped 1 s poll interval an unchanged document with an unparsable NotBefore
+/// is fetched again and again; the WARN says so once, the metric counts every fetch.
+#[test]
+fn an_odd_field_is_logged_once_per_incarnation_and_counted_every_poll() {
+    let (url, served) = fixed_imds(
+        r#"{"DocumentIncarnation": 1, "Events": [{"EventId": "E1", "EventStatus": "Scheduled",
+        "EventType": "Freeze", "Resources": ["vm1"], "NotBefore": "next Tuesday",
+        "DurationInSeconds": 5}]}"#,
+    );
+    let port = sched_relay_transport::testing::free_port();
+    let agent = AgentProcess::start_with_env(
+        &url,
+        &format!("[telemetry]\nlisten = \"127.0.0.1:{port}\"\n"),
+        &[
+            // The shipped [imds] defaults, over the fast ones of the test config.
+            ("SCHED_RELAY_IMDS__POLL_INTERVAL", "1s"),
+            ("SCHED_RELAY_IMDS__MAX_BACKOFF", "30s"),
+            ("SCHED_RELAY_IMDS__REQUEST_TIMEOUT", "10s"),
+            ("SCHED_RELAY_IMDS__FIRST_CALL_TIMEOUT", "150s"),
+            ("SCHED_RELAY_IDENTITY__VM_NAME", "vm1"),
+            ("SCHED_RELAY_IDENTITY__FROM_METADATA", "false"),
+        ],
+    );
+    agent.wait_for_id("E1:scheduled", Duration::from_secs(10));
+    let start = served.load(std::sync::atomic::Ordering::Relaxed);
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while served.load(std::sync::atomic::Ordering::Relaxed) < start + 4 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent stopped polling"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let warnings = agent.log().matches("Tolerated an odd field").count();
+    assert_eq!(warnings, 1, "{}", agent.log());
+    let metrics = blocking_get(&format!("http://127.0.0.1:{port}/metrics"), &[]).1;
+    let counted: u64 = metrics
+        .lines()
+        .find_map(|line| line.strip_prefix("sched_relay_document_odd_fields_total "))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no odd-field counter in /metrics:\n{metrics}"));
+    assert!(counted >= 5, "{counted} odd fields counted over 5 fetches");
+}

@@ -35,6 +35,9 @@ pub(super) struct Poller {
     /// The (EventType, EventStatus) label pairs of the `sched_relay_document_events` gauge
     /// set for the last document, so they go back to 0 when events leave.
     pub(super) document_gauges: Vec<(String, String)>,
+    /// The incarnation and odd fields last warned about: an unchanged document is fetched
+    /// every poll, and its oddities are logged once, not 3,600 times an hour.
+    pub(super) warned: Option<(u64, Vec<String>)>,
 }
 
 impl Poller {
@@ -60,6 +63,7 @@ impl Poller {
             latest,
             telemetry,
             document_gauges: Vec::new(),
+            warned: None,
         }
     }
 
@@ -86,9 +90,7 @@ impl Poller {
                     failures = 0;
                     failing_since = None;
                     alerted = false;
-                    for warning in &parsed.warnings {
-                        tracing::warn!(incarnation = parsed.document.incarnation, warning = %warning, "Tolerated an odd field in the document");
-                    }
+                    self.note_odd_fields(parsed.document.incarnation, &parsed.warnings);
                     self.share(&parsed.document);
                     metrics::gauge!("sched_relay_imds_last_success_timestamp_seconds")
                         .set(Utc::now().timestamp() as f64);
@@ -156,6 +158,26 @@ impl Poller {
                 self.document_gauges.push((event_type, status));
             }
         }
+    }
+
+    /// Counts every odd field of every fetch, and logs them once per incarnation (again if
+    /// the same incarnation comes back with other oddities).
+    fn note_odd_fields(&mut self, incarnation: u64, warnings: &[String]) {
+        if warnings.is_empty() {
+            return;
+        }
+        metrics::counter!("sched_relay_document_odd_fields_total").increment(warnings.len() as u64);
+        if self
+            .warned
+            .as_ref()
+            .is_some_and(|(seen, said)| *seen == incarnation && said == warnings)
+        {
+            return;
+        }
+        for warning in warnings {
+            tracing::warn!(incarnation, warning = %warning, "Tolerated an odd field in the document (logged once per incarnation; sched_relay_document_odd_fields_total counts every fetch)");
+        }
+        self.warned = Some((incarnation, warnings.to_vec()));
     }
 
     /// Tells the approval checks about the latest document (a copy only when it changed).
