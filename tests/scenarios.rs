@@ -638,3 +638,39 @@ fn an_odd_field_is_logged_once_per_incarnation_and_counted_every_poll() {
         .unwrap_or_else(|| panic!("no odd-field counter in /metrics:\n{metrics}"));
     assert!(counted >= 5, "{counted} odd fields counted over 5 fetches");
 }
+
+/// After an approval it made is accepted, the agent looks again at once, so fleet tooling
+/// sees `started` when the VM goes down, not a poll interval later (here a minute).
+#[test]
+fn started_is_reported_right_after_an_accepted_approval_not_a_poll_later() {
+    const REBOOT: &str = "5a4e3e9a-6c7f-4a32-9d8e-1d2b3c4d5e01";
+    // At this scale the user's Reboot appears after 1.2 s and would start by itself 9 s later.
+    let sim = SimProcess::start("user-reboot", 0.01);
+    let document = format!(
+        "{}/metadata/scheduledevents?api-version=2020-07-01",
+        sim.url
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !blocking_get(&document, &[("Metadata", "true")])
+        .1
+        .contains(REBOOT)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the Reboot never appeared"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let agent = AgentProcess::start_with_env(
+        &sim.url,
+        "[policy]\napprove_user_initiated = true\n",
+        &[
+            ("SCHED_RELAY_IMDS__POLL_INTERVAL", "60s"),
+            ("SCHED_RELAY_IMDS__MAX_BACKOFF", "60s"),
+        ],
+    );
+    // The first poll sees it Scheduled and approves it; the next poll is a minute away.
+    let events = agent.wait_for_id(&format!("{REBOOT}:started"), Duration::from_secs(6));
+    let accepted = format!("policy:{REBOOT}:accepted");
+    assert!(ids(&events).contains(&accepted), "{:?}", ids(&events));
+}

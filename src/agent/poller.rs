@@ -15,7 +15,7 @@ use sched_relay_core::event::{EventFactory, events_for_document};
 use super::local_policy::ApprovalState;
 use crate::config::Config;
 use crate::fanout::Fanout;
-use crate::imds::{ImdsClient, Snapshot};
+use crate::imds::{ImdsClient, MIN_POLL_INTERVAL, Snapshot};
 use crate::retry::Backoff;
 
 /// After this long without a good answer, an operator has to look: log at ERROR.
@@ -129,6 +129,14 @@ impl Poller {
             tokio::select! {
                 _ = &mut shutdown => return,
                 _ = tokio::time::sleep_until((started + wait).into()) => {}
+                // An approval was accepted: the event is about to start, so look again now
+                // (still at most one request per MIN_POLL_INTERVAL, within the IMDS budget).
+                _ = self.client.posted().notified() => {
+                    tokio::select! {
+                        _ = &mut shutdown => return,
+                        _ = tokio::time::sleep_until((started + MIN_POLL_INTERVAL).into()) => {}
+                    }
+                }
             }
         }
     }

@@ -90,6 +90,9 @@ pub struct ImdsClient {
     request_timeout: Duration,
     first_call_timeout: Duration,
     answered: AtomicBool,
+    /// Signalled after each accepted StartRequests POST, so the poller looks again at once
+    /// instead of a poll interval later (the event is about to start).
+    posted: tokio::sync::Notify,
 }
 
 impl ImdsClient {
@@ -117,7 +120,14 @@ impl ImdsClient {
             request_timeout,
             first_call_timeout,
             answered: AtomicBool::new(false),
+            posted: tokio::sync::Notify::new(),
         })
+    }
+
+    /// Completes after a StartRequests POST was accepted (at once if one was since the last
+    /// wait): by local policy or by a remote approval.
+    pub fn posted(&self) -> &tokio::sync::Notify {
+        &self.posted
     }
 
     /// The base URL requests go to.
@@ -162,7 +172,9 @@ impl ImdsClient {
             .post(&url)
             .header(header::CONTENT_TYPE, "application/json")
             .body(body);
-        self.send_scheduled_events(request, &url).await.map(drop)
+        self.send_scheduled_events(request, &url).await?;
+        self.posted.notify_one();
+        Ok(())
     }
 
     /// `GET /metadata/instance/compute`: the VM's name, vmId and resource id.
