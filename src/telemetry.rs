@@ -156,6 +156,44 @@ pub fn prometheus() -> &'static PrometheusHandle {
     })
 }
 
+/// Whether the metadata service answers, as the poller last found: `/readyz` turns 503 once
+/// it has failed for longer than `imds.unready_after`, since no event can be seen meanwhile.
+#[derive(Debug, Default)]
+pub struct ImdsHealth {
+    unready_after: std::time::Duration,
+    /// Since when the service fails, and the last error; `None` while it answers.
+    failing: std::sync::Mutex<Option<(std::time::Instant, String)>>,
+}
+
+impl ImdsHealth {
+    /// The service answered: the failure window ends.
+    pub fn answered(&self) {
+        *self.lock() = None;
+    }
+
+    /// A request failed; the service has been failing since `since`.
+    pub fn failed(&self, since: std::time::Instant, error: &dyn std::fmt::Display) {
+        *self.lock() = Some((since, error.to_string()));
+    }
+
+    /// Why the agent is not ready because of the service, if it is not.
+    fn unready_reason(&self) -> Option<String> {
+        let (since, error) = self.lock().clone()?;
+        let failing_for = since.elapsed();
+        (failing_for >= self.unready_after).then(|| {
+            format!(
+                "the metadata service has failed for {} s (imds.unready_after = {}); no events can be seen: {error}",
+                failing_for.as_secs(),
+                humantime::format_duration(self.unready_after)
+            )
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<(std::time::Instant, String)>> {
+        self.failing.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
 /// The agent's state, as the listener sees it.
 pub struct Telemetry {
     /// Set once the first document was fetched and processed.
@@ -163,6 +201,8 @@ pub struct Telemetry {
     pub sinks: Vec<(String, Arc<SinkHealth>)>,
     pub outbox: Arc<Outbox>,
     pub latest: watch::Receiver<Option<Snapshot>>,
+    /// The poller's view of the metadata service.
+    pub imds: ImdsHealth,
 }
 
 impl Telemetry {
@@ -178,7 +218,14 @@ impl Telemetry {
             sinks,
             outbox,
             latest,
+            imds: ImdsHealth::default(),
         }
+    }
+
+    /// `/readyz` fails once the metadata service has failed for `window`.
+    pub fn with_imds_unready_after(mut self, window: std::time::Duration) -> Telemetry {
+        self.imds.unready_after = window;
+        self
     }
 
     /// Refreshes the gauges read from the store (outbox depth and oldest age per sink), then
@@ -206,6 +253,7 @@ impl Telemetry {
         if !self.first_poll_done.load(Ordering::Relaxed) {
             reasons.push("no document processed yet (the first call to the metadata service can take minutes)".to_owned());
         }
+        reasons.extend(self.imds.unready_reason());
         for (sink, health) in &self.sinks {
             if !health.healthy() {
                 let error = health

@@ -611,7 +611,7 @@ fn an_odd_field_is_logged_once_per_incarnation_and_counted_every_poll() {
         &[
             // The shipped [imds] defaults, over the fast ones of the test config.
             ("SCHED_RELAY_IMDS__POLL_INTERVAL", "1s"),
-            ("SCHED_RELAY_IMDS__MAX_BACKOFF", "30s"),
+            ("SCHED_RELAY_IMDS__MAX_BACKOFF", "5s"),
             ("SCHED_RELAY_IMDS__REQUEST_TIMEOUT", "10s"),
             ("SCHED_RELAY_IMDS__FIRST_CALL_TIMEOUT", "150s"),
             ("SCHED_RELAY_IDENTITY__VM_NAME", "vm1"),
@@ -666,7 +666,7 @@ fn started_is_reported_right_after_an_accepted_approval_not_a_poll_later() {
         "[policy]\napprove_user_initiated = true\n",
         &[
             ("SCHED_RELAY_IMDS__POLL_INTERVAL", "60s"),
-            ("SCHED_RELAY_IMDS__MAX_BACKOFF", "60s"),
+            ("SCHED_RELAY_IMDS__MAX_BACKOFF", "5s"),
         ],
     );
     // The first poll sees it Scheduled and approves it; the next poll is a minute away.

@@ -23,7 +23,11 @@ use crate::fanout::Fanout;
 use crate::imds::{ImdsClient, ImdsError};
 use crate::sinks::registry;
 use crate::store::{Outbox, StoreError};
+use local_policy::LocalPolicy;
 use poller::Poller;
+
+/// How long a local-policy POST under way at shutdown may take to finish.
+const POLICY_STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Why the agent could not start.
 #[derive(Debug, thiserror::Error)]
@@ -134,11 +138,10 @@ pub async fn run(
     if config.telemetry.listen.is_some() {
         crate::telemetry::prometheus();
     }
-    let telemetry = Arc::new(crate::telemetry::Telemetry::new(
-        fanout.health(),
-        outbox.clone(),
-        latest_rx.clone(),
-    ));
+    let telemetry = Arc::new(
+        crate::telemetry::Telemetry::new(fanout.health(), outbox.clone(), latest_rx.clone())
+            .with_imds_unready_after(config.imds.unready_after),
+    );
     let approver = Approver::new(
         &config.approvals,
         factory.clone(),
@@ -158,10 +161,37 @@ pub async fn run(
     )
     .await?;
 
+    // Local policy runs beside the poller, so its POSTs never delay a poll.
+    let (policy, policy_task) = if config.policy.is_enabled() {
+        let (documents, documents_rx) = tokio::sync::watch::channel(None);
+        let task = LocalPolicy::new(
+            config.policy.clone(),
+            client.clone(),
+            factory.clone(),
+            fanout.publisher(),
+            config.approvals.dry_run,
+        )
+        .run(documents_rx);
+        (Some(documents), Some(tokio::spawn(task)))
+    } else {
+        (None, None)
+    };
     let shutdown_timeout = config.delivery.shutdown_timeout;
-    let mut poller = Poller::new(config, client, factory, fanout, telemetry, latest, previous);
+    let mut poller = Poller::new(config, client, factory, fanout, telemetry, latest, previous)
+        .with_policy(policy);
     poller.poll_until(shutdown).await;
     let _ = stop.send(true);
+    poller.policy = None;
+    if let Some(mut task) = policy_task {
+        // A POST under way may finish (its outcome is then stored); one that hangs is given up:
+        // approving is idempotent, and an unapproved event starts at its NotBefore.
+        if tokio::time::timeout(POLICY_STOP_GRACE, &mut task)
+            .await
+            .is_err()
+        {
+            task.abort();
+        }
+    }
     remote.stop().await;
     tracing::info!(timeout = ?shutdown_timeout, "Shutting down, draining sinks");
     poller.fanout.shutdown(shutdown_timeout).await;

@@ -1,5 +1,10 @@
 //! The poll loop: fetch the document, diff each new incarnation against the previous one,
-//! store and publish its CloudEvents, then let local policy look at it.
+//! store and publish its CloudEvents, then hand it to local policy (its own task, so that an
+//! approval POST never delays the next poll).
+//!
+//! After an IMDS error the next poll comes at most 5 s later however long the outage lasts
+//! (`imds::pacing`), so a Preempt that appears as the service recovers is seen within the
+//! poll interval + 5 s (`tests/imds_outages.rs`, on the shipped defaults).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -12,11 +17,10 @@ use sched_relay_core::EventKind;
 use sched_relay_core::document::Document;
 use sched_relay_core::event::{EventFactory, events_for_document};
 
-use super::local_policy::ApprovalState;
 use crate::config::Config;
 use crate::fanout::Fanout;
+use crate::imds::pacing::{self, GONE_GRACE};
 use crate::imds::{ImdsClient, MIN_POLL_INTERVAL, Snapshot};
-use crate::retry::Backoff;
 
 /// After this long without a good answer, an operator has to look: log at ERROR.
 const IMDS_FAILING_ALERT: Duration = Duration::from_secs(30);
@@ -27,10 +31,10 @@ pub(super) struct Poller {
     pub(super) fanout: Fanout,
     pub(super) config: Config,
     pub(super) previous: Option<Document>,
-    pub(super) approvals: HashMap<String, ApprovalState>,
+    /// Local policy's feed: the first processed document after start, then each new one.
+    pub(super) policy: Option<tokio::sync::watch::Sender<Option<Arc<Document>>>>,
     /// The latest document, for the remote-approval checks.
     pub(super) latest: tokio::sync::watch::Sender<Option<Snapshot>>,
-    pub(super) dry_run: bool,
     pub(super) telemetry: Arc<crate::telemetry::Telemetry>,
     /// The (EventType, EventStatus) label pairs of the `sched_relay_document_events` gauge
     /// set for the last document, so they go back to 0 when events leave.
@@ -53,13 +57,12 @@ impl Poller {
         previous: Option<Document>,
     ) -> Poller {
         Poller {
-            dry_run: config.approvals.dry_run,
             client,
             factory,
             fanout,
             config,
             previous,
-            approvals: HashMap::new(),
+            policy: None,
             latest,
             telemetry,
             document_gauges: Vec::new(),
@@ -67,12 +70,23 @@ impl Poller {
         }
     }
 
+    /// Hands each processed document to local policy through `documents`.
+    pub(super) fn with_policy(
+        mut self,
+        documents: Option<tokio::sync::watch::Sender<Option<Arc<Document>>>>,
+    ) -> Poller {
+        self.policy = documents;
+        self
+    }
+
     pub(super) async fn poll_until(&mut self, shutdown: impl Future<Output = ()>) {
         tokio::pin!(shutdown);
         let interval = self.config.imds.poll_interval;
+        let max_backoff = self.config.imds.max_backoff;
         let mut failures: u32 = 0;
         let mut failing_since: Option<Instant> = None;
         let mut alerted = false;
+        let mut policy_fed = false;
         loop {
             let started = Instant::now();
             let fetched = tokio::select! {
@@ -90,6 +104,7 @@ impl Poller {
                     failures = 0;
                     failing_since = None;
                     alerted = false;
+                    self.telemetry.imds.answered();
                     self.note_odd_fields(parsed.document.incarnation, &parsed.warnings);
                     self.share(&parsed.document);
                     metrics::gauge!("sched_relay_imds_last_success_timestamp_seconds")
@@ -97,29 +112,40 @@ impl Poller {
                     let incarnation = parsed.document.incarnation;
                     let new_document = self.on_document(parsed.document).await;
                     // Ready once a fetched document is processed (its events stored).
-                    if self
+                    if let Some(previous) = self
                         .previous
                         .as_ref()
-                        .is_some_and(|previous| previous.incarnation == incarnation)
+                        .filter(|previous| previous.incarnation == incarnation)
                     {
                         self.telemetry
                             .first_poll_done
                             .store(true, std::sync::atomic::Ordering::Relaxed);
+                        // Local policy judges the first document after start in full (an
+                        // event stored before a restart is approved too), then each new one.
+                        if new_document || !policy_fed {
+                            policy_fed = true;
+                            if let Some(policy) = &self.policy {
+                                policy.send_replace(Some(Arc::new(previous.clone())));
+                            }
+                        }
                     }
-                    self.apply_policy(new_document).await;
                     interval
                 }
                 Err(error) => {
-                    failures += 1;
+                    failures = failures.saturating_add(1);
                     let since = *failing_since.get_or_insert(started);
+                    self.telemetry.imds.failed(since, &error);
                     metrics::counter!("sched_relay_imds_errors_total", "kind" => error.kind())
                         .increment(1);
-                    let wait = Backoff::new(interval, self.config.imds.max_backoff)
-                        .jittered(failures - 1)
-                        .max(interval);
-                    if !alerted && since.elapsed() >= IMDS_FAILING_ALERT {
+                    let wait = pacing::error_wait(&error, failures, interval, max_backoff);
+                    // Azure documents a 410 as passing within 70 s: until then it is expected.
+                    let alert_after = match error.kind() {
+                        "gone" => GONE_GRACE,
+                        _ => IMDS_FAILING_ALERT,
+                    };
+                    if !alerted && since.elapsed() >= alert_after {
                         alerted = true;
-                        tracing::error!(kind = error.kind(), failures, error = %error, "Metadata service failing for over 30 s; no events can be seen");
+                        tracing::error!(kind = error.kind(), failures, error = %error, failing_for = ?since.elapsed(), "Metadata service failing; no events can be seen");
                     } else {
                         tracing::warn!(kind = error.kind(), failures, retry_in = ?wait, error = %error, "Metadata service request failed");
                     }
@@ -256,7 +282,6 @@ impl Poller {
         }
         metrics::gauge!("sched_relay_incarnation").set(document.incarnation as f64);
         self.set_document_gauges(&document);
-        self.approvals.retain(|id, _| document.event(id).is_some());
         self.previous = Some(document);
         true
     }

@@ -252,3 +252,20 @@ fn placeholders_other_than_vmname_are_refused() {
         "{found:?}"
     );
 }
+
+#[test]
+fn a_backoff_ceiling_that_could_swallow_a_spot_notice_is_refused() {
+    let found = problems("[imds]\nmax_backoff = \"30s\"\n");
+    assert!(
+        found
+            .iter()
+            .any(|p| p.contains("imds.max_backoff") && p.contains("30 s eviction notice")),
+        "{found:?}"
+    );
+    assert!(problems("[imds]\nmax_backoff = \"5s\"\nunready_after = \"30s\"\n").is_empty());
+    let found = problems("[imds]\nunready_after = \"0s\"\n");
+    assert!(
+        found.iter().any(|p| p.contains("imds.unready_after")),
+        "{found:?}"
+    );
+}

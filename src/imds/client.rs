@@ -48,6 +48,13 @@ pub enum ImdsError {
     },
     #[error("{url} answered 400 Bad Request: {body}")]
     BadRequest { url: String, body: String },
+    #[error(
+        "{url} answered 429 Too Many Requests (retry after {retry_after:?}); is another process on this VM polling the metadata service too?"
+    )]
+    Throttled {
+        url: String,
+        retry_after: Option<Duration>,
+    },
     #[error("{url} answered {status}: {body}")]
     Status {
         url: String,
@@ -66,6 +73,8 @@ impl ImdsError {
             ImdsError::Unreachable { .. } => "unreachable",
             ImdsError::BadApiVersion { .. } => "bad_api_version",
             ImdsError::BadRequest { .. } => "bad_request",
+            ImdsError::Throttled { .. } => "throttled",
+            ImdsError::Status { status: 410, .. } => "gone",
             ImdsError::Status { status, .. } if *status >= 500 => "server_error",
             ImdsError::Status { .. } => "http_status",
             ImdsError::Malformed { .. } => "malformed",
@@ -93,6 +102,8 @@ pub struct ImdsClient {
     /// Signalled after each accepted StartRequests POST, so the poller looks again at once
     /// instead of a poll interval later (the event is about to start).
     posted: tokio::sync::Notify,
+    /// Every request of this client waits its turn: within the service's 5 requests/s.
+    pacer: super::pacing::Pacer,
 }
 
 impl ImdsClient {
@@ -121,6 +132,7 @@ impl ImdsClient {
             first_call_timeout,
             answered: AtomicBool::new(false),
             posted: tokio::sync::Notify::new(),
+            pacer: super::pacing::Pacer::new(),
         })
     }
 
@@ -231,6 +243,7 @@ impl ImdsClient {
         url: &str,
         timeout: Duration,
     ) -> Result<Vec<u8>, ImdsError> {
+        self.pacer.turn().await;
         let response = request
             .header("Metadata", "true")
             .timeout(timeout)
@@ -238,6 +251,17 @@ impl ImdsClient {
             .await
             .map_err(|e| self.transport_error(url, timeout, e))?;
         let status = response.status();
+        if status == StatusCode::TOO_MANY_REQUESTS {
+            let retry_after = response
+                .headers()
+                .get(header::RETRY_AFTER)
+                .and_then(|value| value.to_str().ok())
+                .and_then(sched_relay_transport::parse_retry_after);
+            return Err(ImdsError::Throttled {
+                url: url.to_owned(),
+                retry_after,
+            });
+        }
         let body = response
             .bytes()
             .await

@@ -7,6 +7,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::DEFAULT_LEASE_PATHS;
+use super::pacing::MAX_ERROR_BACKOFF;
 
 /// The metadata service allows about 5 requests per second per VM.
 pub const MIN_POLL_INTERVAL: Duration = Duration::from_millis(200);
@@ -26,8 +27,13 @@ pub struct ImdsConfig {
     pub request_timeout: Duration,
     #[serde(default = "default_first_call_timeout", with = "humantime_serde")]
     pub first_call_timeout: Duration,
+    /// The longest wait between polls while the service fails (at most 5 s: a Preempt's
+    /// notice is 30 s). Only a 429 with `Retry-After` waits longer.
     #[serde(default = "default_max_backoff", with = "humantime_serde")]
     pub max_backoff: Duration,
+    /// `/readyz` answers 503 once the service has failed for this long.
+    #[serde(default = "default_unready_after", with = "humantime_serde")]
+    pub unready_after: Duration,
     #[serde(default = "default_lease_paths")]
     pub lease_paths: Vec<PathBuf>,
 }
@@ -41,6 +47,7 @@ impl Default for ImdsConfig {
             request_timeout: default_request_timeout(),
             first_call_timeout: default_first_call_timeout(),
             max_backoff: default_max_backoff(),
+            unready_after: default_unready_after(),
             lease_paths: default_lease_paths(),
         }
     }
@@ -62,7 +69,10 @@ fn default_first_call_timeout() -> Duration {
     Duration::from_secs(150)
 }
 fn default_max_backoff() -> Duration {
-    Duration::from_secs(30)
+    MAX_ERROR_BACKOFF
+}
+fn default_unready_after() -> Duration {
+    Duration::from_secs(10)
 }
 fn default_lease_paths() -> Vec<PathBuf> {
     DEFAULT_LEASE_PATHS.iter().map(PathBuf::from).collect()
@@ -113,8 +123,21 @@ impl ImdsConfig {
                     .into(),
             );
         }
-        if self.max_backoff < self.poll_interval {
-            push("max_backoff", "must be at least imds.poll_interval".into());
+        if self.max_backoff < MIN_POLL_INTERVAL || self.max_backoff > MAX_ERROR_BACKOFF {
+            push(
+                "max_backoff",
+                format!(
+                    "{} is outside 200ms..5s: a longer wait after an outage can swallow a Spot VM's 30 s eviction notice",
+                    humantime::format_duration(self.max_backoff)
+                ),
+            );
+        }
+        if self.unready_after.is_zero() {
+            push(
+                "unready_after",
+                "must be more than 0s (how long the service may fail before /readyz says so)"
+                    .into(),
+            );
         }
         problems
     }

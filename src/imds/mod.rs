@@ -6,6 +6,7 @@ mod client;
 mod config;
 mod discovery;
 mod identity;
+pub mod pacing;
 
 pub use client::{ImdsClient, ImdsError, KNOWN_API_VERSIONS};
 pub use config::{ImdsConfig, MIN_POLL_INTERVAL};

@@ -112,7 +112,8 @@ pub struct SimUpdate {
     pub description: Option<String>,
 }
 
-/// A fault of the service, applied to requests from `after` on, `count` times.
+/// A fault of the service, applied to requests from `after` on, `count` times; or, with
+/// `lasting`, to every request during that time (an outage), whatever their number.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Fault {
@@ -127,6 +128,13 @@ pub struct Fault {
     /// For `delay`: how long to wait before answering normally.
     #[serde(default, with = "humantime_serde")]
     pub delay: Option<Duration>,
+    /// The fault applies to every request from `after` to `after + lasting` (`count` is then
+    /// not used): an outage of a given length, however often the client retries.
+    #[serde(default, with = "humantime_serde")]
+    pub lasting: Option<Duration>,
+    /// For `status` (429 or 503): the `Retry-After` header to send, in seconds.
+    #[serde(default)]
+    pub retry_after: Option<u64>,
     /// `GET` (default) or `POST`.
     #[serde(default = "default_method")]
     pub method: String,

@@ -78,12 +78,17 @@ pub(super) async fn handle(
     match body_out {
         Reply::Json(value) => (status, axum::Json(value)).into_response(),
         Reply::Text(text) => (status, text).into_response(),
+        Reply::RetryAfter(text, seconds) => {
+            (status, [("Retry-After", seconds.to_string())], text).into_response()
+        }
     }
 }
 
 enum Reply {
     Json(Value),
     Text(String),
+    /// A text answer with a `Retry-After` header (seconds), as a throttled service sends.
+    RetryAfter(String, u64),
 }
 
 async fn respond(
@@ -147,9 +152,14 @@ async fn respond(
     }
     match fault.as_ref().map(|f| f.kind) {
         Some(FaultKind::Status) => {
-            let code = fault.and_then(|f| f.status).unwrap_or(500);
+            let fault = fault.expect("matched Some");
+            let code = fault.status.unwrap_or(500);
             let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            return (status, Reply::Text(format!("simulated fault: {code}")));
+            let text = format!("simulated fault: {code}");
+            return match fault.retry_after {
+                Some(seconds) => (status, Reply::RetryAfter(text, seconds)),
+                None => (status, Reply::Text(text)),
+            };
         }
         Some(FaultKind::Malformed) => {
             return (

@@ -266,11 +266,14 @@ impl State {
         let start = self.started;
         let scale = self.scenario.time_scale;
         let active = self.faults.iter_mut().find(|f| {
-            f.remaining > 0
-                && f.fault.method == method
-                && now >= start + f.fault.after.mul_f64(scale)
+            let from = start + f.fault.after.mul_f64(scale);
+            let due = match f.fault.lasting {
+                Some(lasting) => now < from + lasting.mul_f64(scale),
+                None => f.remaining > 0,
+            };
+            due && f.fault.method == method && now >= from
         })?;
-        active.remaining -= 1;
+        active.remaining = active.remaining.saturating_sub(1);
         Some(active.fault.clone())
     }
 }

@@ -130,16 +130,30 @@ impl AgentProcess {
 
     /// As `start`, with environment variables (e.g. `SCHED_RELAY_*` overrides).
     pub fn start_with_env(endpoint: &str, extra: &str, env: &[(&str, &str)]) -> AgentProcess {
-        let dir = tempfile::tempdir().unwrap();
-        let events_file = dir.path().join("events.jsonl");
-        let config = format!(
-            r#"
-[imds]
+        let imds = format!(
+            r#"[imds]
 endpoint = "{endpoint}"
 poll_interval = "200ms"
 request_timeout = "1s"
 first_call_timeout = "5s"
-max_backoff = "500ms"
+max_backoff = "500ms""#
+        );
+        AgentProcess::launch(&imds, extra, env)
+    }
+
+    /// An agent on the shipped `[imds]` defaults (1 s polls, 10 s timeouts, 5 s backoff
+    /// ceiling): for the guarantees that the defaults must keep, such as a Spot eviction's
+    /// 30 s notice after an outage.
+    pub fn start_on_defaults(endpoint: &str, extra: &str) -> AgentProcess {
+        AgentProcess::launch(&format!("[imds]\nendpoint = \"{endpoint}\""), extra, &[])
+    }
+
+    fn launch(imds: &str, extra: &str, env: &[(&str, &str)]) -> AgentProcess {
+        let dir = tempfile::tempdir().unwrap();
+        let events_file = dir.path().join("events.jsonl");
+        let config = format!(
+            r#"
+{imds}
 
 [state]
 dir = "{state}"
@@ -193,6 +207,12 @@ path = "{events}"
             .spawn()
             .expect("the sched-relay binary starts");
         self.child = Some(child);
+    }
+
+    /// Changes the configuration the next `spawn` reads (say, to switch local policy on).
+    pub fn edit_config(&self, edit: impl FnOnce(String) -> String) {
+        let config = std::fs::read_to_string(&self.config_path).unwrap();
+        std::fs::write(&self.config_path, edit(config)).unwrap();
     }
 
     /// kill -9: no shutdown, no drain, nothing flushed.
@@ -327,4 +347,32 @@ pub fn stdout_of(command: &mut Command) -> String {
         String::from_utf8_lossy(&output.stderr)
     );
     stdout
+}
+
+/// The metadata service allows about 5 requests per second per VM: panics if any second of
+/// the simulator's request log (polls, approvals and identity together) holds more.
+pub fn assert_within_imds_budget(requests: &[Value]) {
+    let at: Vec<u64> = requests
+        .iter()
+        .map(|r| r["at_ms"].as_u64().unwrap())
+        .collect();
+    for (i, first) in at.iter().enumerate() {
+        let within = at[i..].iter().take_while(|t| **t < first + 1000).count();
+        assert!(
+            within <= 5,
+            "{within} requests in the second from {first} ms: {:?}",
+            &requests[i..i + within]
+        );
+    }
+}
+
+/// When the simulator answered the first good GET at or after `from_ms`: when the agent could
+/// first see what changed at that moment.
+pub fn first_good_get_after(requests: &[Value], from_ms: u64) -> Option<u64> {
+    requests
+        .iter()
+        .filter(|r| r["method"] == "GET" && r["status"] == 200)
+        .filter(|r| r["path"] == "/metadata/scheduledevents")
+        .map(|r| r["at_ms"].as_u64().unwrap())
+        .find(|at| *at >= from_ms)
 }

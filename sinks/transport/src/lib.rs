@@ -63,6 +63,17 @@ pub fn error_chain(error: &dyn std::error::Error) -> String {
     text
 }
 
+/// An HTTP `Retry-After` value, as seconds (`120`) or as an HTTP date: what a webhook or the
+/// metadata service asks a client to wait.
+pub fn parse_retry_after(value: &str) -> Option<std::time::Duration> {
+    if let Ok(seconds) = value.trim().parse::<u64>() {
+        return Some(std::time::Duration::from_secs(seconds));
+    }
+    let date = chrono::DateTime::parse_from_rfc2822(value.trim()).ok()?;
+    let wait = date.with_timezone(&chrono::Utc) - chrono::Utc::now();
+    Some(wait.to_std().unwrap_or_default())
+}
+
 impl From<binding::EncodeError> for SinkError {
     /// An event that cannot be encoded never will be.
     fn from(error: binding::EncodeError) -> SinkError {
@@ -175,5 +186,21 @@ mod tests {
         sink.deliver(std::slice::from_ref(&event)).await.unwrap();
         assert_eq!(sink.delivered().len(), 1);
         assert_eq!(sink.attempts(), 2);
+    }
+
+    #[test]
+    fn retry_after_reads_seconds_and_http_dates() {
+        assert_eq!(
+            parse_retry_after("120"),
+            Some(std::time::Duration::from_secs(120))
+        );
+        let soon = (chrono::Utc::now() + chrono::Duration::seconds(60)).to_rfc2822();
+        let wait = parse_retry_after(&soon).unwrap();
+        assert!(
+            wait <= std::time::Duration::from_secs(60)
+                && wait >= std::time::Duration::from_secs(55),
+            "{wait:?}"
+        );
+        assert_eq!(parse_retry_after("soon"), None);
     }
 }

@@ -1,7 +1,5 @@
 //! The HTTP client side of the webhook sink.
 
-use std::time::Duration;
-
 use async_trait::async_trait;
 use cloudevents::AttributesReader;
 use hmac::{Hmac, Mac};
@@ -10,7 +8,7 @@ use reqwest::header::{
 };
 use reqwest::{StatusCode, redirect};
 use sched_relay_transport::binding::{self, BATCH_CONTENT_TYPE};
-use sched_relay_transport::{Event, Sink, SinkError};
+use sched_relay_transport::{Event, Sink, SinkError, parse_retry_after};
 use sha2::Sha256;
 
 use crate::WebhookSinkConfig;
@@ -161,16 +159,6 @@ impl WebhookSink {
     }
 }
 
-/// `Retry-After` as seconds (`120`) or as an HTTP date.
-fn parse_retry_after(value: &str) -> Option<Duration> {
-    if let Ok(seconds) = value.trim().parse::<u64>() {
-        return Some(Duration::from_secs(seconds));
-    }
-    let date = chrono::DateTime::parse_from_rfc2822(value.trim()).ok()?;
-    let wait = date.with_timezone(&chrono::Utc) - chrono::Utc::now();
-    Some(wait.to_std().unwrap_or_default())
-}
-
 fn header_map(pairs: &[(String, String)], content_type: &str) -> Result<HeaderMap, SinkError> {
     let mut headers = HeaderMap::new();
     for (name, value) in pairs {
@@ -247,18 +235,6 @@ impl Sink for WebhookSink {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn retry_after_reads_seconds_and_http_dates() {
-        assert_eq!(parse_retry_after("120"), Some(Duration::from_secs(120)));
-        let soon = (chrono::Utc::now() + chrono::Duration::seconds(60)).to_rfc2822();
-        let wait = parse_retry_after(&soon).unwrap();
-        assert!(
-            wait <= Duration::from_secs(60) && wait >= Duration::from_secs(55),
-            "{wait:?}"
-        );
-        assert_eq!(parse_retry_after("soon"), None);
-    }
 
     #[test]
     fn signature_is_hex_hmac_sha256_of_the_body() {

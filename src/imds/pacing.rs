@@ -1,0 +1,176 @@
+//! How often the agent may ask the metadata service, and how long it waits after an error.
+//!
+//! Two promises meet here. The service allows about 5 requests per second per VM, so every
+//! request of this process (polls, StartRequests POSTs, identity) goes through one [`Pacer`]
+//! that keeps them [`MIN_REQUEST_SPACING`] apart. And a Spot VM gets 30 s of notice, so an
+//! outage must never be followed by a long wait: whatever the number of errors, the poller
+//! retries at most [`MAX_ERROR_BACKOFF`] apart (a new event is seen within the poll interval +
+//! 5 s of recovery). Only a throttled service (429) is given longer, as long as it asks with
+//! `Retry-After` (up to [`MAX_THROTTLED_WAIT`]). A 410 is retried on the normal schedule; Azure
+//! documents it as passing within 70 s, so only after [`GONE_GRACE`] is it an operator's
+//! problem. Proved by `tests/imds_outages.rs` on the shipped defaults.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::ImdsError;
+use crate::retry::Backoff;
+
+/// The least time between two requests of this process to the metadata service.
+pub const MIN_REQUEST_SPACING: Duration = Duration::from_millis(200);
+/// The longest wait between two polls while the service fails (the `imds.max_backoff` bound).
+pub const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(5);
+/// The longest wait a throttled service (429) can impose, however long its `Retry-After`:
+/// a Preempt's whole notice is 30 s.
+pub const MAX_THROTTLED_WAIT: Duration = Duration::from_secs(30);
+/// The ceiling of the backoff for a 429 without `Retry-After`.
+pub const THROTTLED_BACKOFF: Duration = Duration::from_secs(10);
+/// How long Azure says a 410 Gone may last; until then it is retried quietly.
+pub const GONE_GRACE: Duration = Duration::from_secs(70);
+
+/// The wait before the next poll after `failures` consecutive failed polls (1 for the
+/// first), the last of which failed with `error`.
+pub fn error_wait(
+    error: &ImdsError,
+    failures: u32,
+    poll_interval: Duration,
+    max_backoff: Duration,
+) -> Duration {
+    let attempt = failures.saturating_sub(1);
+    let ceiling = max_backoff.min(MAX_ERROR_BACKOFF);
+    let normal = Backoff::new(poll_interval.min(ceiling), ceiling).jittered(attempt);
+    match error {
+        ImdsError::Throttled {
+            retry_after: Some(asked),
+            ..
+        } => (*asked).clamp(MIN_REQUEST_SPACING, MAX_THROTTLED_WAIT),
+        ImdsError::Throttled { .. } => {
+            Backoff::new(poll_interval.max(Duration::from_secs(1)), THROTTLED_BACKOFF)
+                .jittered(attempt)
+        }
+        _ => normal,
+    }
+    .max(MIN_REQUEST_SPACING)
+}
+
+/// Keeps every request of one client at least [`MIN_REQUEST_SPACING`] apart, in the order
+/// they asked: at most 5 requests in any second, polls, approvals and identity together.
+#[derive(Debug)]
+pub struct Pacer {
+    next: tokio::sync::Mutex<Option<Instant>>,
+}
+
+impl Pacer {
+    pub fn new() -> Pacer {
+        Pacer {
+            next: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// Waits for this request's turn.
+    pub async fn turn(&self) {
+        let mut next = self.next.lock().await;
+        if let Some(at) = *next {
+            tokio::time::sleep_until(at).await;
+        }
+        *next = Some(Instant::now() + MIN_REQUEST_SPACING);
+    }
+}
+
+impl Default for Pacer {
+    fn default() -> Self {
+        Pacer::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn status(status: u16) -> ImdsError {
+        ImdsError::Status {
+            url: "u".into(),
+            status,
+            body: String::new(),
+        }
+    }
+
+    fn throttled(retry_after: Option<u64>) -> ImdsError {
+        ImdsError::Throttled {
+            url: "u".into(),
+            retry_after: retry_after.map(Duration::from_secs),
+        }
+    }
+
+    #[test]
+    fn the_shipped_defaults_retry_an_outage_within_five_seconds_however_long_it_lasts() {
+        let defaults = crate::imds::ImdsConfig::default();
+        for failures in 1..10_000 {
+            let wait = error_wait(
+                &status(503),
+                failures,
+                defaults.poll_interval,
+                defaults.max_backoff,
+            );
+            assert!(wait <= MAX_ERROR_BACKOFF, "{failures}: {wait:?}");
+        }
+    }
+
+    #[test]
+    fn a_throttled_service_is_given_the_time_it_asks_for_up_to_a_preempt_notice() {
+        let second = Duration::from_secs(1);
+        let wait = |e| error_wait(&e, 1, second, MAX_ERROR_BACKOFF);
+        assert_eq!(wait(throttled(Some(12))), Duration::from_secs(12));
+        assert_eq!(wait(throttled(Some(600))), MAX_THROTTLED_WAIT);
+        assert_eq!(wait(throttled(Some(0))), MIN_REQUEST_SPACING);
+        let unasked = error_wait(&throttled(None), 30, second, MAX_ERROR_BACKOFF);
+        assert!(unasked > MAX_ERROR_BACKOFF / 2 && unasked <= THROTTLED_BACKOFF);
+    }
+
+    proptest! {
+        /// Any error, any count, any valid configuration: never faster than the service's
+        /// budget, never slower than 5 s unless the service throttles.
+        #[test]
+        fn error_waits_stay_between_the_budget_and_the_ceiling(
+            failures in 1u32..100_000,
+            poll_ms in 200u64..=60_000,
+            max_ms in 200u64..=5_000,
+            code in prop::sample::select(vec![400u16, 404, 410, 500, 502, 503, 504]),
+        ) {
+            let wait = error_wait(
+                &status(code),
+                failures,
+                Duration::from_millis(poll_ms),
+                Duration::from_millis(max_ms),
+            );
+            prop_assert!(wait >= MIN_REQUEST_SPACING);
+            prop_assert!(wait <= MAX_ERROR_BACKOFF);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn requests_are_spaced_so_no_second_holds_more_than_five() {
+        let pacer = Pacer::new();
+        let start = Instant::now();
+        let mut at = Vec::new();
+        for _ in 0..20 {
+            pacer.turn().await;
+            at.push(Instant::now() - start);
+        }
+        for pair in at.windows(2) {
+            assert!(pair[1] - pair[0] >= MIN_REQUEST_SPACING, "{at:?}");
+        }
+        for (i, first) in at.iter().enumerate() {
+            let within = at[i..]
+                .iter()
+                .take_while(|t| **t < *first + Duration::from_secs(1))
+                .count();
+            assert!(
+                within <= 5,
+                "{within} requests within a second of {first:?}"
+            );
+        }
+    }
+}
