@@ -28,10 +28,18 @@ struct Planned {
     expected: Vec<&'static str>,
 }
 
+/// The failure edges a round adds beyond its short fault bursts.
+#[derive(Debug, Default)]
+struct Edges {
+    /// An IMDS outage of over 30 s, and the moment (ms after the simulator started) it ends,
+    /// when a Preempt with its 30 s notice appears.
+    long_outage_end_ms: Option<u64>,
+}
+
 /// A random scenario (TOML) whose phase changes for one event are at least `GAP` apart, so
 /// that an agent down for a kill and restart, or behind a burst of IMDS faults, still sees
 /// every phase.
-fn random_scenario(rng: &mut fastrand::Rng, round: u64) -> (String, Vec<Planned>, usize) {
+fn random_scenario(rng: &mut fastrand::Rng, round: u64) -> (String, Vec<Planned>, usize, Edges) {
     const GAP: f64 = 2.5;
     let mut toml = String::from("description = \"chaos\"\n[vm]\nname = \"WestNO_0\"\n");
     let mut planned = Vec::new();
@@ -104,6 +112,26 @@ fn random_scenario(rng: &mut fastrand::Rng, round: u64) -> (String, Vec<Planned>
         end = end.max(last);
         planned.push(Planned { id, expected });
     }
+    let mut edges = Edges::default();
+    // One round in three: the service fails for over 30 s, and a Spot eviction appears the
+    // moment it recovers; its 30 s notice must still be seen as `scheduled`.
+    if rng.u8(0..3) == 0 {
+        let from = (1.0 + rng.f64() * 4.0) * 1000.0;
+        let lasting = rng.u64(31_000..40_000);
+        let end = from as u64 + lasting;
+        let id = format!("chaos-{round}-spot");
+        let _ = write!(
+            toml,
+            "\n[[faults]]\nkind = \"status\"\nstatus = 503\nafter = \"{}ms\"\nlasting = \"{lasting}ms\"\n\n[[events]]\nid = \"{id}\"\ntype = \"Preempt\"\nresources = [\"WestNO_0\"]\nappear_after = \"{end}ms\"\nnotice = \"30s\"\nstarted_for = \"{}ms\"\n",
+            from as u64,
+            (GAP * 1000.0) as u64
+        );
+        planned.push(Planned {
+            id,
+            expected: vec!["scheduled", "started", "completed"],
+        });
+        edges.long_outage_end_ms = Some(end);
+    }
     // A few short fault bursts, spread over the scenario.
     let faults = rng.usize(1..4);
     for _ in 0..faults {
@@ -130,7 +158,7 @@ fn random_scenario(rng: &mut fastrand::Rng, round: u64) -> (String, Vec<Planned>
             }
         }
     }
-    (toml, planned, faults)
+    (toml, planned, faults, edges)
 }
 
 /// Each Azure event's transition kinds in order of first arrival of each id.
@@ -157,11 +185,15 @@ struct Totals {
     imds_faults: usize,
     agent_kills: usize,
     broker_cuts: usize,
+    long_outages: usize,
+    /// The longest time from a long outage's end to the agent's first good poll.
+    worst_detection_ms: u64,
     lost: usize,
+    invented: usize,
 }
 
 async fn round(rng: &mut fastrand::Rng, number: u64, totals: &mut Totals) {
-    let (scenario_text, planned, faults) = random_scenario(rng, number);
+    let (scenario_text, planned, faults, edges) = random_scenario(rng, number);
     let work = tempfile::tempdir().unwrap();
     let scenario = work.path().join("scenario.toml");
     std::fs::write(&scenario, &scenario_text).unwrap();
@@ -218,7 +250,10 @@ timeout = "2s"
         kafka = kafka_proxy.address(),
     );
     let sim = SimProcess::start(scenario.to_str().unwrap(), 1.0);
-    let mut agent = AgentProcess::start(&sim.url, &sinks);
+    // Fast polls, so that 2.5 s phases survive kills, but the shipped backoff ceiling, which
+    // is what decides how soon a long outage's end is noticed.
+    let mut agent =
+        AgentProcess::start_with_env(&sim.url, &sinks, &[("SCHED_RELAY_IMDS__MAX_BACKOFF", "5s")]);
     let proxies = [&nats_proxy, &rabbit_proxy, &kafka_proxy];
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
@@ -320,11 +355,30 @@ timeout = "2s"
                     .saturating_sub(got.get(id).map_or(0, |g| g.len()))
             })
             .sum();
+        let invented: usize = got
+            .iter()
+            .map(|(id, kinds)| {
+                let planned = truth.get(id).map_or(0, Vec::len);
+                kinds.len().saturating_sub(planned)
+            })
+            .sum();
         totals.lost += lost;
+        totals.invented += invented;
         assert_eq!(
             got, truth,
-            "{sink} differs from the ground truth ({lost} lost)\n{context}"
+            "{sink} differs from the ground truth ({lost} lost, {invented} invented)\n{context}"
         );
+    }
+    if let Some(end) = edges.long_outage_end_ms {
+        let requests = tokio::task::block_in_place(|| sim.requests());
+        let seen = common::first_good_get_after(&requests, end).unwrap_or(u64::MAX);
+        let delay = seen.saturating_sub(end);
+        assert!(
+            delay <= 6_000,
+            "a long outage's end was noticed {delay} ms late\n{context}"
+        );
+        totals.long_outages += 1;
+        totals.worst_detection_ms = totals.worst_detection_ms.max(delay);
     }
     totals.rounds += 1;
     totals.imds_faults += faults;
@@ -368,14 +422,17 @@ async fn random_faults_kills_and_outages_lose_and_invent_nothing() {
         }
     }
     println!(
-        "chaos: seed {seed}: {} rounds, {} documents, {} transitions, {} IMDS faults, {} agent kills (-9), {} broker outages, lost = {}",
+        "chaos: seed {seed}: {} rounds, {} documents, {} transitions, {} IMDS fault bursts, {} IMDS outages over 30 s (worst detection after recovery {} ms), {} agent kills (-9), {} broker outages, lost = {}, invented = {}",
         totals.rounds,
         totals.documents,
         totals.transitions,
         totals.imds_faults,
+        totals.long_outages,
+        totals.worst_detection_ms,
         totals.agent_kills,
         totals.broker_cuts,
-        totals.lost
+        totals.lost,
+        totals.invented
     );
-    assert_eq!(totals.lost, 0);
+    assert_eq!((totals.lost, totals.invented), (0, 0));
 }
