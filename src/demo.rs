@@ -86,6 +86,9 @@ pub async fn run() -> Result<DemoReport, DemoError> {
         "  sinks:   stdout (summary below) and {}",
         events_file.display()
     );
+    println!(
+        "  logs:    the agent's own log shows warnings only; add --log-level info (or set RUST_LOG=sched_relay=info) to see it narrate each step on stderr"
+    );
     println!();
 
     let started = Instant::now();

@@ -73,7 +73,12 @@ enum Command {
         settle: std::time::Duration,
     },
     /// Run simulator + agent + stdout/file sinks on this machine, no broker needed.
-    Demo,
+    Demo {
+        /// The agent's own log on stderr (RUST_LOG wins): WARN by default, so that the event
+        /// summary reads cleanly; "info" narrates every transition and approval as well.
+        #[arg(long, default_value = "warn")]
+        log_level: String,
+    },
     /// GET the current Scheduled Events document and print it.
     Events {
         #[arg(long, default_value = "http://169.254.169.254")]
@@ -243,8 +248,8 @@ async fn main() -> ExitCode {
                 }
             }
         }
-        Command::Demo => {
-            logging::init("sched_relay=info", format);
+        Command::Demo { log_level } => {
+            logging::init(&log_level, format);
             match sched_relay::demo::run().await {
                 Ok(_) => ExitCode::SUCCESS,
                 Err(error) => {

@@ -69,6 +69,11 @@ pub const METRICS: &[(&str, &str, &str)] = &[
         "Fields of fetched documents ignored for their type or format (every fetch counts).",
     ),
     (
+        "sched_relay_documents_refused_total",
+        "counter",
+        "Fetched documents refused whole (an event without EventId, a duplicate EventId, not JSON), every poll counted.",
+    ),
+    (
         "sched_relay_document_events",
         "gauge",
         "Events in the current document, by event_type and status.",
@@ -172,8 +177,12 @@ impl ImdsHealth {
     }
 
     /// A request failed; the service has been failing since `since`.
-    pub fn failed(&self, since: std::time::Instant, error: &dyn std::fmt::Display) {
-        *self.lock() = Some((since, error.to_string()));
+    pub fn failed(&self, since: std::time::Instant, error: &crate::imds::ImdsError) {
+        let what = match error {
+            crate::imds::ImdsError::Malformed { .. } => "its documents are refused",
+            _ => "it fails",
+        };
+        *self.lock() = Some((since, format!("{what}: {error}")));
     }
 
     /// Why the agent is not ready because of the service, if it is not.
@@ -182,7 +191,7 @@ impl ImdsHealth {
         let failing_for = since.elapsed();
         (failing_for >= self.unready_after).then(|| {
             format!(
-                "the metadata service has failed for {} s (imds.unready_after = {}); no events can be seen: {error}",
+                "the metadata service has failed for {} s (imds.unready_after = {}); no events can be seen, {error}",
                 failing_for.as_secs(),
                 humantime::format_duration(self.unready_after)
             )

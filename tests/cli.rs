@@ -18,10 +18,13 @@ fn demo_prints_the_live_migration_in_order_and_exits_zero() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    // The summary alone on a terminal: the agent's log stays at WARN unless asked.
+    assert!(stdout.contains("--log-level info"), "{stdout}");
     assert!(
-        output.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
+        !stderr.contains("INFO") && !stderr.contains("Transition"),
+        "the demo interleaves the agent's INFO log with its summary:\n{stderr}"
     );
     assert!(
         started.elapsed() < Duration::from_secs(45),
@@ -172,4 +175,16 @@ fn events_prints_the_document_and_approve_starts_an_event() {
         "{}",
         String::from_utf8_lossy(&refused.stderr)
     );
+}
+
+#[test]
+fn demo_narrates_with_the_agent_log_when_asked() {
+    let output = Command::new(BINARY)
+        .args(["demo", "--log-level", "sched_relay=info"])
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(stderr.contains("Transition"), "{stderr}");
 }

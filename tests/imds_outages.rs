@@ -185,3 +185,54 @@ lasting = "18s"
     ready(200, Duration::from_secs(20));
     assert_within_imds_budget(&sim.requests());
 }
+
+/// One event without an EventId makes the whole document unusable (see README, "Refused
+/// documents"): the agent keeps the last good one, and says so once per reason, in a metric
+/// every poll, at ERROR after a minute, and in `/readyz`.
+#[test]
+fn a_refused_document_is_reported_once_counted_every_poll_and_named_in_readyz() {
+    let (url, served) = common::fixed_imds(
+        r#"{"DocumentIncarnation": 2, "Events": [
+            {"EventId": "E1", "EventStatus": "Scheduled", "EventType": "Reboot", "Resources": ["vm1"]},
+            {"EventStatus": "Scheduled", "EventType": "Freeze", "Resources": ["vm1"]}]}"#,
+    );
+    let port = sched_relay_transport::testing::free_port();
+    let agent = AgentProcess::start_on_defaults(
+        &url,
+        &format!(
+            "[telemetry]\nlisten = \"127.0.0.1:{port}\"\n[identity]\nvm_name = \"vm1\"\nfrom_metadata = false\n"
+        ),
+    );
+    let readyz = format!("http://127.0.0.1:{port}/readyz");
+    let deadline = Instant::now() + Duration::from_secs(75);
+    loop {
+        std::thread::sleep(Duration::from_millis(500));
+        // The listener may not be up yet.
+        let Ok((_, body)) = std::panic::catch_unwind(|| blocking_get(&readyz, &[])) else {
+            continue;
+        };
+        let log = agent.log();
+        if body.contains("refused") && log.contains("ERROR") {
+            assert!(body.contains("Events[1].EventId"), "{body}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "{body}\n{log}");
+    }
+    let log = agent.log();
+    let warnings = log.matches("Document refused whole").count();
+    let polls = served.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(warnings, 1, "{polls} polls:\n{log}");
+    assert!(polls >= 12, "retried at most 5 s apart: {polls} polls");
+    assert!(log.contains("Documents refused for over a minute"), "{log}");
+    assert!(
+        agent.events().is_empty(),
+        "nothing invented from a refused document"
+    );
+    let (_, metrics) = blocking_get(&format!("http://127.0.0.1:{port}/metrics"), &[]);
+    let counted = metrics
+        .lines()
+        .find(|l| l.starts_with("sched_relay_documents_refused_total"))
+        .and_then(|l| l.split_whitespace().last()?.parse::<f64>().ok())
+        .unwrap_or_default();
+    assert!(counted >= 12.0, "{metrics}");
+}

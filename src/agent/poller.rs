@@ -20,10 +20,13 @@ use sched_relay_core::event::{EventFactory, events_for_document};
 use crate::config::Config;
 use crate::fanout::Fanout;
 use crate::imds::pacing::{self, GONE_GRACE};
-use crate::imds::{ImdsClient, MIN_POLL_INTERVAL, Snapshot};
+use crate::imds::{ImdsClient, ImdsError, MIN_POLL_INTERVAL, Snapshot};
 
 /// After this long without a good answer, an operator has to look: log at ERROR.
 const IMDS_FAILING_ALERT: Duration = Duration::from_secs(30);
+/// After this long of refused documents (an event without EventId, a duplicate EventId), an
+/// operator has to look: log at ERROR.
+const REFUSED_DOCUMENT_ALERT: Duration = Duration::from_secs(60);
 
 pub(super) struct Poller {
     pub(super) client: Arc<ImdsClient>,
@@ -87,6 +90,8 @@ impl Poller {
         let mut failing_since: Option<Instant> = None;
         let mut alerted = false;
         let mut policy_fed = false;
+        // The last refused document's reason: said once at WARN, not once per poll.
+        let mut refusal: Option<String> = None;
         loop {
             let started = Instant::now();
             let fetched = tokio::select! {
@@ -104,6 +109,7 @@ impl Poller {
                     failures = 0;
                     failing_since = None;
                     alerted = false;
+                    refusal = None;
                     self.telemetry.imds.answered();
                     self.note_odd_fields(parsed.document.incarnation, &parsed.warnings);
                     self.share(&parsed.document);
@@ -138,14 +144,28 @@ impl Poller {
                     metrics::counter!("sched_relay_imds_errors_total", "kind" => error.kind())
                         .increment(1);
                     let wait = pacing::error_wait(&error, failures, interval, max_backoff);
+                    let refused = matches!(error, ImdsError::Malformed { .. });
+                    if refused {
+                        metrics::counter!("sched_relay_documents_refused_total").increment(1);
+                    }
                     // Azure documents a 410 as passing within 70 s: until then it is expected.
                     let alert_after = match error.kind() {
                         "gone" => GONE_GRACE,
+                        "malformed" => REFUSED_DOCUMENT_ALERT,
                         _ => IMDS_FAILING_ALERT,
                     };
                     if !alerted && since.elapsed() >= alert_after {
                         alerted = true;
-                        tracing::error!(kind = error.kind(), failures, error = %error, failing_for = ?since.elapsed(), "Metadata service failing; no events can be seen");
+                        if refused {
+                            tracing::error!(failures, error = %error, refused_for = ?since.elapsed(), "Documents refused for over a minute; no event in them is seen until the service sends a valid one (the last good document is kept)");
+                        } else {
+                            tracing::error!(kind = error.kind(), failures, error = %error, failing_for = ?since.elapsed(), "Metadata service failing; no events can be seen");
+                        }
+                    } else if refused && refusal.as_deref() == Some(error.to_string().as_str()) {
+                        tracing::debug!(error = %error, "The same document refused again");
+                    } else if refused {
+                        refusal = Some(error.to_string());
+                        tracing::warn!(error = %error, retry_in = ?wait, "Document refused whole, its other events included (logged once per reason; sched_relay_documents_refused_total counts every poll)");
                     } else {
                         tracing::warn!(kind = error.kind(), failures, retry_in = ?wait, error = %error, "Metadata service request failed");
                     }

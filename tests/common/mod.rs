@@ -376,3 +376,28 @@ pub fn first_good_get_after(requests: &[Value], from_ms: u64) -> Option<u64> {
         .map(|r| r["at_ms"].as_u64().unwrap())
         .find(|at| *at >= from_ms)
 }
+
+/// An in-process IMDS stand-in that serves one fixed document to every request, named as
+/// such: the simulator only serves well-typed fields, and this case needs an odd one. It
+/// counts the requests it answered.
+pub fn fixed_imds(body: &'static str) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let served = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = served.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            let mut request = [0u8; 4096];
+            let _ = stream.read(&mut request);
+            let response = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = stream.write_all(response.as_bytes());
+            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    (url, served)
+}
