@@ -20,6 +20,9 @@ const BODY_EXCERPT: usize = 300;
 pub struct WebhookSink {
     config: WebhookSinkConfig,
     client: reqwest::Client,
+    /// The TLS settings deliveries use, for the health check's handshake: "ready" means the
+    /// same trust (the platform's roots plus `ca_file`) that a delivery will need.
+    tls: Option<std::sync::Arc<rustls::ClientConfig>>,
     /// Headers every request carries (custom headers, bearer token), built once.
     common: HeaderMap,
     hmac_key: Option<Vec<u8>>,
@@ -45,15 +48,16 @@ impl WebhookSink {
             .redirect(redirect::Policy::none())
             .timeout(config.timeout)
             .user_agent(concat!("sched-relay/", env!("CARGO_PKG_VERSION")));
-        if let Some(path) = &config.ca_file {
-            match std::fs::read(path)
-                .map_err(|e| e.to_string())
-                .and_then(|pem| reqwest::Certificate::from_pem(&pem).map_err(|e| e.to_string()))
-            {
-                Ok(certificate) => builder = builder.add_root_certificate(certificate),
-                Err(error) => broken = Some(format!("ca_file {}: {error}", path.display())),
+        let tls = match tls_config(config.ca_file.as_deref()) {
+            Ok(tls) => {
+                builder = builder.use_preconfigured_tls((*tls).clone());
+                Some(tls)
             }
-        }
+            Err(error) => {
+                broken = Some(error);
+                None
+            }
+        };
         let client = builder.build().unwrap_or_else(|error| {
             broken = Some(format!("cannot build the HTTP client: {error}"));
             reqwest::Client::new()
@@ -103,6 +107,7 @@ impl WebhookSink {
         WebhookSink {
             config,
             client,
+            tls,
             common,
             hmac_key,
             broken,
@@ -159,6 +164,44 @@ impl WebhookSink {
     }
 }
 
+/// The TLS client settings of deliveries and health checks: the platform's trust store (as
+/// reqwest uses it), plus the PEM certificates of `ca_file`, HTTP/1.1 only.
+fn tls_config(
+    ca_file: Option<&std::path::Path>,
+) -> Result<std::sync::Arc<rustls::ClientConfig>, String> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let provider = rustls::crypto::CryptoProvider::get_default()
+        .cloned()
+        .unwrap_or_else(|| std::sync::Arc::new(rustls::crypto::ring::default_provider()));
+    let verifier = match ca_file {
+        None => rustls_platform_verifier::Verifier::new(provider.clone()),
+        Some(path) => {
+            let pem =
+                std::fs::read(path).map_err(|e| format!("ca_file {}: {e}", path.display()))?;
+            let roots: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&pem)
+                .collect::<Result<_, _>>()
+                .map_err(|e| format!("ca_file {}: not PEM certificates: {e}", path.display()))?;
+            if roots.is_empty() {
+                return Err(format!(
+                    "ca_file {}: holds no PEM certificate (expected -----BEGIN CERTIFICATE-----)",
+                    path.display()
+                ));
+            }
+            rustls_platform_verifier::Verifier::new_with_extra_roots(roots, provider.clone())
+        }
+    }
+    .map_err(|e| format!("cannot load the TLS trust store: {e}"))?;
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS settings: {e}"))?
+        .dangerous()
+        .with_custom_certificate_verifier(std::sync::Arc::new(verifier))
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(std::sync::Arc::new(config))
+}
+
 fn header_map(pairs: &[(String, String)], content_type: &str) -> Result<HeaderMap, SinkError> {
     let mut headers = HeaderMap::new();
     for (name, value) in pairs {
@@ -201,7 +244,8 @@ impl Sink for WebhookSink {
         if let Some(problem) = &self.broken {
             return Err(SinkError::Permanent(problem.clone()));
         }
-        // A webhook has no side-effect-free probe; check that the host answers at all.
+        // A webhook has no side-effect-free probe; check that the host accepts a connection
+        // and, over HTTPS, completes a TLS handshake that a delivery would accept.
         let url = url::Url::parse(&self.config.url)
             .map_err(|e| SinkError::Permanent(format!("url: {e}")))?;
         let host = url.host_str().unwrap_or_default().to_owned();
@@ -219,15 +263,43 @@ impl Sink for WebhookSink {
         let address = addresses
             .next()
             .ok_or_else(|| SinkError::Retriable(format!("{host} has no address")))?;
-        tokio::time::timeout(self.config.timeout, tokio::net::TcpStream::connect(address))
+        let stream =
+            tokio::time::timeout(self.config.timeout, tokio::net::TcpStream::connect(address))
+                .await
+                .map_err(|_| {
+                    SinkError::Retriable(format!(
+                        "{host}:{port} did not accept a connection within {:?}",
+                        self.config.timeout
+                    ))
+                })?
+                .map_err(|e| SinkError::Retriable(format!("{host}:{port} is unreachable: {e}")))?;
+        if url.scheme() != "https" {
+            return Ok(());
+        }
+        let (Some(tls), Some(url_host)) = (&self.tls, url.host()) else {
+            return Ok(());
+        };
+        let name = match url_host {
+            url::Host::Domain(domain) => rustls::pki_types::ServerName::try_from(domain.to_owned())
+                .map_err(|e| SinkError::Permanent(format!("url: host {domain}: {e}")))?,
+            url::Host::Ipv4(ip) => rustls::pki_types::ServerName::from(std::net::IpAddr::V4(ip)),
+            url::Host::Ipv6(ip) => rustls::pki_types::ServerName::from(std::net::IpAddr::V6(ip)),
+        };
+        let handshake = tokio_rustls::TlsConnector::from(tls.clone()).connect(name, stream);
+        tokio::time::timeout(self.config.timeout, handshake)
             .await
             .map_err(|_| {
                 SinkError::Retriable(format!(
-                    "{host}:{port} did not accept a connection within {:?}",
+                    "{host}:{port}: no TLS handshake within {:?}",
                     self.config.timeout
                 ))
             })?
-            .map_err(|e| SinkError::Retriable(format!("{host}:{port} is unreachable: {e}")))?;
+            .map_err(|e| {
+                SinkError::Retriable(format!(
+                    "{host}:{port}: TLS handshake failed: {} (is ca_file the CA that signed the server's certificate?)",
+                    sched_relay_transport::error_chain(&e)
+                ))
+            })?;
         Ok(())
     }
 }

@@ -250,3 +250,108 @@ async fn an_unreachable_endpoint_is_retriable_and_reported_by_the_health_check()
             .is_retriable()
     );
 }
+
+/// A throw-away CA and an HTTPS server whose certificate it signed, for 127.0.0.1: every
+/// connection gets the TLS handshake and a bare `200 OK`.
+struct TlsServer {
+    url: String,
+    ca_pem: String,
+}
+
+impl TlsServer {
+    async fn start() -> TlsServer {
+        use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+        let ca_key = KeyPair::generate().unwrap();
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca_pem = ca_params.self_signed(&ca_key).unwrap().pem();
+        let issuer = Issuer::new(ca_params, ca_key);
+        let key = KeyPair::generate().unwrap();
+        let certificate = CertificateParams::new(vec!["127.0.0.1".to_owned()])
+            .unwrap()
+            .signed_by(&key, &issuer)
+            .unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![certificate.der().clone()],
+                rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).unwrap(),
+            )
+            .unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("https://{}/events", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            while let Ok((stream, _)) = listener.accept().await {
+                let acceptor = acceptor.clone();
+                tokio::spawn(async move {
+                    let Ok(mut tls) = acceptor.accept(stream).await else {
+                        return;
+                    };
+                    let mut request = vec![0u8; 65536];
+                    let _ = tls.read(&mut request).await;
+                    let _ = tls
+                        .write_all(
+                            b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+                        )
+                        .await;
+                    let _ = tls.shutdown().await;
+                });
+            }
+        });
+        TlsServer { url, ca_pem }
+    }
+}
+
+#[tokio::test]
+async fn the_health_check_fails_when_tls_cannot_verify_the_server_and_passes_with_its_ca() {
+    let server = TlsServer::start().await;
+    let dir = tempfile::tempdir().unwrap();
+
+    // No ca_file: the platform's trust store does not know this CA. The health check says so
+    // at start, not the first delivery.
+    let untrusted = WebhookSink::new(config(&server.url));
+    let error = untrusted.health_check().await.unwrap_err().to_string();
+    assert!(error.contains("TLS handshake failed"), "{error}");
+
+    // Another CA's certificate is no better.
+    let other = TlsServer::start().await;
+    let wrong = dir.path().join("wrong-ca.pem");
+    std::fs::write(&wrong, &other.ca_pem).unwrap();
+    let mut wrong_ca = config(&server.url);
+    wrong_ca.ca_file = Some(wrong);
+    let error = WebhookSink::new(wrong_ca)
+        .health_check()
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("TLS handshake failed"), "{error}");
+
+    // The CA that signed it: ready, and deliveries go through with the same trust.
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, &server.ca_pem).unwrap();
+    let mut trusted = config(&server.url);
+    trusted.ca_file = Some(ca);
+    let sink = WebhookSink::new(trusted);
+    sink.health_check().await.unwrap();
+    sink.deliver(&live_migration_events("vm0")[..1]).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_ca_file_without_certificates_is_reported_as_such() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("empty.pem");
+    std::fs::write(&path, "not a certificate").unwrap();
+    let mut broken = config("https://127.0.0.1:1/events");
+    broken.ca_file = Some(path);
+    let error = WebhookSink::new(broken)
+        .health_check()
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("holds no PEM certificate"), "{error}");
+}
