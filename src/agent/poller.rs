@@ -218,11 +218,13 @@ impl Poller {
         if continuity == Continuity::Unchanged {
             return false;
         }
-        // Derived from stored state only, so a retry or a restart gives the same ids.
+        // The epoch comes from stored state only, so a retry or a restart gives the same ids.
         let epoch = continuity.epoch_after(self.epoch);
+        let approved = self.client.accepted();
         let observation = Observation {
+            at: Utc::now(),
             epoch,
-            ..Observation::at(Utc::now())
+            approved: &approved,
         };
         let events = events_observed(
             &self.factory,
@@ -276,6 +278,13 @@ impl Poller {
         metrics::gauge!("sched_relay_incarnation").set(document.incarnation as f64);
         self.set_document_gauges(&document);
         self.approvals.retain(|id, _| document.event(id).is_some());
+        let present = |id: &str| {
+            document
+                .events
+                .iter()
+                .any(|e| e.id.eq_ignore_ascii_case(id))
+        };
+        self.client.forget_accepted(present);
         self.epoch = epoch;
         self.previous = Some(document);
         true
