@@ -1,5 +1,6 @@
 //! The durable outbox, in one redb file under `state.dir`: for every sink, the events it has
-//! not yet confirmed, in order; and the last document the agent processed.
+//! not yet confirmed, in order; and the last document the agent processed, with its
+//! incarnation epoch ([`epoch`]).
 //!
 //! A document's events are written for every sink, and the document marked processed, in one
 //! fsync'd transaction before any sink sees them. So a crash at any moment loses nothing that
