@@ -1,5 +1,6 @@
 //! The durable outbox, in one redb file under `state.dir`: for every sink, the events it has
-//! not yet confirmed, in order; and the last document the agent processed.
+//! not yet confirmed, in order; and the last document the agent processed, with its
+//! incarnation epoch ([`epoch`]).
 //!
 //! A document's events are written for every sink, and the document marked processed, in one
 //! fsync'd transaction before any sink sees them. So a crash at any moment loses nothing that
@@ -21,9 +22,14 @@ const EVENTS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("events
 /// Small named values: the last processed document.
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const LAST_DOCUMENT: &str = "last_document";
+/// The incarnation epoch of the last document (u64, big-endian); see [`epoch`].
+const EPOCH: &str = "epoch";
 /// Approval request ids already handled -> Unix seconds after which the id may be forgotten
 /// (its request is then too old to pass the freshness check anyway).
 const SEEN_REQUESTS: TableDefinition<&str, i64> = TableDefinition::new("seen_requests");
+
+mod epoch;
+pub use epoch::Processed;
 
 /// The file inside `state.dir`.
 pub const FILE_NAME: &str = "outbox.redb";
@@ -170,14 +176,14 @@ impl Outbox {
             })
     }
 
-    /// Stores `events` for each of `sinks` and, when given, `document` as the last processed
-    /// one, in one durable transaction. A sink already holding `capacity` events gets none of
-    /// them; they are returned as (sink, event) for the dead-letter file.
+    /// Stores `events` for each of `sinks` and, when given, `document` (with its epoch) as
+    /// the last processed one, in one durable transaction. A sink already holding `capacity`
+    /// events gets none of them; they are returned as (sink, event) for the dead-letter file.
     pub fn commit(
         &self,
         sinks: &[String],
         events: &[Event],
-        document: Option<&Value>,
+        document: Option<Processed>,
     ) -> Result<Vec<(String, Event)>, StoreError> {
         let mut overflow = Vec::new();
         let encoded: Vec<Vec<u8>> = events
@@ -215,8 +221,10 @@ impl Outbox {
             }
             if let Some(document) = document {
                 let mut meta = txn.open_table(META).map_err(|e| self.io(e))?;
-                let bytes = serde_json::to_vec(document).map_err(|e| self.io(e))?;
+                let bytes = serde_json::to_vec(document.document).map_err(|e| self.io(e))?;
                 meta.insert(LAST_DOCUMENT, bytes.as_slice())
+                    .map_err(|e| self.io(e))?;
+                meta.insert(EPOCH, document.epoch_bytes().as_slice())
                     .map_err(|e| self.io(e))?;
             }
         }
@@ -402,6 +410,10 @@ mod tests {
             .collect()
     }
 
+    fn processed(document: &Value) -> Processed<'_> {
+        Processed { document, epoch: 0 }
+    }
+
     fn sinks(names: &[&str]) -> Vec<String> {
         names.iter().map(|n| n.to_string()).collect()
     }
@@ -417,7 +429,11 @@ mod tests {
                 .commit(&sinks(&["a", "b"]), &[event("1"), event("2")], None)
                 .unwrap();
             outbox
-                .commit(&sinks(&["a", "b"]), &[event("3")], Some(&document))
+                .commit(
+                    &sinks(&["a", "b"]),
+                    &[event("3")],
+                    Some(processed(&document)),
+                )
                 .unwrap();
             let a = outbox.pending("a", 2).unwrap();
             assert_eq!(ids(&a), ["1", "2"]);

@@ -64,6 +64,11 @@ pub const METRICS: &[(&str, &str, &str)] = &[
         "DocumentIncarnation of the last processed document.",
     ),
     (
+        "sched_relay_incarnation_resets_total",
+        "counter",
+        "DocumentIncarnation resets: it went backwards, or repeated with other content.",
+    ),
+    (
         "sched_relay_document_odd_fields_total",
         "counter",
         "Fields of fetched documents ignored for their type or format (every fetch counts).",

@@ -34,6 +34,9 @@ struct Edges {
     /// An IMDS outage of over 30 s, and the moment (ms after the simulator started) it ends,
     /// when a Preempt with its 30 s notice appears.
     long_outage_end_ms: Option<u64>,
+    /// DocumentIncarnation starts again from 1 at this moment, as after a redeploy or the
+    /// 24 h disable: the same numbers come back with other content.
+    incarnation_reset_ms: Option<u64>,
 }
 
 /// A random scenario (TOML) whose phase changes for one event are at least `GAP` apart, so
@@ -132,6 +135,12 @@ fn random_scenario(rng: &mut fastrand::Rng, round: u64) -> (String, Vec<Planned>
         });
         edges.long_outage_end_ms = Some(end);
     }
+    // One round in three: Azure's numbering starts again from 1 part-way through.
+    if rng.u8(0..3) == 0 {
+        let at = (2.0 + rng.f64() * (end - 2.0).max(1.0)) * 1000.0;
+        toml = format!("incarnation_reset_after = \"{}ms\"\n{toml}", at as u64);
+        edges.incarnation_reset_ms = Some(at as u64);
+    }
     // A few short fault bursts, spread over the scenario.
     let faults = rng.usize(1..4);
     for _ in 0..faults {
@@ -186,6 +195,7 @@ struct Totals {
     agent_kills: usize,
     broker_cuts: usize,
     long_outages: usize,
+    incarnation_resets: usize,
     /// The longest time from a long outage's end to the agent's first good poll.
     worst_detection_ms: u64,
     lost: usize,
@@ -282,9 +292,8 @@ timeout = "2s"
         }
     }
     let last = tokio::task::block_in_place(|| sim.wait_finished(Duration::from_secs(30)));
-    let file_events = tokio::task::block_in_place(|| {
-        agent.wait_for_id(&format!("document:{last}"), Duration::from_secs(10))
-    });
+    let file_events =
+        tokio::task::block_in_place(|| agent.wait_for_document(last, Duration::from_secs(10)));
     let file_ids = common::ids(&file_events);
     let expected_count = file_ids.iter().collect::<HashSet<_>>().len();
 
@@ -380,6 +389,9 @@ timeout = "2s"
         totals.long_outages += 1;
         totals.worst_detection_ms = totals.worst_detection_ms.max(delay);
     }
+    if edges.incarnation_reset_ms.is_some() {
+        totals.incarnation_resets += 1;
+    }
     totals.rounds += 1;
     totals.imds_faults += faults;
     totals.documents += file_ids
@@ -422,13 +434,14 @@ async fn random_faults_kills_and_outages_lose_and_invent_nothing() {
         }
     }
     println!(
-        "chaos: seed {seed}: {} rounds, {} documents, {} transitions, {} IMDS fault bursts, {} IMDS outages over 30 s (worst detection after recovery {} ms), {} agent kills (-9), {} broker outages, lost = {}, invented = {}",
+        "chaos: seed {seed}: {} rounds, {} documents, {} transitions, {} IMDS fault bursts, {} IMDS outages over 30 s (worst detection after recovery {} ms), {} incarnation resets, {} agent kills (-9), {} broker outages, lost = {}, invented = {}",
         totals.rounds,
         totals.documents,
         totals.transitions,
         totals.imds_faults,
         totals.long_outages,
         totals.worst_detection_ms,
+        totals.incarnation_resets,
         totals.agent_kills,
         totals.broker_cuts,
         totals.lost,

@@ -269,3 +269,94 @@ fn a_second_signal_exits_at_once_and_loses_nothing_already_stored() {
     let expected = wait_for_backlog(&mut agent, &out);
     assert_eq!(ids(&read_events(&out)), expected);
 }
+
+/// Azure restarts DocumentIncarnation (redeploy, deallocate/start, re-enabled after 24 h):
+/// incarnation 2 holds one event, then numbering restarts at 1 and the very next change
+/// (a second event appearing) is served again as incarnation 2.
+const RESET_SCENARIO: &str = r#"
+start_incarnation = 1
+incarnation_reset_after = "6s"
+[[events]]
+id = "before-reset"
+type = "Freeze"
+resources = ["WestNO_0"]
+appear_after = "1s"
+notice = "10m"
+[[events]]
+id = "after-reset"
+type = "Reboot"
+resources = ["WestNO_0"]
+appear_after = "6s"
+notice = "10m"
+"#;
+
+/// The shipped default polling (the agent helper polls faster).
+const DEFAULT_POLLING: [(&str, &str); 2] = [
+    ("SCHED_RELAY_IMDS__POLL_INTERVAL", "1s"),
+    ("SCHED_RELAY_IMDS__MAX_BACKOFF", "5s"),
+];
+
+fn reset_simulator(dir: &Path) -> (SimProcess, Instant) {
+    let scenario = dir.join("reset.toml");
+    std::fs::write(&scenario, RESET_SCENARIO).unwrap();
+    let sim = SimProcess::start(scenario.to_str().unwrap(), 1.0);
+    (sim, Instant::now())
+}
+
+/// Every id names one content: a consumer de-duplicating on (source, id) drops only repeats.
+fn assert_ids_name_one_content(events: &[Value], log: &str) {
+    let mut seen: BTreeMap<String, Value> = BTreeMap::new();
+    for event in events {
+        let id = event["id"].as_str().unwrap().to_owned();
+        if let Some(before) = seen.insert(id.clone(), event["data"].clone()) {
+            assert_eq!(
+                before, event["data"],
+                "{id} was reused for other content\n{log}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_reset_incarnation_with_new_content_is_diffed_not_skipped() {
+    let work = tempfile::tempdir().unwrap();
+    let (sim, _) = reset_simulator(work.path());
+    let mut agent = AgentProcess::start_with_env(&sim.url, "", &DEFAULT_POLLING);
+    agent.wait_for_id("before-reset:scheduled", Duration::from_secs(15));
+    let events = agent.wait_for_id("after-reset:scheduled", Duration::from_secs(15));
+    assert!(agent.stop().success(), "{}", agent.log());
+    assert_ids_name_one_content(&events, &agent.log());
+    let ids = ids(&events);
+    assert!(ids.contains(&"document:2".into()), "{ids:?}");
+    assert!(
+        ids.contains(&"document:2~e1".into()),
+        "the new numbering's epoch: {ids:?}"
+    );
+    assert!(
+        agent.log().contains("DocumentIncarnation reset"),
+        "the reset is logged:\n{}",
+        agent.log()
+    );
+}
+
+#[test]
+fn a_reset_incarnation_seen_first_after_a_restart_is_diffed_not_skipped() {
+    let work = tempfile::tempdir().unwrap();
+    let (sim, started) = reset_simulator(work.path());
+    let mut agent = AgentProcess::start_with_env(&sim.url, "", &DEFAULT_POLLING);
+    agent.wait_for_id("before-reset:scheduled", Duration::from_secs(15));
+    assert!(agent.stop().success(), "{}", agent.log());
+    // Down while Azure restarts its numbering and the next change reuses incarnation 2.
+    let after_reset = started + Duration::from_secs(7);
+    std::thread::sleep(after_reset.saturating_duration_since(Instant::now()));
+    agent.spawn(&[]);
+    let events = agent.wait_for_id("after-reset:scheduled", Duration::from_secs(15));
+    assert!(agent.stop().success(), "{}", agent.log());
+    assert_ids_name_one_content(&events, &agent.log());
+    let ids = ids(&events);
+    assert!(ids.contains(&"document:2".into()), "{ids:?}");
+    assert!(
+        ids.contains(&"document:2~e1".into()),
+        "the new numbering's epoch: {ids:?}"
+    );
+}

@@ -5,6 +5,8 @@
 //!
 //! - [`document`]: the Scheduled Events document and its tolerant parser;
 //! - [`diff`]: previous document + current document -> transitions (a pure function);
+//! - [`continuity`]: whether a document is unchanged, next, or a numbering reset, and the
+//!   epoch that keeps incarnation-derived ids unique across resets;
 //! - [`event`]: transitions, documents and approval outcomes as CloudEvents (ids, types,
 //!   extensions, data), and the typed [`EventKind`] every relayed [`Event`] carries;
 //! - [`binding`]: how a CloudEvent travels as headers and body on Kafka, NATS, AMQP and HTTP;
@@ -51,6 +53,7 @@
 
 pub mod approval;
 pub mod binding;
+pub mod continuity;
 pub mod diff;
 pub mod document;
 pub mod event;

@@ -123,6 +123,7 @@ pub async fn run(
             }
         },
     };
+    let previous = (previous, outbox.last_epoch()?);
     let outbox = Arc::new(outbox);
     let fanout = Fanout::start(sinks, &config.delivery, &config.state.dir, outbox.clone());
     // `--dry-run` overrides the file: from here on the configuration is the one truth.

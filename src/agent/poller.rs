@@ -14,8 +14,10 @@ use std::time::{Duration, Instant};
 use chrono::Utc;
 use cloudevents::AttributesReader;
 use sched_relay_core::EventKind;
+use sched_relay_core::continuity::Continuity;
+use sched_relay_core::diff::Observation;
 use sched_relay_core::document::Document;
-use sched_relay_core::event::{EventFactory, events_for_document};
+use sched_relay_core::event::{EventFactory, events_observed};
 
 use crate::config::Config;
 use crate::fanout::Fanout;
@@ -36,6 +38,8 @@ pub(super) struct Poller {
     pub(super) previous: Option<Document>,
     /// Local policy's feed: the first processed document after start, then each new one.
     pub(super) policy: Option<tokio::sync::watch::Sender<Option<Arc<Document>>>>,
+    /// The incarnation epoch of `previous` (stored with it): resets seen so far.
+    pub(super) epoch: u64,
     /// The latest document, for the remote-approval checks.
     pub(super) latest: tokio::sync::watch::Sender<Option<Snapshot>>,
     pub(super) telemetry: Arc<crate::telemetry::Telemetry>,
@@ -49,7 +53,7 @@ pub(super) struct Poller {
 
 impl Poller {
     /// A poller that resumes after `previous` (the last document processed before a restart,
-    /// if any) and publishes each fetched document to `latest`.
+    /// if any, with its incarnation epoch) and publishes each fetched document to `latest`.
     pub(super) fn new(
         config: Config,
         client: Arc<ImdsClient>,
@@ -57,7 +61,7 @@ impl Poller {
         fanout: Fanout,
         telemetry: Arc<crate::telemetry::Telemetry>,
         latest: tokio::sync::watch::Sender<Option<Snapshot>>,
-        previous: Option<Document>,
+        (previous, epoch): (Option<Document>, u64),
     ) -> Poller {
         Poller {
             client,
@@ -66,6 +70,7 @@ impl Poller {
             config,
             previous,
             policy: None,
+            epoch,
             latest,
             telemetry,
             document_gauges: Vec::new(),
@@ -237,7 +242,9 @@ impl Poller {
     /// Tells the approval checks about the latest document (a copy only when it changed).
     fn share(&self, document: &Document) {
         self.latest.send_modify(|latest| match latest {
-            Some(snapshot) if snapshot.document.incarnation == document.incarnation => {
+            Some(snapshot)
+                if Continuity::of(Some(&snapshot.document), document) == Continuity::Unchanged =>
+            {
                 snapshot.fetched = Instant::now();
             }
             _ => {
@@ -250,32 +257,45 @@ impl Poller {
     }
 
     /// Diffs a fetched document against the previous one and publishes what changed.
-    /// Returns whether the document was new (a new incarnation) and is now processed: its
-    /// events are durable in the outbox.
+    /// Returns whether the document was new (not the same incarnation and content) and is now
+    /// processed: its events, and its epoch, are durable in the outbox.
     async fn on_document(&mut self, document: Document) -> bool {
-        if let Some(previous) = &self.previous {
-            if previous.incarnation == document.incarnation {
-                return false;
-            }
-            if document.incarnation < previous.incarnation {
-                tracing::warn!(
-                    previous = previous.incarnation,
-                    current = document.incarnation,
-                    "DocumentIncarnation went backwards (service re-enabled?); diffing against the last document anyway"
-                );
-            }
+        let continuity = Continuity::of(self.previous.as_ref(), &document);
+        if continuity == Continuity::Unchanged {
+            return false;
         }
-        let events = events_for_document(
+        // The epoch comes from stored state only, so a retry or a restart gives the same ids.
+        let epoch = continuity.epoch_after(self.epoch);
+        let approved = self.client.accepted();
+        let observation = Observation {
+            at: Utc::now(),
+            epoch,
+            approved: &approved,
+        };
+        let events = events_observed(
             &self.factory,
             self.previous.as_ref(),
             &document,
             self.config.events.document_events,
-            Utc::now(),
+            &observation,
         );
-        if let Err(error) = self.fanout.publish(&events, Some(&document.raw)).await {
+        let processed = crate::store::Processed {
+            document: &document.raw,
+            epoch,
+        };
+        if let Err(error) = self.fanout.publish(&events, Some(processed)).await {
             // Not processed: the next poll derives the same transitions again.
             tracing::error!(incarnation = document.incarnation, error = %error, "Cannot store the transitions of a new document; it will be processed again");
             return false;
+        }
+        if continuity == Continuity::Reset {
+            tracing::warn!(
+                previous = self.previous.as_ref().map(|p| p.incarnation),
+                current = document.incarnation,
+                epoch,
+                "DocumentIncarnation reset (it went backwards, or repeated with other content): Azure restarted its numbering; diffed against the last document, incarnation ids now end in ~e<epoch>"
+            );
+            metrics::counter!("sched_relay_incarnation_resets_total").increment(1);
         }
         for event in &events {
             let EventKind::Transition(kind) = event.kind() else {
@@ -295,6 +315,7 @@ impl Poller {
                 event_type = %extension("eventtype"),
                 status = %extension("eventstatus"),
                 affects_vm = %extension("affectsvm"),
+                unobserved = %extension("unobserved"),
                 id = %event.id(),
                 "Transition"
             );
@@ -302,6 +323,14 @@ impl Poller {
         }
         metrics::gauge!("sched_relay_incarnation").set(document.incarnation as f64);
         self.set_document_gauges(&document);
+        let present = |id: &str| {
+            document
+                .events
+                .iter()
+                .any(|e| e.id.eq_ignore_ascii_case(id))
+        };
+        self.client.forget_accepted(present);
+        self.epoch = epoch;
         self.previous = Some(document);
         true
     }

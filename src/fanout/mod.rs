@@ -13,11 +13,10 @@ use std::time::Duration;
 use cloudevents::AttributesReader;
 use sched_relay_transport::{Event, Sink};
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
 
-use crate::store::{Outbox, StoreError};
+use crate::store::{Outbox, Processed, StoreError};
 use worker::{DeadLetter, Worker};
 
 mod worker;
@@ -224,7 +223,7 @@ impl Fanout {
     pub async fn publish(
         &self,
         events: &[Event],
-        document: Option<&Value>,
+        document: Option<Processed<'_>>,
     ) -> Result<(), StoreError> {
         self.publisher.publish(events, document).await
     }
@@ -256,20 +255,24 @@ impl Publisher {
         &self.outbox
     }
 
-    /// Stores events for every sink (with the document they came from, which is then
-    /// processed) durably, and wakes the sinks. Never waits for a sink. When this returns an
-    /// error nothing was stored: the caller must not treat the document as processed.
+    /// Stores events for every sink (with the document they came from and its epoch, which
+    /// is then processed) durably, and wakes the sinks. Never waits for a sink. When this
+    /// returns an error nothing was stored: the caller must not treat the document as processed.
     pub async fn publish(
         &self,
         events: &[Event],
-        document: Option<&Value>,
+        document: Option<Processed<'_>>,
     ) -> Result<(), StoreError> {
         let outbox = self.outbox.clone();
         let names = self.names.to_vec();
         let events_owned = events.to_vec();
-        let document = document.cloned();
+        let document = document.map(|processed| (processed.document.clone(), processed.epoch));
         let overflow = tokio::task::spawn_blocking(move || {
-            outbox.commit(&names, &events_owned, document.as_ref())
+            let document = document.as_ref().map(|(document, epoch)| Processed {
+                document,
+                epoch: *epoch,
+            });
+            outbox.commit(&names, &events_owned, document)
         })
         .await
         .map_err(|e| StoreError::Io {

@@ -27,6 +27,9 @@ pub const KNOWN_API_VERSIONS: [&str; 7] = [
     "2020-07-01",
 ];
 
+/// How many accepted EventIds are remembered: far more than one document ever holds.
+const ACCEPTED_REMEMBERED: usize = 256;
+
 /// The api-version used for `/metadata/instance/compute` (independent of Scheduled Events).
 const COMPUTE_API_VERSION: &str = "2021-02-01";
 
@@ -104,6 +107,9 @@ pub struct ImdsClient {
     posted: tokio::sync::Notify,
     /// Every request of this client waits its turn: within the service's 5 requests/s.
     pacer: super::pacing::Pacer,
+    /// EventIds of accepted StartRequests, oldest first, until they leave the document: an
+    /// event this agent approved that vanishes while `Scheduled` probably ran unobserved.
+    accepted: std::sync::Mutex<std::collections::VecDeque<String>>,
 }
 
 impl ImdsClient {
@@ -133,6 +139,7 @@ impl ImdsClient {
             answered: AtomicBool::new(false),
             posted: tokio::sync::Notify::new(),
             pacer: super::pacing::Pacer::new(),
+            accepted: Default::default(),
         })
     }
 
@@ -185,8 +192,34 @@ impl ImdsClient {
             .header(header::CONTENT_TYPE, "application/json")
             .body(body);
         self.send_scheduled_events(request, &url).await?;
+        self.remember_accepted(event_ids);
         self.posted.notify_one();
         Ok(())
+    }
+
+    fn remember_accepted(&self, event_ids: &[String]) {
+        let mut accepted = self.accepted.lock().unwrap_or_else(|p| p.into_inner());
+        for id in event_ids {
+            if !accepted.iter().any(|known| known.eq_ignore_ascii_case(id)) {
+                accepted.push_back(id.clone());
+            }
+        }
+        while accepted.len() > ACCEPTED_REMEMBERED {
+            accepted.pop_front();
+        }
+    }
+
+    /// The EventIds whose StartRequests this client sent and the service accepted (by local
+    /// policy or a remote approval), until [`ImdsClient::forget_accepted`] drops them.
+    pub fn accepted(&self) -> Vec<String> {
+        let accepted = self.accepted.lock().unwrap_or_else(|p| p.into_inner());
+        accepted.iter().cloned().collect()
+    }
+
+    /// Forgets accepted EventIds for which `still_present` is false: they left the document.
+    pub fn forget_accepted(&self, still_present: impl Fn(&str) -> bool) {
+        let mut accepted = self.accepted.lock().unwrap_or_else(|p| p.into_inner());
+        accepted.retain(|id| still_present(id));
     }
 
     /// `GET /metadata/instance/compute`: the VM's name, vmId and resource id.
@@ -328,6 +361,29 @@ mod tests {
             Some(vec!["2020-07-01".to_owned(), "2019-08-01".to_owned()])
         );
         assert_eq!(newest_versions(b"Bad Request"), None);
+    }
+
+    #[test]
+    fn accepted_event_ids_are_remembered_bounded_until_they_leave_the_document() {
+        let client = ImdsClient::new(
+            Url::parse("http://127.0.0.1:9").unwrap(),
+            "2020-07-01",
+            Duration::from_secs(1),
+            Duration::from_secs(1),
+        )
+        .unwrap();
+        client.remember_accepted(&["E1".into(), "e1".into(), "E2".into()]);
+        assert_eq!(client.accepted(), ["E1", "E2"]);
+        client.forget_accepted(|id| id == "E2");
+        assert_eq!(client.accepted(), ["E2"]);
+        let many: Vec<String> = (0..300).map(|n| format!("E{n}")).collect();
+        client.remember_accepted(&many);
+        assert_eq!(client.accepted().len(), ACCEPTED_REMEMBERED);
+        assert_eq!(
+            client.accepted().last().unwrap(),
+            "E299",
+            "the oldest go first"
+        );
     }
 
     #[test]

@@ -255,10 +255,27 @@ path = "{events}"
 
     /// Waits until the file sink holds an event with this id.
     pub fn wait_for_id(&self, id: &str, timeout: Duration) -> Vec<Value> {
+        self.wait_for(id, timeout, |event_id| event_id == id)
+    }
+
+    /// Waits until the file sink holds the `document` event of this incarnation, in any
+    /// incarnation epoch (`document:<n>`, or `document:<n>~e<epoch>` after a reset).
+    pub fn wait_for_document(&self, incarnation: u64, timeout: Duration) -> Vec<Value> {
+        let id = format!("document:{incarnation}");
+        let epoch = format!("{id}~");
+        self.wait_for(&id, timeout, |event_id| {
+            event_id == id || event_id.starts_with(&epoch)
+        })
+    }
+
+    fn wait_for(&self, id: &str, timeout: Duration, matches: impl Fn(&str) -> bool) -> Vec<Value> {
         let deadline = Instant::now() + timeout;
         loop {
             let events = self.events();
-            if events.iter().any(|e| e["id"] == id) {
+            if events
+                .iter()
+                .any(|e| e["id"].as_str().is_some_and(&matches))
+            {
                 return events;
             }
             assert!(
@@ -325,7 +342,7 @@ pub fn play(
     let sim = SimProcess::start(scenario, time_scale);
     let mut agent = AgentProcess::start(&sim.url, extra_config);
     let last = sim.wait_finished(Duration::from_secs(60));
-    agent.wait_for_id(&format!("document:{last}"), Duration::from_secs(10));
+    agent.wait_for_document(last, Duration::from_secs(10));
     let status = agent.stop();
     assert!(
         status.success(),

@@ -7,7 +7,8 @@ use cloudevents::{EventBuilder, EventBuilderV10};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::diff::{Transition, diff};
+use crate::continuity::{Continuity, incarnation_tag};
+use crate::diff::{Observation, Transition, diff_observed};
 use crate::document::Document;
 
 mod kind;
@@ -203,15 +204,24 @@ impl EventFactory {
         if let Some(source) = &event.source {
             builder = builder.extension("eventsource", source.as_str());
         }
+        if let Some(unobserved) = transition.unobserved {
+            // Still `cancelled` by the contract, but an audit must not read "nothing happened".
+            builder = builder
+                .extension("unobserved", "started")
+                .extension("unobservedreason", unobserved.as_str());
+        }
         builder
             .build()
             .expect("every required attribute is set above")
     }
 
-    /// The `document` CloudEvent: the whole document, once per incarnation.
-    pub fn document(&self, document: &Document, observed: DateTime<Utc>) -> Event {
+    /// The `document` CloudEvent: the whole document, once per incarnation (and epoch).
+    pub fn document(&self, document: &Document, epoch: u64, observed: DateTime<Utc>) -> Event {
         let cloud = EventBuilderV10::new()
-            .id(format!("document:{}", document.incarnation))
+            .id(format!(
+                "document:{}",
+                incarnation_tag(document.incarnation, epoch)
+            ))
             .source(self.source.clone())
             .ty(format!("{}.document", self.type_prefix))
             .subject(document.incarnation.to_string())
@@ -272,8 +282,8 @@ impl EventFactory {
     }
 }
 
-/// Every CloudEvent one document yields after `previous`: one per transition, in diff order,
-/// then the `document` snapshot when enabled. Nothing at all when the incarnation is the same.
+/// Every CloudEvent one document yields after `previous`, observed at `observed` in epoch 0
+/// with nothing approved: see [`events_observed`].
 pub fn events_for_document(
     factory: &EventFactory,
     previous: Option<&Document>,
@@ -281,15 +291,29 @@ pub fn events_for_document(
     include_document: bool,
     observed: DateTime<Utc>,
 ) -> Vec<Event> {
-    if previous.is_some_and(|previous| previous.incarnation == current.incarnation) {
+    let observation = Observation::at(observed);
+    events_observed(factory, previous, current, include_document, &observation)
+}
+
+/// Every CloudEvent one document yields after `previous`: one per transition, in diff order,
+/// then the `document` snapshot when enabled. Nothing at all when the incarnation and the
+/// content are the same ([`Continuity::Unchanged`]).
+pub fn events_observed(
+    factory: &EventFactory,
+    previous: Option<&Document>,
+    current: &Document,
+    include_document: bool,
+    observation: &Observation,
+) -> Vec<Event> {
+    if Continuity::of(previous, current) == Continuity::Unchanged {
         return Vec::new();
     }
-    let mut events: Vec<_> = diff(previous, current)
+    let mut events: Vec<_> = diff_observed(previous, current, observation)
         .iter()
-        .map(|transition| factory.transition(transition, observed))
+        .map(|transition| factory.transition(transition, observation.at))
         .collect();
     if include_document {
-        events.push(factory.document(current, observed));
+        events.push(factory.document(current, observation.epoch, observation.at));
     }
     events
 }

@@ -1,6 +1,7 @@
 //! The CloudEvents contract of product.md, attribute by attribute, and the typed kinds.
 
 use super::*;
+use crate::diff::{Observation, diff};
 use cloudevents::AttributesReader;
 
 fn factory() -> EventFactory {
@@ -79,7 +80,7 @@ fn source_prefers_configuration_then_resource_id() {
 #[test]
 fn document_event_carries_the_whole_document() {
     let raw = json!({"DocumentIncarnation": "7", "Events": []});
-    let event = factory().document(&document(raw.clone()), Utc::now());
+    let event = factory().document(&document(raw.clone()), 0, Utc::now());
     assert_eq!(event.id(), "document:7");
     assert_eq!(event.subject(), Some("7"));
     assert_eq!(event.ty(), "com.azure.scheduledevents.document");
@@ -140,7 +141,7 @@ fn events_made_here_carry_the_kind_their_type_reads_back_as() {
     };
     let made = [
         factory.transition(&diff(None, &current)[0], Utc::now()),
-        factory.document(&current, Utc::now()),
+        factory.document(&current, 0, Utc::now()),
         factory.approval_outcome(&outcome, Utc::now()),
     ];
     let names: Vec<&str> = made.iter().map(Event::transition).collect();
@@ -151,4 +152,43 @@ fn events_made_here_carry_the_kind_their_type_reads_back_as() {
         assert_eq!(read.kind(), event.kind(), "{stored}");
         assert_eq!(read, event);
     }
+}
+
+#[test]
+fn a_cancelled_event_that_probably_ran_says_so_and_a_real_cancellation_does_not() {
+    let scheduled = json!({"EventId": "E1", "EventStatus": "Scheduled", "EventType": "Reboot",
+        "Resources": ["WestNO_0"], "NotBefore": "Mon, 11 Apr 2022 22:26:58 GMT"});
+    let before = document(json!({"DocumentIncarnation": 2, "Events": [scheduled]}));
+    let after = document(json!({"DocumentIncarnation": 3, "Events": []}));
+    let cancelled_at = |time: &str| {
+        let observation = Observation::at(time.parse().unwrap());
+        events_observed(&factory(), Some(&before), &after, false, &observation).remove(0)
+    };
+    let ran = cancelled_at("2022-04-11T22:40:00Z");
+    assert_eq!(ran.ty(), "com.azure.scheduledevents.cancelled");
+    assert_eq!(ran.id(), "E1:cancelled", "the contract's id and type stay");
+    let ext = |event: &Event, name| event.extension(name).map(|v| v.to_string());
+    assert_eq!(ext(&ran, "unobserved").as_deref(), Some("started"));
+    assert_eq!(ext(&ran, "unobservedreason").as_deref(), Some("notbefore"));
+    let cancelled = cancelled_at("2022-04-11T22:00:00Z");
+    assert_eq!(ext(&cancelled, "unobserved"), None);
+    assert_eq!(ext(&cancelled, "unobservedreason"), None);
+}
+
+#[test]
+fn document_ids_carry_the_epoch_only_after_a_reset() {
+    let current = document(json!({"DocumentIncarnation": 4, "Events": []}));
+    let observation = Observation {
+        epoch: 3,
+        ..Observation::at(Utc::now())
+    };
+    let events = events_observed(&factory(), None, &current, true, &observation);
+    assert_eq!(events[0].id(), "document:4~e3");
+    assert_eq!(
+        events[0].subject(),
+        Some("4"),
+        "the subject stays the incarnation"
+    );
+    let events = events_for_document(&factory(), None, &current, true, Utc::now());
+    assert_eq!(events[0].id(), "document:4");
 }

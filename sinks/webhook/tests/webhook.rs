@@ -338,7 +338,9 @@ async fn the_health_check_fails_when_tls_cannot_verify_the_server_and_passes_wit
     trusted.ca_file = Some(ca);
     let sink = WebhookSink::new(trusted);
     sink.health_check().await.unwrap();
-    sink.deliver(&live_migration_events("vm0")[..1]).await.unwrap();
+    sink.deliver(&live_migration_events("vm0")[..1])
+        .await
+        .unwrap();
 }
 
 #[tokio::test]
