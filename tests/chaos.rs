@@ -291,7 +291,21 @@ timeout = "2s"
             totals.broker_cuts += 1;
         }
     }
-    let last = tokio::task::block_in_place(|| sim.wait_finished(Duration::from_secs(30)));
+    let last = tokio::task::block_in_place(|| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let state = sim.state();
+            if state["finished"] == true {
+                break state["incarnation"].as_u64().unwrap();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "round {number}: the scenario did not finish: {state}\n{scenario_text}\nagent log:\n{}",
+                agent.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
     let file_events =
         tokio::task::block_in_place(|| agent.wait_for_document(last, Duration::from_secs(10)));
     let file_ids = common::ids(&file_events);

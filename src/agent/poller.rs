@@ -120,13 +120,10 @@ impl Poller {
                     self.share(&parsed.document);
                     metrics::gauge!("sched_relay_imds_last_success_timestamp_seconds")
                         .set(Utc::now().timestamp() as f64);
-                    let incarnation = parsed.document.incarnation;
-                    let new_document = self.on_document(parsed.document).await;
-                    // Ready once a fetched document is processed (its events stored).
-                    if let Some(previous) = self
-                        .previous
-                        .as_ref()
-                        .filter(|previous| previous.incarnation == incarnation)
+                    // Ready once a fetched document is processed (its events stored): not when
+                    // its commit failed, even if the stored one has the same incarnation.
+                    if let Some(new_document) = self.on_document(parsed.document).await
+                        && let Some(previous) = &self.previous
                     {
                         self.telemetry
                             .first_poll_done
@@ -257,12 +254,13 @@ impl Poller {
     }
 
     /// Diffs a fetched document against the previous one and publishes what changed.
-    /// Returns whether the document was new (not the same incarnation and content) and is now
-    /// processed: its events, and its epoch, are durable in the outbox.
-    async fn on_document(&mut self, document: Document) -> bool {
+    /// `Some(new)` once the document is processed (it is then `previous`; its events and its
+    /// epoch are durable in the outbox): `new` when it was not the same incarnation and
+    /// content. `None` when it could not be stored, so the next poll derives it again.
+    async fn on_document(&mut self, document: Document) -> Option<bool> {
         let continuity = Continuity::of(self.previous.as_ref(), &document);
         if continuity == Continuity::Unchanged {
-            return false;
+            return Some(false);
         }
         // The epoch comes from stored state only, so a retry or a restart gives the same ids.
         let epoch = continuity.epoch_after(self.epoch);
@@ -286,7 +284,7 @@ impl Poller {
         if let Err(error) = self.fanout.publish(&events, Some(processed)).await {
             // Not processed: the next poll derives the same transitions again.
             tracing::error!(incarnation = document.incarnation, error = %error, "Cannot store the transitions of a new document; it will be processed again");
-            return false;
+            return None;
         }
         if continuity == Continuity::Reset {
             tracing::warn!(
@@ -332,6 +330,6 @@ impl Poller {
         self.client.forget_accepted(present);
         self.epoch = epoch;
         self.previous = Some(document);
-        true
+        Some(true)
     }
 }
