@@ -8,7 +8,7 @@ mod discovery;
 mod identity;
 
 pub use client::{ImdsClient, ImdsError, KNOWN_API_VERSIONS};
-pub use config::{ImdsConfig, MIN_POLL_INTERVAL};
+pub use config::{ImdsConfig, MIN_POLL_INTERVAL, is_api_version};
 pub use discovery::resolve_endpoint;
 pub use discovery::{DEFAULT_LEASE_PATHS, discover_endpoint, lease_option_245};
 pub use identity::{IdentityConfig, resolve_identity};
