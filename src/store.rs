@@ -9,6 +9,10 @@
 //! the next poll derives the same events again). An event leaves the outbox only when its
 //! sink confirmed it, or was dead-lettered.
 
+mod meta;
+
+pub use meta::IDENTITY;
+
 use std::path::{Path, PathBuf};
 
 use cloudevents::AttributesReader;
@@ -19,7 +23,7 @@ use serde_json::Value;
 
 /// (sink name, sequence number) -> the structured CloudEvent as JSON.
 const EVENTS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("events");
-/// Small named values: the last processed document.
+/// Small named values: the last processed document, and those of [`meta`].
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const LAST_DOCUMENT: &str = "last_document";
 /// The incarnation epoch of the last document (u64, big-endian); see [`epoch`].

@@ -212,6 +212,8 @@ impl ImdsHealth {
 pub struct Telemetry {
     /// Set once the first document was fetched and processed.
     pub first_poll_done: AtomicBool,
+    /// Set while the VM's identity is unknown (events wait for it).
+    pub identity_pending: AtomicBool,
     pub sinks: Vec<(String, Arc<SinkHealth>)>,
     pub outbox: Arc<Outbox>,
     pub latest: watch::Receiver<Option<Snapshot>>,
@@ -229,6 +231,7 @@ impl Telemetry {
     ) -> Telemetry {
         Telemetry {
             first_poll_done: false.into(),
+            identity_pending: false.into(),
             sinks,
             outbox,
             latest,
@@ -268,6 +271,9 @@ impl Telemetry {
             reasons.push("no document processed yet (the first call to the metadata service can take minutes)".to_owned());
         }
         reasons.extend(self.imds.unready_reason());
+        if self.identity_pending.load(Ordering::Relaxed) {
+            reasons.push("VM identity not resolved yet: /metadata/instance/compute has not answered, so events wait (set identity.vm_name to start without it)".to_owned());
+        }
         for (sink, health) in &self.sinks {
             if !health.healthy() {
                 let error = health

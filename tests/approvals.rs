@@ -737,3 +737,73 @@ fn a_fleet_subject_skips_other_vms_requests_and_takes_fleet_wide_ones() {
         "another VM's request on the fleet subject produced an outcome"
     );
 }
+
+/// An orchestrator that round-trips the GUID through .NET `Guid` sends it lower-cased; the
+/// document spells it in upper case. The approval is matched case-insensitively and the POST
+/// (and the outcome's subject and data) carry the document's own spelling.
+#[test]
+fn a_lower_cased_event_id_is_approved_and_reaches_imds_in_the_documents_spelling() {
+    const UPPER: &str = "F0000000-0000-4000-8000-0000000000AA";
+    let keys = Keys::new();
+    let dir = tempfile::tempdir().unwrap();
+    let scenario = dir.path().join("upper-case.toml");
+    std::fs::write(
+        &scenario,
+        format!(
+            "[vm]\nname = \"WestNO_0\"\n\n[[events]]\nid = \"{UPPER}\"\ntype = \"Freeze\"\n\
+             resources = [\"WestNO_0\"]\nduration_in_seconds = 5\nnotice = \"1h\"\nstarted_for = \"1h\"\n"
+        ),
+    )
+    .unwrap();
+    let sim = SimProcess::start(scenario.to_str().unwrap(), 1.0);
+    let port = sched_relay_transport::testing::free_port();
+    let agent = AgentProcess::start(
+        &sim.url,
+        &format!(
+            "{}\n{}",
+            keys.config(),
+            HTTP_SOURCE.replace("{port}", &port.to_string())
+        ),
+    );
+    agent.wait_for_id(&format!("{UPPER}:scheduled"), Duration::from_secs(20));
+    wait_for_log(&agent, "Approval source ready");
+
+    let lower = UPPER.to_lowercase();
+    let draft = Draft::new(
+        "urn:orchestrator:test",
+        Some("WestNO_0"),
+        vec![lower.clone()],
+    );
+    let event = draft.event(Some(("orchestrator-ed", &keys.ed25519)));
+    let (status, answer) = post_raw(
+        port,
+        "application/cloudevents+json",
+        "let-me-approve",
+        serde_json::to_vec(&event).unwrap(),
+    );
+    assert_eq!(status, 200, "{answer}");
+    let found = outcome(&agent, &draft.id);
+    assert_eq!(
+        found["type"],
+        format!("{TYPE}.approval.accepted"),
+        "{found}"
+    );
+    assert_eq!(found["subject"], UPPER, "{found}");
+    assert_eq!(
+        found["data"]["eventIds"],
+        serde_json::json!([UPPER]),
+        "{found}"
+    );
+    assert_eq!(
+        found["requestid"],
+        draft.id.as_str(),
+        "the request's own id"
+    );
+    agent.wait_for_id(&format!("{UPPER}:started"), Duration::from_secs(10));
+    let posts = posts(&sim);
+    assert_eq!(posts.len(), 1, "exactly one POST: {posts:?}");
+    assert_eq!(
+        posts[0]["body"],
+        serde_json::json!({"StartRequests": [{"EventId": UPPER}]}).to_string()
+    );
+}

@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::document::{EventSource, EventStatus, EventType, ScheduledEvent};
+use crate::document::{EventSource, EventStatus, EventType, ScheduledEvent, same_vm};
 
 /// `[policy]`: off unless a rule is set.
 #[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
@@ -75,8 +75,9 @@ pub fn evaluate(policy: &PolicyConfig, event: &ScheduledEvent, vm_name: &str) ->
         return Decision::Hold(format!("{vm_name} is not in Resources"));
     }
     if policy.leader_only {
+        // Compared as `affects` compares: 2017-03-01 names carry a leading underscore.
         let leader = event.resources.first().map(String::as_str).unwrap_or("");
-        if !leader.eq_ignore_ascii_case(vm_name) {
+        if !same_vm(leader, vm_name) {
             return Decision::Hold(format!("leader_only: {leader} approves, not {vm_name}"));
         }
     }
@@ -187,5 +188,18 @@ mod tests {
             Decision::Hold(reason) => assert!(reason.contains("leader_only"), "{reason}"),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn the_leader_is_recognised_in_2017_03_01_names_with_a_leading_underscore() {
+        let policy = PolicyConfig {
+            approve_event_types: vec!["Preempt".into()],
+            leader_only: true,
+            ..Default::default()
+        };
+        let fields = json!({"EventType": "Preempt", "Resources": ["_WestNO_0", "_WestNO_1"]});
+        assert!(approves(&policy, fields.clone(), "WestNO_0"));
+        assert!(approves(&policy, fields.clone(), "westno_0"));
+        assert!(!approves(&policy, fields, "WestNO_1"));
     }
 }

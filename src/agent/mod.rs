@@ -1,6 +1,6 @@
-//! The agent's wiring: [`run`] opens the state store, resolves who and where, starts the
-//! fan-out, the listener and the approval sources, then hands over to the poller until
-//! shutdown, and drains.
+//! The agent's wiring: [`run`] opens the state store, starts the fan-out, resolves who this
+//! VM is ([`identity`]; events wait for it), starts the listener and the approval sources,
+//! then hands over to the poller until shutdown, and drains.
 //!
 //! The data path reads top to bottom: `imds` fetch -> `diff` -> `event` -> `store` ->
 //! `fanout` -> sinks ([`poller`]); local approvals are in [`local_policy`], remote ones in
@@ -8,6 +8,7 @@
 //! leaves the previous document in place, so the next good document is diffed against the
 //! last good one.
 
+mod identity;
 mod local_policy;
 mod poller;
 
@@ -71,23 +72,6 @@ pub async fn run(
         config.imds.request_timeout,
         config.imds.first_call_timeout,
     )?);
-    let identity = crate::imds::resolve_identity(&config.identity, &client).await;
-    let factory = EventFactory::new(
-        &config.events.type_prefix,
-        config.identity.source.as_deref(),
-        identity,
-        config.events.partition_key,
-    );
-    tracing::info!(
-        endpoint = %client.base(),
-        api_version = %config.imds.api_version,
-        poll_interval = ?config.imds.poll_interval,
-        vm_name = %factory.vm.name,
-        source = %factory.source,
-        sinks = config.sinks.len(),
-        "Agent starting"
-    );
-
     // Health checks run in each sink's own task (see fanout): a broker that is slow to answer
     // must not hold back the first poll, since a Preempt notice can be 30 s.
     let sinks = config.sinks.iter().map(registry::named).collect();
@@ -142,6 +126,31 @@ pub async fn run(
     let telemetry = Arc::new(
         crate::telemetry::Telemetry::new(fanout.health(), outbox.clone(), latest_rx.clone())
             .with_imds_unready_after(config.imds.unready_after),
+    );
+    // Nothing is derived before the VM is named: the name decides affectsvm, policy,
+    // approval targeting and the source (see `identity`).
+    tokio::pin!(shutdown);
+    let resolved =
+        identity::resolve(&config, &client, &outbox, &telemetry, shutdown.as_mut()).await?;
+    let Some(identity) = resolved else {
+        tracing::info!("Stopped before the VM identity was known; draining sinks");
+        fanout.shutdown(config.delivery.shutdown_timeout).await;
+        return Ok(());
+    };
+    let factory = EventFactory::new(
+        &config.events.type_prefix,
+        config.identity.source.as_deref(),
+        identity,
+        config.events.partition_key,
+    );
+    tracing::info!(
+        endpoint = %client.base(),
+        api_version = %config.imds.api_version,
+        poll_interval = ?config.imds.poll_interval,
+        vm_name = %factory.vm.name,
+        source = %factory.source,
+        sinks = config.sinks.len(),
+        "Agent starting"
     );
     let approver = Approver::new(
         &config.approvals,

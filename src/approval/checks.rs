@@ -14,7 +14,10 @@ use super::{Approver, Verdict};
 
 impl Approver {
     /// Runs the checks on one message. Returns the request id (or a made-up one for
-    /// messages without a readable id), its EventIds and the verdict.
+    /// messages without a readable id), its EventIds and the verdict. EventIds match the
+    /// document case-insensitively (a GUID that went through .NET `Guid` comes back
+    /// lower-cased); a valid request's EventIds are returned in the document's spelling, which
+    /// is what the StartRequests POST and the outcome event carry.
     pub(super) async fn check(
         &self,
         message: &Inbound,
@@ -38,7 +41,7 @@ impl Approver {
             }
         };
         let request_id = request.id().map(str::to_owned).unwrap_or_else(made_up);
-        let event_ids = request.event_ids.clone();
+        let mut event_ids = request.event_ids.clone();
         if message.shared
             && let Some(target) = request.vm_name()
             && target != FLEET_TARGET
@@ -51,17 +54,21 @@ impl Approver {
             );
         }
         let verdict = match self.checks(&request, document).await {
-            Ok(()) => Verdict::Valid,
+            Ok(spelled) => {
+                event_ids = spelled;
+                Verdict::Valid
+            }
             Err(rejection) => Verdict::Reject(rejection),
         };
         (request_id, event_ids, verdict)
     }
 
+    /// The checks in order; when all pass, the EventIds as the document spells them.
     async fn checks(
         &self,
         request: &Request,
         document: &mut Option<Arc<Document>>,
-    ) -> Result<(), Rejection> {
+    ) -> Result<Vec<String>, Rejection> {
         self.authenticity(request)?;
         self.freshness(request).await?;
         self.targeting(request)?;
@@ -201,9 +208,18 @@ impl Approver {
         }
     }
 
-    fn state(&self, request: &Request, document: &Document) -> Result<(), Rejection> {
+    /// Every EventId is in `document` (compared ignoring case) and Scheduled; returns them
+    /// in the document's spelling.
+    fn state(&self, request: &Request, document: &Document) -> Result<Vec<String>, Rejection> {
+        let mut spelled = Vec::with_capacity(request.event_ids.len());
         for event_id in &request.event_ids {
-            let Some(event) = document.event(event_id) else {
+            let found = document.event(event_id).or_else(|| {
+                document
+                    .events
+                    .iter()
+                    .find(|event| event.id.eq_ignore_ascii_case(event_id))
+            });
+            let Some(event) = found else {
                 return Err(Rejection::new(
                     Reason::UnknownEvent,
                     format!(
@@ -235,8 +251,9 @@ impl Approver {
                     ),
                 ));
             }
+            spelled.push(event.id.clone());
         }
-        Ok(())
+        Ok(spelled)
     }
 
     /// The poller's document when it is fresher than one poll interval; else a new fetch.

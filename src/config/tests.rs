@@ -269,3 +269,44 @@ fn a_backoff_ceiling_that_could_swallow_a_spot_notice_is_refused() {
         "{found:?}"
     );
 }
+
+#[test]
+fn policy_rules_the_api_version_cannot_satisfy_are_refused_naming_the_version_needed() {
+    let found = problems(
+        "[imds]\napi_version = \"2019-01-01\"\n[policy]\napprove_user_initiated = true\napprove_freeze_max_seconds = 9\n",
+    );
+    assert_eq!(found.len(), 2, "{found:?}");
+    assert!(
+        found[0].starts_with("policy.approve_user_initiated: ")
+            && found[0].contains("EventSource")
+            && found[0].contains("2019-08-01")
+            && found[0].contains("imds.api_version"),
+        "{found:?}"
+    );
+    assert!(
+        found[1].starts_with("policy.approve_freeze_max_seconds: ")
+            && found[1].contains("DurationInSeconds")
+            && found[1].contains("2020-07-01"),
+        "{found:?}"
+    );
+    // 2019-08-01 has EventSource but not DurationInSeconds.
+    let found = problems(
+        "[imds]\napi_version = \"2019-08-01\"\n[policy]\napprove_user_initiated = true\napprove_freeze_max_seconds = 9\n",
+    );
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(
+        found[0].starts_with("policy.approve_freeze_max_seconds: "),
+        "{found:?}"
+    );
+    // The default api-version serves both; rules that are off need nothing.
+    assert!(
+        problems("[policy]\napprove_user_initiated = true\napprove_freeze_max_seconds = 9\n")
+            .is_empty()
+    );
+    assert!(
+        problems(
+            "[imds]\napi_version = \"2017-03-01\"\n[policy]\napprove_event_types = [\"Preempt\"]\n"
+        )
+        .is_empty()
+    );
+}

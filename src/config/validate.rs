@@ -4,6 +4,11 @@
 
 use super::{Config, ConfigProblem, problem};
 
+/// The first api-version whose events carry `EventSource`.
+const EVENT_SOURCE_SINCE: &str = "2019-08-01";
+/// The first api-version whose events carry `DurationInSeconds`.
+const DURATION_SINCE: &str = "2020-07-01";
+
 impl Config {
     /// Every problem with an extracted configuration, in the order of the sections.
     pub fn validate(&self) -> Vec<ConfigProblem> {
@@ -21,9 +26,46 @@ impl Config {
         section("delivery", self.delivery.validate());
         section("log", self.log.validate());
         section("approvals", self.approvals.validate(&self.sinks));
+        problems.extend(self.policy_api_version_problems());
         problems.extend(self.http_approvals_problems());
         problems.extend(self.sinks_problems());
         problems
+    }
+
+    /// A policy rule that reads a field the configured api-version does not return would
+    /// silently never fire: refuse it, naming the version that has the field.
+    fn policy_api_version_problems(&self) -> Vec<ConfigProblem> {
+        let version = self.imds.api_version.as_str();
+        // A malformed version is reported by [imds] itself.
+        if !crate::imds::is_api_version(version) {
+            return Vec::new();
+        }
+        let rules = [
+            (
+                self.policy.approve_user_initiated,
+                "approve_user_initiated",
+                "EventSource",
+                EVENT_SOURCE_SINCE,
+            ),
+            (
+                self.policy.approve_freeze_max_seconds.is_some(),
+                "approve_freeze_max_seconds",
+                "DurationInSeconds",
+                DURATION_SINCE,
+            ),
+        ];
+        rules
+            .into_iter()
+            .filter(|(enabled, _, _, since)| *enabled && version < *since)
+            .map(|(_, key, field, since)| {
+                problem(
+                    format!("policy.{key}"),
+                    format!(
+                        "needs {field}, which imds.api_version {version} does not return, so the rule would never fire; set imds.api_version to {since} or later, or remove policy.{key}"
+                    ),
+                )
+            })
+            .collect()
     }
 
     /// `POST /approvals` is served by the `[telemetry]` listener, and off loopback it needs a

@@ -143,7 +143,8 @@ impl ImdsConfig {
     }
 }
 
-fn is_api_version(version: &str) -> bool {
+/// Whether `version` is a date-shaped api-version no older than the first one (2017-03-01).
+pub fn is_api_version(version: &str) -> bool {
     chrono::NaiveDate::parse_from_str(version, "%Y-%m-%d").is_ok()
         && version.len() == 10
         && version >= "2017-03-01"

@@ -9,10 +9,12 @@ mod identity;
 pub mod pacing;
 
 pub use client::{ImdsClient, ImdsError, KNOWN_API_VERSIONS};
-pub use config::{ImdsConfig, MIN_POLL_INTERVAL};
+pub use config::{ImdsConfig, MIN_POLL_INTERVAL, is_api_version};
 pub use discovery::resolve_endpoint;
 pub use discovery::{DEFAULT_LEASE_PATHS, discover_endpoint, lease_option_245};
-pub use identity::{IdentityConfig, resolve_identity};
+pub use identity::{
+    IdentityConfig, IdentityResolver, Origin, identity_from_json, identity_to_json,
+};
 
 /// The latest document the poller fetched, and when: what the remote-approval checks and the
 /// `/events` view read.

@@ -28,7 +28,9 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-pub use scenario::{BUILTIN, Fault, FaultKind, Scenario, SimEvent, SimUpdate, SimVm};
+pub use scenario::{
+    BUILTIN, Fault, FaultEndpoint, FaultKind, Scenario, SimEvent, SimUpdate, SimVm,
+};
 pub use state::{Phase, RecordedRequest};
 
 use state::{State, lock};

@@ -138,6 +138,20 @@ pub struct Fault {
     /// `GET` (default) or `POST`.
     #[serde(default = "default_method")]
     pub method: String,
+    /// The path it hits: `scheduled_events` (default) or `compute`.
+    #[serde(default)]
+    pub endpoint: FaultEndpoint,
+}
+
+/// The path a fault hits.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultEndpoint {
+    /// `/metadata/scheduledevents`.
+    #[default]
+    ScheduledEvents,
+    /// `/metadata/instance/compute`, where the agent learns who this VM is.
+    Compute,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]

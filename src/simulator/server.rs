@@ -11,9 +11,9 @@ use axum::response::{IntoResponse, Response};
 use chrono::Utc;
 use serde_json::{Value, json};
 
-use super::FaultKind;
 use super::snapshot;
 use super::state::{Phase, RecordedRequest, State, lock};
+use super::{Fault, FaultEndpoint, FaultKind};
 use crate::imds::KNOWN_API_VERSIONS;
 
 fn bad_request(message: &str) -> (StatusCode, Value) {
@@ -119,6 +119,10 @@ async fn respond(
                 Reply::Text("Method not allowed".into()),
             );
         }
+        let fault = lock(state).take_fault("GET", FaultEndpoint::Compute, now);
+        if let Some(reply) = apply(fault).await {
+            return reply;
+        }
         let vm = lock(state).scenario.vm.clone();
         return (
             StatusCode::OK,
@@ -145,39 +149,14 @@ async fn respond(
         } else {
             None
         };
-        (state.take_fault(&method_name, now), first_delay)
+        let fault = state.take_fault(&method_name, FaultEndpoint::ScheduledEvents, now);
+        (fault, first_delay)
     };
     if let Some(delay) = first_delay {
         tokio::time::sleep(delay).await;
     }
-    match fault.as_ref().map(|f| f.kind) {
-        Some(FaultKind::Status) => {
-            let fault = fault.expect("matched Some");
-            let code = fault.status.unwrap_or(500);
-            let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            let text = format!("simulated fault: {code}");
-            return match fault.retry_after {
-                Some(seconds) => (status, Reply::RetryAfter(text, seconds)),
-                None => (status, Reply::Text(text)),
-            };
-        }
-        Some(FaultKind::Malformed) => {
-            return (
-                StatusCode::OK,
-                Reply::Text("{\"DocumentIncarnation\": 3, \"Events\": [{\"EventId\"".into()),
-            );
-        }
-        Some(FaultKind::BadRequest) => {
-            return json_reply(bad_request(
-                "Bad request. Required metadata header not specified",
-            ));
-        }
-        Some(FaultKind::Delay) => {
-            if let Some(delay) = fault.and_then(|f| f.delay) {
-                tokio::time::sleep(delay).await;
-            }
-        }
-        None => {}
+    if let Some(reply) = apply(fault).await {
+        return reply;
     }
     let now = Instant::now();
     let mut state = lock(state);
@@ -217,6 +196,37 @@ async fn respond(
             StatusCode::METHOD_NOT_ALLOWED,
             Reply::Text("Method not allowed".into()),
         ),
+    }
+}
+
+/// The answer a fault gives instead of the normal one (`delay` only waits: `None`).
+async fn apply(fault: Option<Fault>) -> Option<(StatusCode, Reply)> {
+    let fault = fault?;
+    match fault.kind {
+        FaultKind::Status => {
+            let code = fault.status.unwrap_or(500);
+            let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            let text = format!("simulated fault: {code}");
+            Some(match fault.retry_after {
+                Some(seconds) => (status, Reply::RetryAfter(text, seconds)),
+                None => (status, Reply::Text(text)),
+            })
+        }
+        FaultKind::Malformed => Some((
+            StatusCode::OK,
+            Reply::Text("{\"DocumentIncarnation\": 3, \"Events\": [{\"EventId\"".into()),
+        )),
+        FaultKind::BadRequest => {
+            let (status, value) =
+                bad_request("Bad request. Required metadata header not specified");
+            Some((status, Reply::Json(value)))
+        }
+        FaultKind::Delay => {
+            if let Some(delay) = fault.delay {
+                tokio::time::sleep(delay).await;
+            }
+            None
+        }
     }
 }
 

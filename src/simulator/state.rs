@@ -9,7 +9,7 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use super::{Fault, Scenario, SimEvent};
+use super::{Fault, FaultEndpoint, Scenario, SimEvent};
 
 /// Where one event is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
@@ -261,8 +261,13 @@ impl State {
         json!({"DocumentIncarnation": self.incarnation, "Events": events})
     }
 
-    /// Takes the next fault due for this method, if any.
-    pub(super) fn take_fault(&mut self, method: &str, now: Instant) -> Option<Fault> {
+    /// Takes the next fault due for this method on this endpoint, if any.
+    pub(super) fn take_fault(
+        &mut self,
+        method: &str,
+        endpoint: FaultEndpoint,
+        now: Instant,
+    ) -> Option<Fault> {
         let start = self.started;
         let scale = self.scenario.time_scale;
         let active = self.faults.iter_mut().find(|f| {
@@ -271,7 +276,7 @@ impl State {
                 Some(lasting) => now < from + lasting.mul_f64(scale),
                 None => f.remaining > 0,
             };
-            due && f.fault.method == method && now >= from
+            due && f.fault.method == method && f.fault.endpoint == endpoint && now >= from
         })?;
         active.remaining = active.remaining.saturating_sub(1);
         Some(active.fault.clone())

@@ -94,11 +94,19 @@ impl ScheduledEvent {
     /// Whether `vm_name` is among the event's Resources. Azure resource names are
     /// case-insensitive, and the 2017-03-01 preview prefixed them with an underscore.
     pub fn affects(&self, vm_name: &str) -> bool {
-        self.resources.iter().any(|resource| {
-            let resource = resource.strip_prefix('_').unwrap_or(resource);
-            resource.eq_ignore_ascii_case(vm_name.strip_prefix('_').unwrap_or(vm_name))
-        })
+        self.resources
+            .iter()
+            .any(|resource| same_vm(resource, vm_name))
     }
+}
+
+/// Whether a name in `Resources` and a VM name are the same VM: ignoring case, and the
+/// leading underscore of the 2017-03-01 preview.
+pub fn same_vm(resource: &str, vm_name: &str) -> bool {
+    fn unprefixed(name: &str) -> &str {
+        name.strip_prefix('_').unwrap_or(name)
+    }
+    unprefixed(resource).eq_ignore_ascii_case(unprefixed(vm_name))
 }
 
 /// Why a document was refused. Says where, what was found and what was expected.
