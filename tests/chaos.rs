@@ -37,6 +37,9 @@ struct Edges {
     /// DocumentIncarnation starts again from 1 at this moment, as after a redeploy or the
     /// 24 h disable: the same numbers come back with other content.
     incarnation_reset_ms: Option<u64>,
+    /// `/metadata/instance/compute` fails at start and later: every event must still name
+    /// the VM as instance metadata does.
+    compute_failures: bool,
 }
 
 /// A random scenario (TOML) whose phase changes for one event are at least `GAP` apart, so
@@ -49,9 +52,23 @@ fn random_scenario(rng: &mut fastrand::Rng, round: u64) -> (String, Vec<Planned>
     let types = ["Freeze", "Reboot", "Redeploy", "Preempt", "Terminate"];
     let count = rng.usize(3..7);
     let mut end: f64 = 0.0;
+    // One round in three: instance metadata (who this VM is) fails at start, and again
+    // later, when kills restart the agent. Events wait until the VM is named, so they begin
+    // once the first failure is over and the agent's retry (at most 5 s) has come.
+    let compute_failure = rng.u8(0..3) == 0;
+    let mut offset = 0.0;
+    if compute_failure {
+        let first = rng.u64(2_000..4_000);
+        offset = (first as f64) / 1000.0 + 5.0;
+        let _ = write!(
+            toml,
+            "\n[[faults]]\nkind = \"status\"\nstatus = 500\nendpoint = \"compute\"\nlasting = \"{first}ms\"\n\n[[faults]]\nkind = \"status\"\nstatus = 503\nendpoint = \"compute\"\nafter = \"{}ms\"\nlasting = \"20s\"\n",
+            first + 6_000
+        );
+    }
     for index in 0..count {
         let id = format!("chaos-{round}-{index}");
-        let appear = 1.0 + rng.f64() * 6.0;
+        let appear = offset + 1.0 + rng.f64() * 6.0;
         let host_failure = rng.u8(0..5) == 0;
         let cancelled = !host_failure && rng.u8(0..4) == 0;
         let updates = if host_failure { 0 } else { rng.usize(0..3) };
@@ -115,7 +132,10 @@ fn random_scenario(rng: &mut fastrand::Rng, round: u64) -> (String, Vec<Planned>
         end = end.max(last);
         planned.push(Planned { id, expected });
     }
-    let mut edges = Edges::default();
+    let mut edges = Edges {
+        compute_failures: compute_failure,
+        ..Edges::default()
+    };
     // One round in three: the service fails for over 30 s, and a Spot eviction appears the
     // moment it recovers; its 30 s notice must still be seen as `scheduled`.
     if rng.u8(0..3) == 0 {
@@ -196,6 +216,7 @@ struct Totals {
     broker_cuts: usize,
     long_outages: usize,
     incarnation_resets: usize,
+    compute_failures: usize,
     /// The longest time from a long outage's end to the agent's first good poll.
     worst_detection_ms: u64,
     lost: usize,
@@ -406,6 +427,13 @@ timeout = "2s"
     if edges.incarnation_reset_ms.is_some() {
         totals.incarnation_resets += 1;
     }
+    if edges.compute_failures {
+        totals.compute_failures += 1;
+    }
+    // Whatever instance metadata did, every event names the VM as it does, never a guess.
+    for event in &file_events {
+        assert_eq!(event["vmname"], "WestNO_0", "{event}\n{context}");
+    }
     totals.rounds += 1;
     totals.imds_faults += faults;
     totals.documents += file_ids
@@ -448,7 +476,7 @@ async fn random_faults_kills_and_outages_lose_and_invent_nothing() {
         }
     }
     println!(
-        "chaos: seed {seed}: {} rounds, {} documents, {} transitions, {} IMDS fault bursts, {} IMDS outages over 30 s (worst detection after recovery {} ms), {} incarnation resets, {} agent kills (-9), {} broker outages, lost = {}, invented = {}",
+        "chaos: seed {seed}: {} rounds, {} documents, {} transitions, {} IMDS fault bursts, {} IMDS outages over 30 s (worst detection after recovery {} ms), {} incarnation resets, {} rounds with failing compute metadata, {} agent kills (-9), {} broker outages, lost = {}, invented = {}",
         totals.rounds,
         totals.documents,
         totals.transitions,
@@ -456,6 +484,7 @@ async fn random_faults_kills_and_outages_lose_and_invent_nothing() {
         totals.long_outages,
         totals.worst_detection_ms,
         totals.incarnation_resets,
+        totals.compute_failures,
         totals.agent_kills,
         totals.broker_cuts,
         totals.lost,
