@@ -167,7 +167,7 @@ impl Poller {
                         tracing::debug!(error = %error, "The same document refused again");
                     } else if refused {
                         refusal = Some(error.to_string());
-                        tracing::warn!(error = %error, retry_in = ?wait, "Document refused whole, its other events included (logged once per reason; sched_relay_documents_refused_total counts every poll)");
+                        tracing::warn!(kind = error.kind(), error = %error, retry_in = ?wait, "Document refused whole, its other events included (logged once per reason; sched_relay_documents_refused_total counts every poll)");
                     } else {
                         tracing::warn!(kind = error.kind(), failures, retry_in = ?wait, error = %error, "Metadata service request failed");
                     }
