@@ -66,6 +66,27 @@ fn random_scenario(rng: &mut fastrand::Rng, round: u64) -> (String, Vec<Planned>
             first + 6_000
         );
     }
+    // One round in three: the service fails for over 30 s, and a Spot eviction appears the
+    // moment it recovers; its 30 s notice must still be seen as `scheduled`. The other
+    // events come after the outage: nobody can see an event that lives and dies inside one.
+    let mut long_outage_end_ms = None;
+    if rng.u8(0..3) == 0 {
+        let from = ((offset + 1.0 + rng.f64() * 4.0) * 1000.0) as u64;
+        let lasting = rng.u64(31_000..40_000);
+        let end = from + lasting;
+        let id = format!("chaos-{round}-spot");
+        let _ = write!(
+            toml,
+            "\n[[faults]]\nkind = \"status\"\nstatus = 503\nafter = \"{from}ms\"\nlasting = \"{lasting}ms\"\n\n[[events]]\nid = \"{id}\"\ntype = \"Preempt\"\nresources = [\"WestNO_0\"]\nappear_after = \"{end}ms\"\nnotice = \"30s\"\nstarted_for = \"{}ms\"\n",
+            (GAP * 1000.0) as u64
+        );
+        planned.push(Planned {
+            id,
+            expected: vec!["scheduled", "started", "completed"],
+        });
+        long_outage_end_ms = Some(end);
+        offset = end as f64 / 1000.0 + 1.0;
+    }
     for index in 0..count {
         let id = format!("chaos-{round}-{index}");
         let appear = offset + 1.0 + rng.f64() * 6.0;
@@ -134,27 +155,9 @@ fn random_scenario(rng: &mut fastrand::Rng, round: u64) -> (String, Vec<Planned>
     }
     let mut edges = Edges {
         compute_failures: compute_failure,
+        long_outage_end_ms,
         ..Edges::default()
     };
-    // One round in three: the service fails for over 30 s, and a Spot eviction appears the
-    // moment it recovers; its 30 s notice must still be seen as `scheduled`.
-    if rng.u8(0..3) == 0 {
-        let from = (1.0 + rng.f64() * 4.0) * 1000.0;
-        let lasting = rng.u64(31_000..40_000);
-        let end = from as u64 + lasting;
-        let id = format!("chaos-{round}-spot");
-        let _ = write!(
-            toml,
-            "\n[[faults]]\nkind = \"status\"\nstatus = 503\nafter = \"{}ms\"\nlasting = \"{lasting}ms\"\n\n[[events]]\nid = \"{id}\"\ntype = \"Preempt\"\nresources = [\"WestNO_0\"]\nappear_after = \"{end}ms\"\nnotice = \"30s\"\nstarted_for = \"{}ms\"\n",
-            from as u64,
-            (GAP * 1000.0) as u64
-        );
-        planned.push(Planned {
-            id,
-            expected: vec!["scheduled", "started", "completed"],
-        });
-        edges.long_outage_end_ms = Some(end);
-    }
     // One round in three: Azure's numbering starts again from 1 part-way through.
     if rng.u8(0..3) == 0 {
         let at = (2.0 + rng.f64() * (end - 2.0).max(1.0)) * 1000.0;
