@@ -184,6 +184,7 @@ async fn main() -> ExitCode {
             let options = sched_relay::RunOptions {
                 fresh_state,
                 dry_run,
+                disk_faults: None,
             };
             match sched_relay::run(config, options, shutdown_signal()).await {
                 Ok(()) => ExitCode::SUCCESS,

@@ -119,6 +119,16 @@ pub const METRICS: &[(&str, &str, &str)] = &[
         "Age of the oldest event a sink has not confirmed (0 when none).",
     ),
     (
+        "sched_relay_state_store_writable",
+        "gauge",
+        "1 while the state store can be written; 0 after an I/O error (full disk) until it can again.",
+    ),
+    (
+        "sched_relay_state_store_errors_total",
+        "counter",
+        "State store operations that failed with an I/O error.",
+    ),
+    (
         "sched_relay_approvals_total",
         "counter",
         "Approval requests handled, by source, outcome and reason.",
@@ -205,6 +215,11 @@ impl Telemetry {
         let mut reasons = Vec::new();
         if !self.first_poll_done.load(Ordering::Relaxed) {
             reasons.push("no document processed yet (the first call to the metadata service can take minutes)".to_owned());
+        }
+        if let Some(why) = self.outbox.unwritable() {
+            reasons.push(format!(
+                "state store cannot be written: {why}; new transitions are kept in memory until it can"
+            ));
         }
         for (sink, health) in &self.sinks {
             if !health.healthy() {

@@ -22,7 +22,7 @@ use crate::config::Config;
 use crate::fanout::Fanout;
 use crate::imds::{ImdsClient, ImdsError};
 use crate::sinks::registry;
-use crate::store::{Outbox, StoreError};
+use crate::store::{DiskFaults, Outbox, StoreError};
 use poller::Poller;
 
 /// Why the agent could not start.
@@ -43,12 +43,15 @@ pub enum AgentError {
 }
 
 /// How `run` starts, beyond the configuration.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct RunOptions {
     /// Move an existing (say, damaged) state store aside and start afresh.
     pub fresh_state: bool,
     /// Check approvals (remote and by policy) and publish their outcomes, but POST nothing.
     pub dry_run: bool,
+    /// Tests only: open the state store through this in-process fault injector (a disk that
+    /// a test fills and frees).
+    pub disk_faults: Option<Arc<DiskFaults>>,
 }
 
 /// Runs the agent until `shutdown` completes, then drains the sinks and returns.
@@ -87,11 +90,16 @@ pub async fn run(
     // Health checks run in each sink's own task (see fanout): a broker that is slow to answer
     // must not hold back the first poll, since a Preempt notice can be 30 s.
     let sinks = config.sinks.iter().map(registry::named).collect();
-    let outbox = Outbox::open(
-        &config.state.dir,
-        config.delivery.queue_capacity,
-        options.fresh_state,
-    )?;
+    let outbox = match options.disk_faults.clone() {
+        None => Outbox::open(
+            &config.state.dir,
+            config.delivery.queue_capacity,
+            options.fresh_state,
+        )?,
+        Some(faults) => {
+            Outbox::open_with_faults(&config.state.dir, config.delivery.queue_capacity, faults)?
+        }
+    };
     // Restart recovery: the first document fetched is compared with the last one processed,
     // so whatever changed while the agent was down still yields its transitions.
     let previous = match outbox.last_document()? {

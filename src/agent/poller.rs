@@ -38,6 +38,12 @@ pub(super) struct Poller {
     /// The incarnation and odd fields last warned about: an unchanged document is fetched
     /// every poll, and its oddities are logged once, not 3,600 times an hour.
     pub(super) warned: Option<(u64, Vec<String>)>,
+    /// Transitions derived from documents whose commit failed (the state store could not be
+    /// written), oldest first. `previous` has moved on to the document they came from, so
+    /// each document seen meanwhile is diffed once, against the one before it; every poll
+    /// tries to store them again, and the first commit that succeeds carries them all, with
+    /// the ids they were derived with.
+    pub(super) unstored: Vec<sched_relay_core::Event>,
 }
 
 impl Poller {
@@ -64,6 +70,7 @@ impl Poller {
             telemetry,
             document_gauges: Vec::new(),
             warned: None,
+            unstored: Vec::new(),
         }
     }
 
@@ -205,33 +212,54 @@ impl Poller {
 
     /// Diffs a fetched document against the previous one and publishes what changed.
     /// Returns whether the document was new (a new incarnation) and is now processed: its
-    /// events are durable in the outbox.
+    /// events, and those of any document seen while the store could not be written, are
+    /// durable in the outbox.
     async fn on_document(&mut self, document: Document) -> bool {
-        if let Some(previous) = &self.previous {
-            if previous.incarnation == document.incarnation {
-                return false;
-            }
-            if document.incarnation < previous.incarnation {
+        let unchanged = self
+            .previous
+            .as_ref()
+            .is_some_and(|previous| previous.incarnation == document.incarnation);
+        if unchanged && self.unstored.is_empty() {
+            return false;
+        }
+        if !unchanged {
+            if let Some(previous) = &self.previous
+                && document.incarnation < previous.incarnation
+            {
                 tracing::warn!(
                     previous = previous.incarnation,
                     current = document.incarnation,
                     "DocumentIncarnation went backwards (service re-enabled?); diffing against the last document anyway"
                 );
             }
+            let events = events_for_document(
+                &self.factory,
+                self.previous.as_ref(),
+                &document,
+                self.config.events.document_events,
+                Utc::now(),
+            );
+            self.unstored.extend(events);
+            self.approvals.retain(|id, _| document.event(id).is_some());
+            self.previous = Some(document.clone());
         }
-        let events = events_for_document(
-            &self.factory,
-            self.previous.as_ref(),
-            &document,
-            self.config.events.document_events,
-            Utc::now(),
-        );
-        if let Err(error) = self.fanout.publish(&events, Some(&document.raw)).await {
-            // Not processed: the next poll derives the same transitions again.
-            tracing::error!(incarnation = document.incarnation, error = %error, "Cannot store the transitions of a new document; it will be processed again");
+        if let Err(error) = self
+            .fanout
+            .publish(&self.unstored, Some(&document.raw))
+            .await
+        {
+            // Kept in memory: the next poll tries again, and the next document is diffed
+            // against this one, so no transition seen meanwhile is lost (a restart before
+            // then diffs the next document against the last stored one).
+            // Said once per document, not on every poll while the disk stays full.
+            if unchanged {
+                tracing::debug!(incarnation = document.incarnation, unstored = self.unstored.len(), error = %error, "Still cannot store the transitions seen");
+            } else {
+                tracing::warn!(incarnation = document.incarnation, unstored = self.unstored.len(), error = %error, "Cannot store the transitions seen; keeping them to store on the next poll");
+            }
             return false;
         }
-        for event in &events {
+        for event in std::mem::take(&mut self.unstored) {
             let EventKind::Transition(kind) = event.kind() else {
                 continue;
             };
@@ -245,7 +273,7 @@ impl Poller {
             tracing::info!(
                 event_id = event.subject().unwrap_or_default(),
                 transition,
-                incarnation = document.incarnation,
+                incarnation = %extension("incarnation"),
                 event_type = %extension("eventtype"),
                 status = %extension("eventstatus"),
                 affects_vm = %extension("affectsvm"),
@@ -256,8 +284,6 @@ impl Poller {
         }
         metrics::gauge!("sched_relay_incarnation").set(document.incarnation as f64);
         self.set_document_gauges(&document);
-        self.approvals.retain(|id, _| document.event(id).is_some());
-        self.previous = Some(document);
         true
     }
 }

@@ -12,6 +12,21 @@ use sched_relay_transport::inbound::Inbound;
 
 use super::{Approver, Verdict};
 
+/// Why the checks stopped before the end.
+enum Stop {
+    /// The request is refused for what it is.
+    Reject(Rejection),
+    /// The agent could not check it (its state store cannot be written): a retriable
+    /// failure, never a rejection.
+    Fail(String),
+}
+
+impl From<Rejection> for Stop {
+    fn from(rejection: Rejection) -> Self {
+        Stop::Reject(rejection)
+    }
+}
+
 impl Approver {
     /// Runs the checks on one message. Returns the request id (or a made-up one for
     /// messages without a readable id), its EventIds and the verdict.
@@ -52,7 +67,8 @@ impl Approver {
         }
         let verdict = match self.checks(&request, document).await {
             Ok(()) => Verdict::Valid,
-            Err(rejection) => Verdict::Reject(rejection),
+            Err(Stop::Reject(rejection)) => Verdict::Reject(rejection),
+            Err(Stop::Fail(detail)) => Verdict::Fail(detail),
         };
         (request_id, event_ids, verdict)
     }
@@ -61,7 +77,7 @@ impl Approver {
         &self,
         request: &Request,
         document: &mut Option<Arc<Document>>,
-    ) -> Result<(), Rejection> {
+    ) -> Result<(), Stop> {
         self.authenticity(request)?;
         self.freshness(request).await?;
         self.targeting(request)?;
@@ -69,7 +85,7 @@ impl Approver {
             Some(document) => document.clone(),
             None => document.insert(self.latest_document().await?).clone(),
         };
-        self.state(request, &document)
+        Ok(self.state(request, &document)?)
     }
 
     fn authenticity(&self, request: &Request) -> Result<(), Rejection> {
@@ -128,7 +144,7 @@ impl Approver {
         }
     }
 
-    async fn freshness(&self, request: &Request) -> Result<(), Rejection> {
+    async fn freshness(&self, request: &Request) -> Result<(), Stop> {
         // A bare body has neither time nor id: only allow_unsigned lets it this far.
         let Some(attributes) = &request.cloud_event else {
             return Ok(());
@@ -148,7 +164,8 @@ impl Approver {
                     age.num_seconds(),
                     max_age.num_seconds()
                 ),
-            ));
+            )
+            .into());
         }
         if -age > skew {
             return Err(Rejection::new(
@@ -159,7 +176,8 @@ impl Approver {
                     (-age).num_seconds(),
                     skew.num_seconds()
                 ),
-            ));
+            )
+            .into());
         }
         let keep_until = (attributes.time + max_age).timestamp() + 1;
         let outbox = self.outbox.clone();
@@ -175,12 +193,14 @@ impl Approver {
             Ok(false) => Err(Rejection::new(
                 Reason::Replayed,
                 format!("request id {:?} was already handled", attributes.id),
-            )),
-            // Without a durable record a replay could not be recognised later: refuse.
-            Err(error) => Err(Rejection::new(
-                Reason::Replayed,
-                format!("cannot record the request id, so it is refused: {error}"),
-            )),
+            )
+            .into()),
+            // Without a durable record a replay could not be recognised later, so nothing is
+            // sent; but the request was not replayed: it fails, and may be sent again.
+            Err(error) => Err(Stop::Fail(format!(
+                "cannot record the request id in the state store, so nothing was sent; send \
+                 the request again once the store is writable: {error}"
+            ))),
         }
     }
 

@@ -45,9 +45,23 @@ impl Worker {
             }
             None => return,
         }
+        // Delivered (or dead-lettered) but not yet removed, because the store failed: removed
+        // before anything is read again, so a full disk does not deliver the batch over and
+        // over (a restart meanwhile delivers it once more: at least once).
+        let mut unremoved: Vec<u64> = Vec::new();
         loop {
             if *self.mode.borrow() == Mode::Stop {
                 return;
+            }
+            if !unremoved.is_empty() {
+                if self.forget(&unremoved).await {
+                    unremoved.clear();
+                } else {
+                    tokio::select! {
+                        _ = tokio::time::sleep(STORE_RETRY) => continue,
+                        _ = self.stopped() => return,
+                    }
+                }
             }
             // Register for a wake-up before reading, so an event stored in between is not missed.
             let wake = self.wake.clone();
@@ -83,7 +97,9 @@ impl Worker {
                     }
                     Err(reason) => {
                         tracing::error!(sink = %self.name, seq = stored.seq, reason = %reason, "An unreadable event in the outbox; dropped from it and logged here in full");
-                        self.forget(&[stored.seq]).await;
+                        if !self.forget(&[stored.seq]).await {
+                            unremoved.push(stored.seq);
+                        }
                     }
                 }
             }
@@ -93,7 +109,9 @@ impl Worker {
             if !self.deliver(&batch).await {
                 return; // stopped: the batch stays in the outbox
             }
-            self.forget(&seqs).await;
+            if !self.forget(&seqs).await {
+                unremoved.extend(seqs);
+            }
         }
     }
 
@@ -109,9 +127,9 @@ impl Worker {
             })?
     }
 
-    /// Removes delivered (or dead-lettered) events. If that fails they are delivered again
-    /// later: at least once, with the same ids.
-    async fn forget(&self, seqs: &[u64]) {
+    /// Removes delivered (or dead-lettered) events; false when the store failed (the caller
+    /// tries again before reading).
+    async fn forget(&self, seqs: &[u64]) -> bool {
         let outbox = self.outbox.clone();
         let name = self.name.clone();
         let seqs = seqs.to_vec();
@@ -120,8 +138,10 @@ impl Worker {
             path: "outbox".into(),
             reason: e.to_string(),
         }) {
-            tracing::error!(sink = %self.name, error = %error, "Cannot remove delivered events from the outbox; they will be sent again");
+            tracing::warn!(sink = %self.name, error = %error, "Cannot remove delivered events from the outbox yet; will try again before reading more");
+            return false;
         }
+        true
     }
 
     /// Completes when the fan-out is told to stop now.
