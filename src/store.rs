@@ -35,9 +35,11 @@
 mod config;
 mod faults;
 mod recovery;
+mod sinks;
 
 pub use config::{StateConfig, check_state_dir};
 pub use faults::DiskFaults;
+use recovery::open_database;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
@@ -66,6 +68,8 @@ pub enum StoreError {
          --fresh-state to move it aside and begin afresh (what it holds is then not delivered)"
     )]
     Open { path: String, reason: String },
+    #[error("the state store {path} is in use by another process (is the agent running?)")]
+    InUse { path: String },
     #[error("the state store {path} failed: {reason} (is the disk full or read-only?)")]
     Io { path: String, reason: String },
     #[error(
@@ -156,9 +160,14 @@ impl Outbox {
             })?;
             tracing::warn!(path = %shown, moved_to = %aside.display(), "Starting with a fresh state store as asked; the old one was moved aside");
         }
-        let db = open_database(&path, faults.as_ref()).map_err(|e| StoreError::Open {
-            path: shown.clone(),
-            reason: e.to_string(),
+        let db = open_database(&path, faults.as_ref()).map_err(|e| match e {
+            redb::DatabaseError::DatabaseAlreadyOpen => StoreError::InUse {
+                path: shown.clone(),
+            },
+            e => StoreError::Open {
+                path: shown.clone(),
+                reason: e.to_string(),
+            },
         })?;
         let outbox = Outbox {
             db: RwLock::new(Some(db)),
@@ -474,18 +483,6 @@ impl Outbox {
         })?;
         counters.insert(sink.to_owned(), counter);
         Ok(counter.depth)
-    }
-}
-
-/// Opens (or creates) the redb file, through the fault injector when a test gave one.
-fn open_database(
-    path: &Path,
-    faults: Option<&Arc<DiskFaults>>,
-) -> Result<Database, redb::DatabaseError> {
-    match faults {
-        None => Database::create(path),
-        Some(faults) => redb::Builder::new()
-            .create_with_backend(faults::FaultInjectingBackend::open(path, faults.clone())?),
     }
 }
 

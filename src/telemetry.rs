@@ -129,6 +129,11 @@ pub const METRICS: &[(&str, &str, &str)] = &[
         "State store operations that failed with an I/O error.",
     ),
     (
+        "sched_relay_outbox_orphaned_events",
+        "gauge",
+        "Events found at start for a sink that is no longer configured (see `sched-relay outbox`).",
+    ),
+    (
         "sched_relay_approvals_total",
         "counter",
         "Approval requests handled, by source, outcome and reason.",
@@ -173,6 +178,8 @@ pub struct Telemetry {
     pub sinks: Vec<(String, Arc<SinkHealth>)>,
     pub outbox: Arc<Outbox>,
     pub latest: watch::Receiver<Option<Snapshot>>,
+    /// Sinks found at start with events stored but no longer configured, with their depth.
+    pub orphaned: Vec<(String, usize)>,
 }
 
 impl Telemetry {
@@ -188,6 +195,7 @@ impl Telemetry {
             sinks,
             outbox,
             latest,
+            orphaned: Vec::new(),
         }
     }
 
@@ -267,8 +275,14 @@ impl Telemetry {
             );
             pending.push((sink.clone(), ids));
         }
+        // Backlogs of sinks no longer configured, found at start: nothing delivers them.
+        let orphaned: Vec<Value> = self
+            .orphaned
+            .iter()
+            .map(|(sink, depth)| json!({"sink": sink, "undelivered": depth}))
+            .collect();
         let Some(snapshot) = snapshot else {
-            return json!({"document": null, "events": [], "sinks": sinks});
+            return json!({"document": null, "events": [], "sinks": sinks, "orphanedSinks": orphaned});
         };
         let document = &snapshot.document;
         let events: Vec<Value> = document
@@ -308,6 +322,7 @@ impl Telemetry {
             "document": document.raw,
             "events": events,
             "sinks": sinks,
+            "orphanedSinks": orphaned,
         })
     }
 }

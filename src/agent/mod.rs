@@ -127,6 +127,9 @@ pub async fn run(
             }
         },
     };
+    // A renamed or removed sink leaves a backlog nothing delivers: say so, once.
+    let configured: Vec<String> = config.sinks.iter().map(|s| s.name.clone()).collect();
+    let orphaned = crate::orphans::find(&outbox, &configured)?;
     let outbox = Arc::new(outbox);
     let fanout = Fanout::start(sinks, &config.delivery, &config.state.dir, outbox.clone());
     // `--dry-run` overrides the file: from here on the configuration is the one truth.
@@ -142,11 +145,11 @@ pub async fn run(
     if config.telemetry.listen.is_some() {
         crate::telemetry::prometheus();
     }
-    let telemetry = Arc::new(crate::telemetry::Telemetry::new(
-        fanout.health(),
-        outbox.clone(),
-        latest_rx.clone(),
-    ));
+    crate::orphans::report(&orphaned);
+    let mut telemetry =
+        crate::telemetry::Telemetry::new(fanout.health(), outbox.clone(), latest_rx.clone());
+    telemetry.orphaned = orphaned;
+    let telemetry = Arc::new(telemetry);
     let approver = Approver::new(
         &config.approvals,
         factory.clone(),

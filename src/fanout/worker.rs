@@ -242,6 +242,24 @@ impl DeadLetter {
     /// Appends one line per event: `{"sink", "reason", "at", "event"}`. If even that fails,
     /// the event is logged in full so an operator can still recover it from the logs.
     pub(super) fn write(&self, events: &[Event], reason: &str) {
+        let entries: Vec<Result<Event, String>> = events.iter().cloned().map(Ok).collect();
+        if let Err(error) = self.try_write(&entries, reason) {
+            let lost = self.lines(&entries, reason);
+            tracing::error!(path = %self.path.display(), error = %error, lost = %String::from_utf8_lossy(&lost), "Cannot write the dead-letter file");
+        }
+    }
+
+    /// Appends and fsyncs one line per entry; an entry that could not be read from the
+    /// outbox is kept as `{"sink", "reason", "at", "unreadable"}` with what was stored.
+    pub(super) fn try_write(
+        &self,
+        entries: &[Result<Event, String>],
+        reason: &str,
+    ) -> Result<(), SinkError> {
+        sched_relay_file::append(&self.path, &self.lines(entries, reason), true)
+    }
+
+    fn lines(&self, entries: &[Result<Event, String>], reason: &str) -> Vec<u8> {
         let sink = self
             .path
             .file_stem()
@@ -249,15 +267,18 @@ impl DeadLetter {
             .unwrap_or_default();
         let at = chrono::Utc::now().to_rfc3339();
         let mut lines = Vec::new();
-        for event in events {
-            let record =
-                serde_json::json!({"sink": sink, "reason": reason, "at": at, "event": event});
+        for entry in entries {
+            let record = match entry {
+                Ok(event) => {
+                    serde_json::json!({"sink": sink, "reason": reason, "at": at, "event": event})
+                }
+                Err(unreadable) => {
+                    serde_json::json!({"sink": sink, "reason": reason, "at": at, "unreadable": unreadable})
+                }
+            };
             lines.extend_from_slice(record.to_string().as_bytes());
             lines.push(b'\n');
         }
-        if let Err(error) = sched_relay_file::append(&self.path, &lines, true) {
-            let error: SinkError = error;
-            tracing::error!(path = %self.path.display(), error = %error, lost = %String::from_utf8_lossy(&lines), "Cannot write the dead-letter file");
-        }
+        lines
     }
 }

@@ -5,9 +5,13 @@
 //! succeeds. Meanwhile `/readyz` and `sched_relay_state_store_writable` say why it cannot be
 //! written.
 
-use std::sync::Mutex;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use redb::Database;
+
+use super::DiskFaults;
 use crate::retry::Backoff;
 
 /// Waits between attempts to reopen: the first at once, then 250 ms doubling to 5 s, so space
@@ -109,5 +113,18 @@ impl Health {
                 unwritable.reopen_attempts
             )
         })
+    }
+}
+
+/// Opens (or creates) the redb file, through the fault injector when a test gave one.
+pub(super) fn open_database(
+    path: &Path,
+    faults: Option<&Arc<DiskFaults>>,
+) -> Result<Database, redb::DatabaseError> {
+    match faults {
+        None => Database::create(path),
+        Some(faults) => redb::Builder::new().create_with_backend(
+            super::faults::FaultInjectingBackend::open(path, faults.clone())?,
+        ),
     }
 }

@@ -191,3 +191,33 @@ fn a_store_that_recovered_reopens_with_everything_after_a_restart() {
     let outbox = Outbox::open(dir.path(), 100, false).unwrap();
     assert_eq!(ids(&outbox.pending("a", 10).unwrap()), ["1", "2"]);
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(32))]
+
+    /// Whatever the names (prefixes of each other, empty, non-ASCII), every sink with events
+    /// is listed once with its depth, and a move keeps every event, in order.
+    #[test]
+    fn stored_sinks_lists_every_backlog_and_a_move_keeps_every_event_in_order(
+        backlogs in proptest::collection::btree_map("[ab\u{e9}]{0,3}", 1usize..4, 1..6),
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let outbox = Outbox::open(dir.path(), 100, false).unwrap();
+        for (sink, count) in &backlogs {
+            let events: Vec<Event> = (0..*count).map(|n| event(&format!("{sink}/{n}"))).collect();
+            outbox.commit(std::slice::from_ref(sink), &events, None).unwrap();
+        }
+        let expected: Vec<(String, usize)> = backlogs.clone().into_iter().collect();
+        proptest::prop_assert_eq!(outbox.stored_sinks().unwrap(), expected);
+
+        let mut names = backlogs.keys();
+        let from = names.next().unwrap().clone();
+        let to = "target".to_owned();
+        let mut want = ids(&outbox.pending(&to, 100).unwrap());
+        want.extend(ids(&outbox.pending(&from, 100).unwrap()));
+        proptest::prop_assert_eq!(outbox.move_sink(&from, &to).unwrap(), backlogs[&from]);
+        proptest::prop_assert_eq!(ids(&outbox.pending(&to, 100).unwrap()), want);
+        proptest::prop_assert!(outbox.pending(&from, 100).unwrap().is_empty());
+        proptest::prop_assert_eq!(outbox.depth(&to).unwrap(), backlogs[&from]);
+    }
+}
