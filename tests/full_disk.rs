@@ -5,7 +5,8 @@
 //! Two ways: the agent in this process with its store opened through the in-process fault
 //! injector (`store::DiskFaults`), and the real binary with `state.dir` on a small tmpfs that
 //! the test fills and frees (needs root for `mount`; without it the test says so and is
-//! skipped, except under `CI`, where it fails).
+//! skipped, except under `CI`, where it fails). On the same kind of tmpfs, the file sink's
+//! batch that the full disk cuts short must leave only whole lines.
 
 mod common;
 
@@ -315,4 +316,60 @@ fn on_a_real_full_tmpfs_the_agent_keeps_what_it_saw_and_delivers_it_once_space_r
     assert!(status.success(), "exit {status}:\n{}", log_text());
     // Every line of the file sink is one whole event (read_events panics otherwise).
     assert!(read_events(&events).len() >= 4);
+}
+
+#[test]
+fn a_file_sink_batch_cut_short_by_a_full_tmpfs_leaves_only_whole_lines() {
+    use sched_relay_file::{FileSink, FileSinkConfig};
+    use sched_relay_transport::Sink;
+    let disk = match Tmpfs::mount("256k") {
+        Ok(disk) => disk,
+        Err(why) if std::env::var_os("CI").is_some() => {
+            panic!("this test needs to mount a tmpfs (run as root): {why}")
+        }
+        Err(why) => {
+            eprintln!("skipped: this test needs to mount a tmpfs (run as root): {why}");
+            return;
+        }
+    };
+    let path = disk.path().join("events.jsonl");
+    let sink = FileSink::new(FileSinkConfig {
+        path: path.clone(),
+        fsync: true,
+    });
+    let event = |id: String| -> sched_relay_core::Event {
+        use cloudevents::{EventBuilder, EventBuilderV10};
+        EventBuilderV10::new()
+            .id(id)
+            .source("urn:sched-relay:vm:test")
+            .ty("com.azure.scheduledevents.scheduled")
+            .data(
+                "application/json",
+                serde_json::json!({"pad": "x".repeat(900)}),
+            )
+            .build()
+            .unwrap()
+            .into()
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        sink.deliver(&[event("first".into())]).await.unwrap();
+        let before = std::fs::read(&path).unwrap();
+        // About 1 MB: four times the disk, so the write fails part-way.
+        let big: Vec<_> = (0..1000).map(|n| event(format!("big-{n}"))).collect();
+        let error = sink.deliver(&big).await.unwrap_err();
+        assert!(error.is_retriable(), "a full disk may clear: {error}");
+        let after = std::fs::read(&path).unwrap();
+        assert!(
+            after == before,
+            "the file is {} bytes after the failed batch, {} before: not cut back",
+            after.len(),
+            before.len()
+        );
+        sink.deliver(&[event("after".into())]).await.unwrap();
+    });
+    let ids = ids(&read_events(&path));
+    assert_eq!(ids, ["first", "after"]);
 }

@@ -1,6 +1,12 @@
 //! The embedded sinks that need no broker: [`FileSink`] appends one structured-mode CloudEvent
 //! per line (JSON Lines) and fsyncs each batch before reporting it delivered; [`StdoutSink`]
 //! prints events for people and pipes.
+//!
+//! A batch is appended all or nothing ([`append_to`]): a write or fsync that fails half-way (a
+//! full disk) is cut off again before the error is reported, so the retried batch never
+//! follows a torn line; a file that ends mid-line anyway (a crash) gets a line break first.
+//! Proved with an in-process fault (`HalfWayFailingFile`) here, and on a real full tmpfs in
+//! the agent's `tests/full_disk.rs`.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
