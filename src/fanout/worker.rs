@@ -69,7 +69,13 @@ impl Worker {
             let pending = match self.read().await {
                 Ok(pending) => pending,
                 Err(error) => {
-                    tracing::error!(sink = %self.name, error = %error, "Cannot read the outbox; will try again");
+                    // A store that cannot be written has said so once (at ERROR) and is in
+                    // /readyz; its reads fail too until it is reopened.
+                    if self.outbox.unwritable().is_some() {
+                        tracing::debug!(sink = %self.name, error = %error, "Cannot read the outbox while the state store recovers; will try again");
+                    } else {
+                        tracing::error!(sink = %self.name, error = %error, "Cannot read the outbox; will try again");
+                    }
                     tokio::select! {
                         _ = tokio::time::sleep(STORE_RETRY) => continue,
                         _ = self.stopped() => return,

@@ -42,7 +42,9 @@ impl Health {
         metrics::counter!("sched_relay_state_store_errors_total").increment(1);
         let mut state = self.lock();
         match state.as_mut() {
-            Some(unwritable) => unwritable.reason = reason.to_owned(),
+            // Keep the first reason (say ENOSPC): later ones are mostly redb's "previous I/O
+            // error", which says less.
+            Some(_) => {}
             None => {
                 tracing::error!(path, error = %reason, "The state store cannot be written; new transitions are kept in memory and stored once it can (reopening it with backoff)");
                 metrics::gauge!("sched_relay_state_store_writable").set(0.0);
