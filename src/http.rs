@@ -129,10 +129,15 @@ async fn approve(
         shared: false,
     };
     let Some(reply) = hand_over(&endpoint.deliveries, message).await else {
-        return (StatusCode::SERVICE_UNAVAILABLE, "the agent is stopping\n").into_response();
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no outcome: the agent is stopping, or cannot write its state store; send the request again\n",
+        )
+            .into_response();
     };
     let status = match (reply.outcome, reply.body["reason"].as_str()) {
         ("accepted", _) => StatusCode::OK,
+        ("failed", Some("state_store_error")) => StatusCode::SERVICE_UNAVAILABLE,
         ("failed", _) => StatusCode::BAD_GATEWAY,
         (_, Some("too_large")) => StatusCode::PAYLOAD_TOO_LARGE,
         (_, Some("unsupported_content_type")) => StatusCode::UNSUPPORTED_MEDIA_TYPE,

@@ -14,6 +14,7 @@ pub mod fanout;
 pub mod http;
 pub mod imds;
 pub mod logging;
+pub mod orphans;
 pub mod retry;
 pub mod simulator;
 pub mod sinks;

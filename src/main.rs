@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 use sched_relay::config::Config;
 use sched_relay::imds::ImdsClient;
 use sched_relay::logging::{self, LogFormat};
+use sched_relay::orphans::OutboxCommand;
 use sched_relay::simulator::{Scenario, Simulator};
 
 #[derive(Parser)]
@@ -45,6 +46,14 @@ enum Command {
     CheckConfig {
         #[arg(long, env = "SCHED_RELAY_CONFIG")]
         config: Option<PathBuf>,
+    },
+    /// List the outbox's backlogs, or dead-letter or move one (a renamed or removed sink);
+    /// run while the agent is stopped.
+    Outbox {
+        #[arg(long, env = "SCHED_RELAY_CONFIG")]
+        config: Option<PathBuf>,
+        #[command(subcommand)]
+        action: OutboxAction,
     },
     /// Serve a simulated IMDS Scheduled Events endpoint.
     Simulate {
@@ -128,6 +137,16 @@ enum Command {
     },
 }
 
+#[derive(Subcommand)]
+enum OutboxAction {
+    /// Every sink with undelivered events, and whether it is still configured.
+    List,
+    /// Write a sink's whole backlog to <state.dir>/dead-letter/<sink>.jsonl and drop it.
+    DeadLetter { sink: String },
+    /// Append a sink's backlog, in order, to a configured sink's queue (a renamed sink).
+    Move { from: String, to: String },
+}
+
 /// Completes on the first SIGINT or SIGTERM; a second one exits at once.
 async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};
@@ -189,6 +208,7 @@ async fn main() -> ExitCode {
             let options = sched_relay::RunOptions {
                 fresh_state,
                 dry_run,
+                disk_faults: None,
             };
             match sched_relay::run(config, options, shutdown_signal()).await {
                 Ok(()) => ExitCode::SUCCESS,
@@ -205,6 +225,29 @@ async fn main() -> ExitCode {
             }
             Err(code) => code,
         },
+        Command::Outbox { config, action } => {
+            let config = match load_config(config.as_deref()) {
+                Ok(config) => config,
+                Err(code) => return code,
+            };
+            let command = match action {
+                OutboxAction::List => OutboxCommand::List,
+                OutboxAction::DeadLetter { sink } => OutboxCommand::DeadLetter { sink },
+                OutboxAction::Move { from, to } => OutboxCommand::Move { from, to },
+            };
+            let configured: Vec<String> = config.sinks.iter().map(|s| s.name.clone()).collect();
+            let capacity = config.delivery.queue_capacity;
+            match sched_relay::orphans::run(&config.state.dir, capacity, &configured, &command) {
+                Ok(output) => {
+                    print!("{output}");
+                    ExitCode::SUCCESS
+                }
+                Err(error) => {
+                    eprintln!("error: {error}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Simulate {
             listen,
             scenario,

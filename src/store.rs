@@ -5,20 +5,53 @@
 //! A document's events are written for every sink, and the document marked processed, in one
 //! fsync'd transaction before any sink sees them. So a crash at any moment loses nothing that
 //! was derived from a fetched document: either the transaction committed (the events will be
-//! delivered, after a restart if need be) or it did not (the document was not processed, and
-//! the next poll derives the same events again). An event leaves the outbox only when its
-//! sink confirmed it, or was dead-lettered.
+//! delivered, after a restart if need be) or it did not (the document was not processed: the
+//! poller keeps its events for the next commit, and after a crash the next document is diffed
+//! against the last one stored). An event leaves the outbox only when its sink confirmed it,
+//! or was dead-lettered.
+//!
+//! Faults it survives, and the test that proves each:
+//! - a crash between any two writes: the transaction above; `tests/recovery.rs`
+//!   (`kill_minus_9_at_random_moments_loses_and_invents_nothing`);
+//! - a damaged file: opening fails with the path and `--fresh-state` moves it aside
+//!   (`a_damaged_store_is_reported_and_fresh_state_moves_it_aside`);
+//! - a full disk, or any I/O error, that later clears: redb then fails every transaction
+//!   (`PreviousIo`) until the database is opened anew, so the outbox closes it and reopens the
+//!   file with backoff (`recovery`), inside the running process; `/readyz` and
+//!   `sched_relay_state_store_writable` say it cannot be written meanwhile. Callers keep
+//!   what they could not store and retry: the poller keeps the transitions it derived, a
+//!   sink's task retries removing what it delivered, an approval fails retriably. Proved with
+//!   the in-process fault injector ([`DiskFaults`]):
+//!   `a_full_disk_fails_commits_and_once_freed_the_same_process_commits_again_losing_nothing`,
+//!   `a_delivered_batch_that_cannot_be_removed_is_not_delivered_again_while_the_disk_is_full`
+//!   (fanout), `a_request_that_cannot_be_recorded_fails_retriably_and_is_not_called_a_replay`
+//!   (approval) and, end to end, in `tests/full_disk.rs`:
+//!   `an_event_seen_while_the_state_disk_is_full_is_delivered_once_it_frees_without_a_restart`;
+//!   and on a real full tmpfs with the binary,
+//!   `on_a_real_full_tmpfs_the_agent_keeps_what_it_saw_and_delivers_it_once_space_returns`.
+//!
+//! Not survived: a restart while the disk is still full loses the transitions kept in memory
+//! (the next document is then diffed against the last one stored, as after any restart).
+
+mod config;
+mod faults;
+mod recovery;
+mod sinks;
+
+pub use config::{StateConfig, check_state_dir};
+pub use faults::DiskFaults;
+use recovery::open_database;
 
 mod meta;
 
 pub use meta::IDENTITY;
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
 
 use cloudevents::AttributesReader;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use sched_relay_core::Event;
-use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 /// (sink name, sequence number) -> the structured CloudEvent as JSON.
@@ -38,36 +71,6 @@ pub use epoch::Processed;
 /// The file inside `state.dir`.
 pub const FILE_NAME: &str = "outbox.redb";
 
-/// `[state]`: where the agent keeps what must survive it.
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct StateConfig {
-    #[serde(default = "default_state_dir")]
-    pub dir: PathBuf,
-}
-
-impl Default for StateConfig {
-    fn default() -> Self {
-        StateConfig {
-            dir: default_state_dir(),
-        }
-    }
-}
-
-fn default_state_dir() -> PathBuf {
-    PathBuf::from("/var/lib/sched-relay")
-}
-
-impl StateConfig {
-    /// Problems, as (key under `state`, message).
-    pub fn validate(&self) -> Vec<(String, String)> {
-        if self.dir.as_os_str().is_empty() {
-            return vec![("dir".into(), "must name a directory".into())];
-        }
-        Vec::new()
-    }
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error(
@@ -75,6 +78,8 @@ pub enum StoreError {
          --fresh-state to move it aside and begin afresh (what it holds is then not delivered)"
     )]
     Open { path: String, reason: String },
+    #[error("the state store {path} is in use by another process (is the agent running?)")]
+    InUse { path: String },
     #[error("the state store {path} failed: {reason} (is the disk full or read-only?)")]
     Io { path: String, reason: String },
     #[error(
@@ -98,13 +103,20 @@ pub struct Stored {
 }
 
 pub struct Outbox {
-    db: Database,
+    /// The open database; `None` between closing it after an I/O error and a reopen that
+    /// succeeded. Every operation holds the read lock for its transaction; a reopen takes the
+    /// write lock, so it never pulls the file from under one.
+    db: RwLock<Option<Database>>,
     path: PathBuf,
     capacity: usize,
+    /// The in-process fault injector the file is opened through, in tests.
+    faults: Option<Arc<DiskFaults>>,
+    health: recovery::Health,
     /// Per sink: the next sequence number and how many events are stored. Read from the
     /// table once per sink, then kept up to date by every write, under this lock (redb runs
     /// one write transaction at a time anyway). Without it each new document scanned every
-    /// sink's whole backlog.
+    /// sink's whole backlog. Emptied on a reopen: a commit that reported an error may still
+    /// have reached the disk. Lock order: this, then `db`.
     counters: std::sync::Mutex<std::collections::HashMap<String, Counter>>,
 }
 
@@ -115,10 +127,35 @@ struct Counter {
     depth: usize,
 }
 
+/// What an operation does to the file, for the writability record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Access {
+    Read,
+    Write,
+}
+
 impl Outbox {
     /// Opens (or creates) the store in `dir`. With `fresh`, an existing store is first moved
     /// aside to `outbox.redb.set-aside-<unix time>`, never deleted.
     pub fn open(dir: &Path, capacity: usize, fresh: bool) -> Result<Outbox, StoreError> {
+        Outbox::open_with(dir, capacity, fresh, None)
+    }
+
+    /// [`Outbox::open`] through the in-process fault injector (`faults`), for tests.
+    pub fn open_with_faults(
+        dir: &Path,
+        capacity: usize,
+        faults: Arc<DiskFaults>,
+    ) -> Result<Outbox, StoreError> {
+        Outbox::open_with(dir, capacity, false, Some(faults))
+    }
+
+    fn open_with(
+        dir: &Path,
+        capacity: usize,
+        fresh: bool,
+        faults: Option<Arc<DiskFaults>>,
+    ) -> Result<Outbox, StoreError> {
         let path = dir.join(FILE_NAME);
         let shown = path.display().to_string();
         if fresh && path.exists() {
@@ -133,22 +170,31 @@ impl Outbox {
             })?;
             tracing::warn!(path = %shown, moved_to = %aside.display(), "Starting with a fresh state store as asked; the old one was moved aside");
         }
-        let db = Database::create(&path).map_err(|e| StoreError::Open {
-            path: shown.clone(),
-            reason: e.to_string(),
+        let db = open_database(&path, faults.as_ref()).map_err(|e| match e {
+            redb::DatabaseError::DatabaseAlreadyOpen => StoreError::InUse {
+                path: shown.clone(),
+            },
+            e => StoreError::Open {
+                path: shown.clone(),
+                reason: e.to_string(),
+            },
         })?;
         let outbox = Outbox {
-            db,
+            db: RwLock::new(Some(db)),
             path,
             capacity,
+            faults,
+            health: Default::default(),
             counters: Default::default(),
         };
         // Create the tables, and read what a restart needs, so damage shows at start.
-        let txn = outbox.write()?;
-        txn.open_table(EVENTS).map_err(|e| outbox.io(e))?;
-        txn.open_table(META).map_err(|e| outbox.io(e))?;
-        txn.open_table(SEEN_REQUESTS).map_err(|e| outbox.io(e))?;
-        txn.commit().map_err(|e| outbox.io(e))?;
+        outbox.with_db(Access::Write, |db| {
+            let txn = outbox.write(db)?;
+            txn.open_table(EVENTS).map_err(|e| outbox.io(e))?;
+            txn.open_table(META).map_err(|e| outbox.io(e))?;
+            txn.open_table(SEEN_REQUESTS).map_err(|e| outbox.io(e))?;
+            txn.commit().map_err(|e| outbox.io(e))
+        })?;
         outbox.last_document()?;
         Ok(outbox)
     }
@@ -160,18 +206,82 @@ impl Outbox {
         }
     }
 
-    fn write(&self) -> Result<redb::WriteTransaction, StoreError> {
-        self.db.begin_write().map_err(|e| self.io(e))
+    fn write(&self, db: &Database) -> Result<redb::WriteTransaction, StoreError> {
+        db.begin_write().map_err(|e| self.io(e))
+    }
+
+    /// Runs `operation` on the open database. An I/O error marks the store unwritable (it is
+    /// then reopened by [`Outbox::reopen_if_due`]); a write that commits marks it writable.
+    fn with_db<T>(
+        &self,
+        access: Access,
+        operation: impl FnOnce(&Database) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let guard = self.db.read().unwrap_or_else(|p| p.into_inner());
+        let Some(db) = guard.as_ref() else {
+            let why = self.health.describe().unwrap_or_default();
+            return Err(self.io(format!(
+                "closed after an I/O error, not reopened yet: {why}"
+            )));
+        };
+        let result = operation(db);
+        drop(guard);
+        let shown = self.path.display().to_string();
+        match &result {
+            Err(StoreError::Io { reason, .. }) => self.health.failed(&shown, reason),
+            Ok(_) if access == Access::Write => self.health.wrote(&shown),
+            _ => {}
+        }
+        result
+    }
+
+    /// After an I/O error, closes the latched database and opens the file again, when the
+    /// backoff allows. Every public operation calls it first, holding no lock, so whichever
+    /// user comes next (the poller, a sink's task, an approval, `/metrics`) brings the store
+    /// back once the disk allows.
+    fn reopen_if_due(&self) {
+        if !self.health.reopen_due() {
+            return;
+        }
+        let mut counters = self.lock_counters();
+        let mut db = self.db.write().unwrap_or_else(|p| p.into_inner());
+        if !self.health.reopen_due() {
+            return; // another thread just did
+        }
+        // The old handle must be gone first: it holds the file's lock.
+        *db = None;
+        let shown = self.path.display().to_string();
+        let result = match open_database(&self.path, self.faults.as_ref()) {
+            Ok(reopened) => {
+                *db = Some(reopened);
+                counters.clear();
+                Ok(())
+            }
+            Err(error) => Err(error.to_string()),
+        };
+        self.health.reopen_tried(&shown, result);
+    }
+
+    /// Why the store cannot be written (and since when), while it cannot.
+    pub fn unwritable(&self) -> Option<String> {
+        self.health.describe()
     }
 
     /// The last document the agent processed, as received.
     pub fn last_document(&self) -> Result<Option<Value>, StoreError> {
-        let txn = self.db.begin_read().map_err(|e| self.io(e))?;
-        let meta = txn.open_table(META).map_err(|e| self.io(e))?;
-        let Some(bytes) = meta.get(LAST_DOCUMENT).map_err(|e| self.io(e))? else {
+        self.reopen_if_due();
+        let bytes = self.with_db(Access::Read, |db| {
+            let txn = db.begin_read().map_err(|e| self.io(e))?;
+            let meta = txn.open_table(META).map_err(|e| self.io(e))?;
+            Ok(meta
+                .get(LAST_DOCUMENT)
+                .map_err(|e| self.io(e))?
+                .map(|bytes| bytes.value().to_vec()))
+        })?;
+        let Some(bytes) = bytes else {
             return Ok(None);
         };
-        serde_json::from_slice(bytes.value())
+        serde_json::from_slice(&bytes)
             .map(Some)
             .map_err(|e| StoreError::Corrupt {
                 path: self.path.display().to_string(),
@@ -189,7 +299,6 @@ impl Outbox {
         events: &[Event],
         document: Option<Processed>,
     ) -> Result<Vec<(String, Event)>, StoreError> {
-        let mut overflow = Vec::new();
         let encoded: Vec<Vec<u8>> = events
             .iter()
             .map(|e| {
@@ -197,88 +306,105 @@ impl Outbox {
                     .map_err(|error| self.io(format!("cannot encode {}: {error}", e.id())))
             })
             .collect::<Result<_, _>>()?;
+        let document = document
+            .map(|processed| {
+                serde_json::to_vec(processed.document).map(|bytes| (bytes, processed.epoch_bytes()))
+            })
+            .transpose()
+            .map_err(|e| self.io(e))?;
+        self.reopen_if_due();
         let mut counters = self.lock_counters();
-        let mut updated = Vec::with_capacity(sinks.len());
-        let txn = self.write()?;
-        {
-            let mut table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
-            for sink in sinks {
-                let Counter {
-                    mut next,
-                    mut depth,
-                } = match counters.get(sink) {
-                    Some(counter) => *counter,
-                    None => self.count(&table, sink)?,
-                };
-                for (event, bytes) in events.iter().zip(&encoded) {
-                    if depth >= self.capacity {
-                        overflow.push((sink.clone(), event.clone()));
-                        continue;
+        let (overflow, updated) = self.with_db(Access::Write, |db| {
+            let mut overflow = Vec::new();
+            let mut updated = Vec::with_capacity(sinks.len());
+            let txn = self.write(db)?;
+            {
+                let mut table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
+                for sink in sinks {
+                    let Counter {
+                        mut next,
+                        mut depth,
+                    } = match counters.get(sink) {
+                        Some(counter) => *counter,
+                        None => self.count(&table, sink)?,
+                    };
+                    for (event, bytes) in events.iter().zip(&encoded) {
+                        if depth >= self.capacity {
+                            overflow.push((sink.clone(), event.clone()));
+                            continue;
+                        }
+                        table
+                            .insert((sink.as_str(), next), bytes.as_slice())
+                            .map_err(|e| self.io(e))?;
+                        next += 1;
+                        depth += 1;
                     }
-                    table
-                        .insert((sink.as_str(), next), bytes.as_slice())
-                        .map_err(|e| self.io(e))?;
-                    next += 1;
-                    depth += 1;
+                    updated.push((sink.clone(), Counter { next, depth }));
                 }
-                updated.push((sink.clone(), Counter { next, depth }));
+                if let Some((bytes, epoch)) = &document {
+                    let mut meta = txn.open_table(META).map_err(|e| self.io(e))?;
+                    meta.insert(LAST_DOCUMENT, bytes.as_slice())
+                        .map_err(|e| self.io(e))?;
+                    meta.insert(EPOCH, epoch.as_slice())
+                        .map_err(|e| self.io(e))?;
+                }
             }
-            if let Some(document) = document {
-                let mut meta = txn.open_table(META).map_err(|e| self.io(e))?;
-                let bytes = serde_json::to_vec(document.document).map_err(|e| self.io(e))?;
-                meta.insert(LAST_DOCUMENT, bytes.as_slice())
-                    .map_err(|e| self.io(e))?;
-                meta.insert(EPOCH, document.epoch_bytes().as_slice())
-                    .map_err(|e| self.io(e))?;
-            }
-        }
-        txn.commit().map_err(|e| self.io(e))?;
+            txn.commit().map_err(|e| self.io(e))?;
+            Ok((overflow, updated))
+        })?;
         counters.extend(updated);
         Ok(overflow)
     }
 
     /// Up to `max` of `sink`'s oldest events, in order.
     pub fn pending(&self, sink: &str, max: usize) -> Result<Vec<Stored>, StoreError> {
-        let txn = self.db.begin_read().map_err(|e| self.io(e))?;
-        let table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
-        let range = table
-            .range((sink, 0)..=(sink, u64::MAX))
-            .map_err(|e| self.io(e))?;
-        let mut stored = Vec::new();
-        for entry in range.take(max) {
-            let (key, value) = entry.map_err(|e| self.io(e))?;
-            let event = serde_json::from_slice(value.value()).map_err(|e| {
-                format!(
-                    "{e}; stored bytes: {}",
-                    String::from_utf8_lossy(value.value())
-                )
-            });
-            stored.push(Stored {
-                seq: key.value().1,
-                event,
-            });
-        }
-        Ok(stored)
+        self.reopen_if_due();
+        self.with_db(Access::Read, |db| {
+            let txn = db.begin_read().map_err(|e| self.io(e))?;
+            let table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
+            let range = table
+                .range((sink, 0)..=(sink, u64::MAX))
+                .map_err(|e| self.io(e))?;
+            let mut stored = Vec::new();
+            for entry in range.take(max) {
+                let (key, value) = entry.map_err(|e| self.io(e))?;
+                let event = serde_json::from_slice(value.value()).map_err(|e| {
+                    format!(
+                        "{e}; stored bytes: {}",
+                        String::from_utf8_lossy(value.value())
+                    )
+                });
+                stored.push(Stored {
+                    seq: key.value().1,
+                    event,
+                });
+            }
+            Ok(stored)
+        })
     }
 
     /// Forgets `sink`'s events with these sequence numbers (delivered or dead-lettered).
     pub fn remove(&self, sink: &str, seqs: &[u64]) -> Result<(), StoreError> {
+        self.reopen_if_due();
         let mut counters = self.lock_counters();
-        let txn = self.write()?;
-        let mut removed = 0;
-        {
-            let mut table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
-            for seq in seqs {
-                if table
-                    .remove((sink, *seq))
-                    .map_err(|e| self.io(e))?
-                    .is_some()
-                {
-                    removed += 1;
+        let removed = self.with_db(Access::Write, |db| {
+            let txn = self.write(db)?;
+            let mut removed = 0;
+            {
+                let mut table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
+                for seq in seqs {
+                    if table
+                        .remove((sink, *seq))
+                        .map_err(|e| self.io(e))?
+                        .is_some()
+                    {
+                        removed += 1;
+                    }
                 }
             }
-        }
-        txn.commit().map_err(|e| self.io(e))?;
+            txn.commit().map_err(|e| self.io(e))?;
+            Ok(removed)
+        })?;
         if let Some(counter) = counters.get_mut(sink) {
             counter.depth = counter.depth.saturating_sub(removed);
         }
@@ -314,26 +440,31 @@ impl Outbox {
     /// Records an approval request id as seen, durably, until `keep_until` (Unix seconds).
     /// Returns false when the id was already seen (a replay). Ids whose time has passed are
     /// forgotten in the same transaction, so the table stays as small as the window allows.
+    /// An error means the id could not be recorded: the request must fail (retriably), not
+    /// be called a replay.
     pub fn remember_request(
         &self,
         id: &str,
         keep_until: i64,
         now: i64,
     ) -> Result<bool, StoreError> {
-        let txn = self.write()?;
-        let new = {
-            let mut table = txn.open_table(SEEN_REQUESTS).map_err(|e| self.io(e))?;
-            let seen = table.get(id).map_err(|e| self.io(e))?.is_some();
-            if !seen {
-                table.insert(id, keep_until).map_err(|e| self.io(e))?;
-            }
-            table
-                .retain(|_, until| until >= now)
-                .map_err(|e| self.io(e))?;
-            !seen
-        };
-        txn.commit().map_err(|e| self.io(e))?;
-        Ok(new)
+        self.reopen_if_due();
+        self.with_db(Access::Write, |db| {
+            let txn = self.write(db)?;
+            let new = {
+                let mut table = txn.open_table(SEEN_REQUESTS).map_err(|e| self.io(e))?;
+                let seen = table.get(id).map_err(|e| self.io(e))?.is_some();
+                if !seen {
+                    table.insert(id, keep_until).map_err(|e| self.io(e))?;
+                }
+                table
+                    .retain(|_, until| until >= now)
+                    .map_err(|e| self.io(e))?;
+                !seen
+            };
+            txn.commit().map_err(|e| self.io(e))?;
+            Ok(new)
+        })
     }
 
     /// How many undelivered events each sink may hold.
@@ -354,149 +485,20 @@ impl Outbox {
 
     /// How many events `sink` has not confirmed yet.
     pub fn depth(&self, sink: &str) -> Result<usize, StoreError> {
+        self.reopen_if_due();
         let mut counters = self.lock_counters();
         if let Some(counter) = counters.get(sink) {
             return Ok(counter.depth);
         }
-        let txn = self.db.begin_read().map_err(|e| self.io(e))?;
-        let table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
-        let counter = self.count(&table, sink)?;
+        let counter = self.with_db(Access::Read, |db| {
+            let txn = db.begin_read().map_err(|e| self.io(e))?;
+            let table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
+            self.count(&table, sink)
+        })?;
         counters.insert(sink.to_owned(), counter);
         Ok(counter.depth)
     }
 }
 
-/// The state directory must exist and be writable before anything is promised.
-pub fn check_state_dir(dir: &Path) -> Result<(), std::io::Error> {
-    std::fs::create_dir_all(dir)?;
-    let probe = dir.join(".write-test");
-    std::fs::write(&probe, b"")?;
-    std::fs::remove_file(probe)
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use cloudevents::{EventBuilder, EventBuilderV10};
-
-    #[test]
-    fn a_request_id_is_seen_once_across_reopening_until_it_expires() {
-        let dir = tempfile::tempdir().unwrap();
-        {
-            let outbox = Outbox::open(dir.path(), 10, false).unwrap();
-            assert!(outbox.remember_request("r1", 100, 50).unwrap());
-            assert!(!outbox.remember_request("r1", 100, 60).unwrap());
-        }
-        let outbox = Outbox::open(dir.path(), 10, false).unwrap();
-        assert!(
-            !outbox.remember_request("r1", 100, 70).unwrap(),
-            "survives a restart"
-        );
-        // After its keep-until time the id is forgotten (the freshness check covers it).
-        assert!(outbox.remember_request("r2", 300, 200).unwrap());
-        assert!(outbox.remember_request("r1", 400, 201).unwrap());
-    }
-
-    fn event(id: &str) -> Event {
-        EventBuilderV10::new()
-            .id(id)
-            .source("urn:t")
-            .ty("t")
-            .build()
-            .unwrap()
-            .into()
-    }
-
-    fn ids(stored: &[Stored]) -> Vec<String> {
-        stored
-            .iter()
-            .map(|s| s.event.as_ref().unwrap().id().to_owned())
-            .collect()
-    }
-
-    fn processed(document: &Value) -> Processed<'_> {
-        Processed { document, epoch: 0 }
-    }
-
-    fn sinks(names: &[&str]) -> Vec<String> {
-        names.iter().map(|n| n.to_string()).collect()
-    }
-
-    #[test]
-    fn events_wait_per_sink_in_order_until_removed_and_survive_a_reopen() {
-        let dir = tempfile::tempdir().unwrap();
-        let document = serde_json::json!({"DocumentIncarnation": 3, "Events": []});
-        {
-            let outbox = Outbox::open(dir.path(), 100, false).unwrap();
-            assert_eq!(outbox.last_document().unwrap(), None);
-            outbox
-                .commit(&sinks(&["a", "b"]), &[event("1"), event("2")], None)
-                .unwrap();
-            outbox
-                .commit(
-                    &sinks(&["a", "b"]),
-                    &[event("3")],
-                    Some(processed(&document)),
-                )
-                .unwrap();
-            let a = outbox.pending("a", 2).unwrap();
-            assert_eq!(ids(&a), ["1", "2"]);
-            outbox.remove("a", &[a[0].seq, a[1].seq]).unwrap();
-        }
-        let outbox = Outbox::open(dir.path(), 100, false).unwrap();
-        assert_eq!(ids(&outbox.pending("a", 10).unwrap()), ["3"]);
-        assert_eq!(ids(&outbox.pending("b", 10).unwrap()), ["1", "2", "3"]);
-        assert_eq!(outbox.last_document().unwrap(), Some(document));
-        assert_eq!(outbox.depth("b").unwrap(), 3);
-    }
-
-    #[test]
-    fn a_full_sink_overflows_alone() {
-        let dir = tempfile::tempdir().unwrap();
-        let outbox = Outbox::open(dir.path(), 2, false).unwrap();
-        outbox
-            .commit(&sinks(&["slow"]), &[event("1"), event("2")], None)
-            .unwrap();
-        let overflow = outbox
-            .commit(&sinks(&["slow", "fast"]), &[event("3")], None)
-            .unwrap();
-        assert_eq!(overflow.len(), 1);
-        assert_eq!(overflow[0].0, "slow");
-        assert_eq!(ids(&outbox.pending("fast", 10).unwrap()), ["3"]);
-    }
-
-    #[test]
-    fn a_sink_that_emptied_takes_new_events_in_order() {
-        let dir = tempfile::tempdir().unwrap();
-        let outbox = Outbox::open(dir.path(), 10, false).unwrap();
-        outbox.commit(&sinks(&["s"]), &[event("1")], None).unwrap();
-        let first = outbox.pending("s", 1).unwrap()[0].seq;
-        outbox.remove("s", &[first]).unwrap();
-        outbox.commit(&sinks(&["s"]), &[event("2")], None).unwrap();
-        // Numbering starts again from 0 in an empty sink: no key can collide.
-        assert_eq!(ids(&outbox.pending("s", 10).unwrap()), ["2"]);
-    }
-
-    #[test]
-    fn a_damaged_store_is_reported_and_fresh_state_moves_it_aside() {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::write(
-            dir.path().join(FILE_NAME),
-            b"this is not a redb file at all, not even close",
-        )
-        .unwrap();
-        let error = Outbox::open(dir.path(), 10, false)
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(error.contains("--fresh-state"), "{error}");
-        let outbox = Outbox::open(dir.path(), 10, true).unwrap();
-        assert_eq!(outbox.last_document().unwrap(), None);
-        let moved: Vec<_> = std::fs::read_dir(dir.path())
-            .unwrap()
-            .filter_map(|e| e.ok())
-            .filter(|e| e.file_name().to_string_lossy().contains("set-aside"))
-            .collect();
-        assert_eq!(moved.len(), 1, "the damaged file is kept, not deleted");
-    }
-}
+mod tests;

@@ -129,6 +129,21 @@ pub const METRICS: &[(&str, &str, &str)] = &[
         "Age of the oldest event a sink has not confirmed (0 when none).",
     ),
     (
+        "sched_relay_state_store_writable",
+        "gauge",
+        "1 while the state store can be written; 0 after an I/O error (full disk) until it can again.",
+    ),
+    (
+        "sched_relay_state_store_errors_total",
+        "counter",
+        "State store operations that failed with an I/O error.",
+    ),
+    (
+        "sched_relay_outbox_orphaned_events",
+        "gauge",
+        "Events found at start for a sink that is no longer configured (see `sched-relay outbox`).",
+    ),
+    (
         "sched_relay_approvals_total",
         "counter",
         "Approval requests handled, by source, outcome and reason.",
@@ -219,6 +234,8 @@ pub struct Telemetry {
     pub latest: watch::Receiver<Option<Snapshot>>,
     /// The poller's view of the metadata service.
     pub imds: ImdsHealth,
+    /// Sinks found at start with events stored but no longer configured, with their depth.
+    pub orphaned: Vec<(String, usize)>,
 }
 
 impl Telemetry {
@@ -236,6 +253,7 @@ impl Telemetry {
             outbox,
             latest,
             imds: ImdsHealth::default(),
+            orphaned: Vec::new(),
         }
     }
 
@@ -273,6 +291,11 @@ impl Telemetry {
         reasons.extend(self.imds.unready_reason());
         if self.identity_pending.load(Ordering::Relaxed) {
             reasons.push("VM identity not resolved yet: /metadata/instance/compute has not answered, so events wait (set identity.vm_name to start without it)".to_owned());
+        }
+        if let Some(why) = self.outbox.unwritable() {
+            reasons.push(format!(
+                "state store cannot be written: {why}; new transitions are kept in memory until it can"
+            ));
         }
         for (sink, health) in &self.sinks {
             if !health.healthy() {
@@ -320,8 +343,14 @@ impl Telemetry {
             );
             pending.push((sink.clone(), ids));
         }
+        // Backlogs of sinks no longer configured, found at start: nothing delivers them.
+        let orphaned: Vec<Value> = self
+            .orphaned
+            .iter()
+            .map(|(sink, depth)| json!({"sink": sink, "undelivered": depth}))
+            .collect();
         let Some(snapshot) = snapshot else {
-            return json!({"document": null, "events": [], "sinks": sinks});
+            return json!({"document": null, "events": [], "sinks": sinks, "orphanedSinks": orphaned});
         };
         let document = &snapshot.document;
         let events: Vec<Value> = document
@@ -361,6 +390,7 @@ impl Telemetry {
             "document": document.raw,
             "events": events,
             "sinks": sinks,
+            "orphanedSinks": orphaned,
         })
     }
 }

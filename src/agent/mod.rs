@@ -23,7 +23,7 @@ use crate::config::Config;
 use crate::fanout::Fanout;
 use crate::imds::{ImdsClient, ImdsError};
 use crate::sinks::registry;
-use crate::store::{Outbox, StoreError};
+use crate::store::{DiskFaults, Outbox, StoreError};
 use local_policy::LocalPolicy;
 use poller::Poller;
 
@@ -48,12 +48,15 @@ pub enum AgentError {
 }
 
 /// How `run` starts, beyond the configuration.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct RunOptions {
     /// Move an existing (say, damaged) state store aside and start afresh.
     pub fresh_state: bool,
     /// Check approvals (remote and by policy) and publish their outcomes, but POST nothing.
     pub dry_run: bool,
+    /// Tests only: open the state store through this in-process fault injector (a disk that
+    /// a test fills and frees).
+    pub disk_faults: Option<Arc<DiskFaults>>,
 }
 
 /// Runs the agent until `shutdown` completes, then drains the sinks and returns.
@@ -75,11 +78,16 @@ pub async fn run(
     // Health checks run in each sink's own task (see fanout): a broker that is slow to answer
     // must not hold back the first poll, since a Preempt notice can be 30 s.
     let sinks = config.sinks.iter().map(registry::named).collect();
-    let outbox = Outbox::open(
-        &config.state.dir,
-        config.delivery.queue_capacity,
-        options.fresh_state,
-    )?;
+    let outbox = match options.disk_faults.clone() {
+        None => Outbox::open(
+            &config.state.dir,
+            config.delivery.queue_capacity,
+            options.fresh_state,
+        )?,
+        Some(faults) => {
+            Outbox::open_with_faults(&config.state.dir, config.delivery.queue_capacity, faults)?
+        }
+    };
     // Restart recovery: the first document fetched is compared with the last one processed,
     // so whatever changed while the agent was down still yields its transitions.
     let previous = match outbox.last_document()? {
@@ -108,6 +116,9 @@ pub async fn run(
         },
     };
     let previous = (previous, outbox.last_epoch()?);
+    // A renamed or removed sink leaves a backlog nothing delivers: say so, once.
+    let configured: Vec<String> = config.sinks.iter().map(|s| s.name.clone()).collect();
+    let orphaned = crate::orphans::find(&outbox, &configured)?;
     let outbox = Arc::new(outbox);
     let fanout = Fanout::start(sinks, &config.delivery, &config.state.dir, outbox.clone());
     // `--dry-run` overrides the file: from here on the configuration is the one truth.
@@ -123,10 +134,12 @@ pub async fn run(
     if config.telemetry.listen.is_some() {
         crate::telemetry::prometheus();
     }
-    let telemetry = Arc::new(
+    crate::orphans::report(&orphaned);
+    let mut telemetry =
         crate::telemetry::Telemetry::new(fanout.health(), outbox.clone(), latest_rx.clone())
-            .with_imds_unready_after(config.imds.unready_after),
-    );
+            .with_imds_unready_after(config.imds.unready_after);
+    telemetry.orphaned = orphaned;
+    let telemetry = Arc::new(telemetry);
     // Nothing is derived before the VM is named: the name decides affectsvm, policy,
     // approval targeting and the source (see `identity`).
     tokio::pin!(shutdown);

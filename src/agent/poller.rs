@@ -49,6 +49,12 @@ pub(super) struct Poller {
     /// The incarnation and odd fields last warned about: an unchanged document is fetched
     /// every poll, and its oddities are logged once, not 3,600 times an hour.
     pub(super) warned: Option<(u64, Vec<String>)>,
+    /// Transitions derived from documents whose commit failed (the state store could not be
+    /// written), oldest first. `previous` has moved on to the document they came from, so
+    /// each document seen meanwhile is diffed once, against the one before it; every poll
+    /// tries to store them again, and the first commit that succeeds carries them all, with
+    /// the ids they were derived with.
+    pub(super) unstored: Vec<sched_relay_core::Event>,
 }
 
 impl Poller {
@@ -75,6 +81,7 @@ impl Poller {
             telemetry,
             document_gauges: Vec::new(),
             warned: None,
+            unstored: Vec::new(),
         }
     }
 
@@ -254,48 +261,70 @@ impl Poller {
     }
 
     /// Diffs a fetched document against the previous one and publishes what changed.
-    /// `Some(new)` once the document is processed (it is then `previous`; its events and its
-    /// epoch are durable in the outbox): `new` when it was not the same incarnation and
-    /// content. `None` when it could not be stored, so the next poll derives it again.
+    /// `Some(new)` once the document is processed (it is `previous`, and its events, its epoch
+    /// and those of any document seen while the store could not be written are durable in the
+    /// outbox): `new` when something was stored. `None` while the store cannot be written:
+    /// the transitions stay in memory (`unstored`) and the next poll stores them.
     async fn on_document(&mut self, document: Document) -> Option<bool> {
         let continuity = Continuity::of(self.previous.as_ref(), &document);
-        if continuity == Continuity::Unchanged {
+        let unchanged = continuity == Continuity::Unchanged;
+        if unchanged && self.unstored.is_empty() {
             return Some(false);
         }
-        // The epoch comes from stored state only, so a retry or a restart gives the same ids.
-        let epoch = continuity.epoch_after(self.epoch);
-        let approved = self.client.accepted();
-        let observation = Observation {
-            at: Utc::now(),
-            epoch,
-            approved: &approved,
-        };
-        let events = events_observed(
-            &self.factory,
-            self.previous.as_ref(),
-            &document,
-            self.config.events.document_events,
-            &observation,
-        );
+        if !unchanged {
+            // The epoch moves with `previous`, stored or not: a document derived again after
+            // a failed commit keeps its ids, and a restart starts from the stored pair.
+            let epoch = continuity.epoch_after(self.epoch);
+            if continuity == Continuity::Reset {
+                tracing::warn!(
+                    previous = self.previous.as_ref().map(|p| p.incarnation),
+                    current = document.incarnation,
+                    epoch,
+                    "DocumentIncarnation reset (it went backwards, or repeated with other content): Azure restarted its numbering; diffed against the last document, incarnation ids now end in ~e<epoch>"
+                );
+                metrics::counter!("sched_relay_incarnation_resets_total").increment(1);
+            }
+            let approved = self.client.accepted();
+            let observation = Observation {
+                at: Utc::now(),
+                epoch,
+                approved: &approved,
+            };
+            let events = events_observed(
+                &self.factory,
+                self.previous.as_ref(),
+                &document,
+                self.config.events.document_events,
+                &observation,
+            );
+            self.unstored.extend(events);
+            let present = |id: &str| {
+                document
+                    .events
+                    .iter()
+                    .any(|e| e.id.eq_ignore_ascii_case(id))
+            };
+            self.client.forget_accepted(present);
+            self.epoch = epoch;
+            self.previous = Some(document.clone());
+        }
         let processed = crate::store::Processed {
             document: &document.raw,
-            epoch,
+            epoch: self.epoch,
         };
-        if let Err(error) = self.fanout.publish(&events, Some(processed)).await {
-            // Not processed: the next poll derives the same transitions again.
-            tracing::error!(incarnation = document.incarnation, error = %error, "Cannot store the transitions of a new document; it will be processed again");
+        if let Err(error) = self.fanout.publish(&self.unstored, Some(processed)).await {
+            // Kept in memory: the next poll tries again, and the next document is diffed
+            // against this one, so no transition seen meanwhile is lost (a restart before
+            // then diffs the next document against the last stored one).
+            // Said once per document, not on every poll while the disk stays full.
+            if unchanged {
+                tracing::debug!(incarnation = document.incarnation, unstored = self.unstored.len(), error = %error, "Still cannot store the transitions seen");
+            } else {
+                tracing::warn!(incarnation = document.incarnation, unstored = self.unstored.len(), error = %error, "Cannot store the transitions seen; keeping them to store on the next poll");
+            }
             return None;
         }
-        if continuity == Continuity::Reset {
-            tracing::warn!(
-                previous = self.previous.as_ref().map(|p| p.incarnation),
-                current = document.incarnation,
-                epoch,
-                "DocumentIncarnation reset (it went backwards, or repeated with other content): Azure restarted its numbering; diffed against the last document, incarnation ids now end in ~e<epoch>"
-            );
-            metrics::counter!("sched_relay_incarnation_resets_total").increment(1);
-        }
-        for event in &events {
+        for event in std::mem::take(&mut self.unstored) {
             let EventKind::Transition(kind) = event.kind() else {
                 continue;
             };
@@ -309,7 +338,7 @@ impl Poller {
             tracing::info!(
                 event_id = event.subject().unwrap_or_default(),
                 transition,
-                incarnation = document.incarnation,
+                incarnation = %extension("incarnation"),
                 event_type = %extension("eventtype"),
                 status = %extension("eventstatus"),
                 affects_vm = %extension("affectsvm"),
@@ -321,15 +350,6 @@ impl Poller {
         }
         metrics::gauge!("sched_relay_incarnation").set(document.incarnation as f64);
         self.set_document_gauges(&document);
-        let present = |id: &str| {
-            document
-                .events
-                .iter()
-                .any(|e| e.id.eq_ignore_ascii_case(id))
-        };
-        self.client.forget_accepted(present);
-        self.epoch = epoch;
-        self.previous = Some(document);
         Some(true)
     }
 }

@@ -12,6 +12,21 @@ use sched_relay_transport::inbound::Inbound;
 
 use super::{Approver, Verdict};
 
+/// Why the checks stopped before the end.
+enum Stop {
+    /// The request is refused for what it is.
+    Reject(Rejection),
+    /// The agent could not check it (its state store cannot be written): a retriable
+    /// failure, never a rejection.
+    Fail(String),
+}
+
+impl From<Rejection> for Stop {
+    fn from(rejection: Rejection) -> Self {
+        Stop::Reject(rejection)
+    }
+}
+
 impl Approver {
     /// Runs the checks on one message. Returns the request id (or a made-up one for
     /// messages without a readable id), its EventIds and the verdict. EventIds match the
@@ -58,7 +73,8 @@ impl Approver {
                 event_ids = spelled;
                 Verdict::Valid
             }
-            Err(rejection) => Verdict::Reject(rejection),
+            Err(Stop::Reject(rejection)) => Verdict::Reject(rejection),
+            Err(Stop::Fail(detail)) => Verdict::Fail(detail),
         };
         (request_id, event_ids, verdict)
     }
@@ -68,7 +84,7 @@ impl Approver {
         &self,
         request: &Request,
         document: &mut Option<Arc<Document>>,
-    ) -> Result<Vec<String>, Rejection> {
+    ) -> Result<Vec<String>, Stop> {
         self.authenticity(request)?;
         self.freshness(request).await?;
         self.targeting(request)?;
@@ -76,7 +92,7 @@ impl Approver {
             Some(document) => document.clone(),
             None => document.insert(self.latest_document().await?).clone(),
         };
-        self.state(request, &document)
+        Ok(self.state(request, &document)?)
     }
 
     fn authenticity(&self, request: &Request) -> Result<(), Rejection> {
@@ -135,7 +151,7 @@ impl Approver {
         }
     }
 
-    async fn freshness(&self, request: &Request) -> Result<(), Rejection> {
+    async fn freshness(&self, request: &Request) -> Result<(), Stop> {
         // A bare body has neither time nor id: only allow_unsigned lets it this far.
         let Some(attributes) = &request.cloud_event else {
             return Ok(());
@@ -155,7 +171,8 @@ impl Approver {
                     age.num_seconds(),
                     max_age.num_seconds()
                 ),
-            ));
+            )
+            .into());
         }
         if -age > skew {
             return Err(Rejection::new(
@@ -166,7 +183,8 @@ impl Approver {
                     (-age).num_seconds(),
                     skew.num_seconds()
                 ),
-            ));
+            )
+            .into());
         }
         let keep_until = (attributes.time + max_age).timestamp() + 1;
         let outbox = self.outbox.clone();
@@ -182,12 +200,14 @@ impl Approver {
             Ok(false) => Err(Rejection::new(
                 Reason::Replayed,
                 format!("request id {:?} was already handled", attributes.id),
-            )),
-            // Without a durable record a replay could not be recognised later: refuse.
-            Err(error) => Err(Rejection::new(
-                Reason::Replayed,
-                format!("cannot record the request id, so it is refused: {error}"),
-            )),
+            )
+            .into()),
+            // Without a durable record a replay could not be recognised later, so nothing is
+            // sent; but the request was not replayed: it fails, and may be sent again.
+            Err(error) => Err(Stop::Fail(format!(
+                "cannot record the request id in the state store, so nothing was sent; send \
+                 the request again once the store is writable: {error}"
+            ))),
         }
     }
 

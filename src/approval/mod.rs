@@ -49,6 +49,8 @@ enum Verdict {
     /// On a shared channel, for another VM: no outcome.
     Skip(String),
     Reject(Rejection),
+    /// Could not be checked (the state store cannot be written): a retriable failure.
+    Fail(String),
     Valid,
 }
 
@@ -210,6 +212,12 @@ impl Approver {
                         nonce,
                     )
                 }
+                (Verdict::Fail(detail), _) => (
+                    ApprovalOutcome::Failed,
+                    "state_store_error",
+                    detail.clone(),
+                    None,
+                ),
                 (Verdict::Valid, None) => (
                     ApprovalOutcome::Accepted,
                     "dry_run",
@@ -316,3 +324,6 @@ pub fn log_outcome(outcome: &Outcome) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -295,5 +295,18 @@ impl Publisher {
     }
 }
 
+/// Appends entries (events, or what could not be read of them) to `sink`'s dead-letter file
+/// under `state_dir`, fsync'd, in the usual format; returns the file's path.
+pub fn dead_letter(
+    state_dir: &Path,
+    sink: &str,
+    entries: &[Result<Event, String>],
+    reason: &str,
+) -> Result<PathBuf, sched_relay_transport::SinkError> {
+    let file = DeadLetter::new(&state_dir.join("dead-letter"), sink);
+    file.try_write(entries, reason)?;
+    Ok(file.path)
+}
+
 #[cfg(test)]
 mod tests;

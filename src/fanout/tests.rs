@@ -164,3 +164,60 @@ async fn a_full_outbox_dead_letters_instead_of_blocking() {
     assert!(!dead.contains("\"id\":\"1\""));
     fanout.shutdown(Duration::from_millis(50)).await;
 }
+
+/// A sink that fills the state disk while delivering its first batch: the batch arrives, and
+/// then its removal from the outbox fails.
+struct FillsTheDiskOnDelivery {
+    sink: RecordingSink,
+    faults: Arc<crate::store::DiskFaults>,
+    filled: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl Sink for FillsTheDiskOnDelivery {
+    async fn deliver(&self, batch: &[Event]) -> Result<(), SinkError> {
+        if !self.filled.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            self.faults.fill();
+        }
+        self.sink.deliver(batch).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivered_batch_that_cannot_be_removed_is_not_delivered_again_while_the_disk_is_full() {
+    let dir = tempfile::tempdir().unwrap();
+    let faults = crate::store::DiskFaults::new();
+    let outbox = Arc::new(Outbox::open_with_faults(dir.path(), 100, faults.clone()).unwrap());
+    let recorded = RecordingSink::new();
+    let sink = FillsTheDiskOnDelivery {
+        sink: recorded.clone(),
+        faults: faults.clone(),
+        filled: false.into(),
+    };
+    let fanout = Fanout::start(
+        vec![NamedSink {
+            name: "s".into(),
+            sink: Box::new(sink),
+        }],
+        &fast_delivery(),
+        dir.path(),
+        outbox.clone(),
+    );
+    fanout.publish(&[event("1")], None).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(faults.refused() > 0, "the removal hit the full disk");
+    assert_eq!(
+        ids(&recorded.delivered()),
+        ["1"],
+        "delivered once, not again and again"
+    );
+
+    faults.free();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while outbox.depth("s").unwrap_or(1) > 0 {
+        assert!(std::time::Instant::now() < deadline, "never removed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    fanout.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(ids(&recorded.delivered()), ["1"]);
+}

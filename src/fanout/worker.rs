@@ -45,9 +45,23 @@ impl Worker {
             }
             None => return,
         }
+        // Delivered (or dead-lettered) but not yet removed, because the store failed: removed
+        // before anything is read again, so a full disk does not deliver the batch over and
+        // over (a restart meanwhile delivers it once more: at least once).
+        let mut unremoved: Vec<u64> = Vec::new();
         loop {
             if *self.mode.borrow() == Mode::Stop {
                 return;
+            }
+            if !unremoved.is_empty() {
+                if self.forget(&unremoved).await {
+                    unremoved.clear();
+                } else {
+                    tokio::select! {
+                        _ = tokio::time::sleep(STORE_RETRY) => continue,
+                        _ = self.stopped() => return,
+                    }
+                }
             }
             // Register for a wake-up before reading, so an event stored in between is not missed.
             let wake = self.wake.clone();
@@ -55,7 +69,13 @@ impl Worker {
             let pending = match self.read().await {
                 Ok(pending) => pending,
                 Err(error) => {
-                    tracing::error!(sink = %self.name, error = %error, "Cannot read the outbox; will try again");
+                    // A store that cannot be written has said so once (at ERROR) and is in
+                    // /readyz; its reads fail too until it is reopened.
+                    if self.outbox.unwritable().is_some() {
+                        tracing::debug!(sink = %self.name, error = %error, "Cannot read the outbox while the state store recovers; will try again");
+                    } else {
+                        tracing::error!(sink = %self.name, error = %error, "Cannot read the outbox; will try again");
+                    }
                     tokio::select! {
                         _ = tokio::time::sleep(STORE_RETRY) => continue,
                         _ = self.stopped() => return,
@@ -83,7 +103,9 @@ impl Worker {
                     }
                     Err(reason) => {
                         tracing::error!(sink = %self.name, seq = stored.seq, reason = %reason, "An unreadable event in the outbox; dropped from it and logged here in full");
-                        self.forget(&[stored.seq]).await;
+                        if !self.forget(&[stored.seq]).await {
+                            unremoved.push(stored.seq);
+                        }
                     }
                 }
             }
@@ -93,7 +115,9 @@ impl Worker {
             if !self.deliver(&batch).await {
                 return; // stopped: the batch stays in the outbox
             }
-            self.forget(&seqs).await;
+            if !self.forget(&seqs).await {
+                unremoved.extend(seqs);
+            }
         }
     }
 
@@ -109,9 +133,9 @@ impl Worker {
             })?
     }
 
-    /// Removes delivered (or dead-lettered) events. If that fails they are delivered again
-    /// later: at least once, with the same ids.
-    async fn forget(&self, seqs: &[u64]) {
+    /// Removes delivered (or dead-lettered) events; false when the store failed (the caller
+    /// tries again before reading).
+    async fn forget(&self, seqs: &[u64]) -> bool {
         let outbox = self.outbox.clone();
         let name = self.name.clone();
         let seqs = seqs.to_vec();
@@ -120,8 +144,10 @@ impl Worker {
             path: "outbox".into(),
             reason: e.to_string(),
         }) {
-            tracing::error!(sink = %self.name, error = %error, "Cannot remove delivered events from the outbox; they will be sent again");
+            tracing::warn!(sink = %self.name, error = %error, "Cannot remove delivered events from the outbox yet; will try again before reading more");
+            return false;
         }
+        true
     }
 
     /// Completes when the fan-out is told to stop now.
@@ -222,6 +248,24 @@ impl DeadLetter {
     /// Appends one line per event: `{"sink", "reason", "at", "event"}`. If even that fails,
     /// the event is logged in full so an operator can still recover it from the logs.
     pub(super) fn write(&self, events: &[Event], reason: &str) {
+        let entries: Vec<Result<Event, String>> = events.iter().cloned().map(Ok).collect();
+        if let Err(error) = self.try_write(&entries, reason) {
+            let lost = self.lines(&entries, reason);
+            tracing::error!(path = %self.path.display(), error = %error, lost = %String::from_utf8_lossy(&lost), "Cannot write the dead-letter file");
+        }
+    }
+
+    /// Appends and fsyncs one line per entry; an entry that could not be read from the
+    /// outbox is kept as `{"sink", "reason", "at", "unreadable"}` with what was stored.
+    pub(super) fn try_write(
+        &self,
+        entries: &[Result<Event, String>],
+        reason: &str,
+    ) -> Result<(), SinkError> {
+        sched_relay_file::append(&self.path, &self.lines(entries, reason), true)
+    }
+
+    fn lines(&self, entries: &[Result<Event, String>], reason: &str) -> Vec<u8> {
         let sink = self
             .path
             .file_stem()
@@ -229,15 +273,18 @@ impl DeadLetter {
             .unwrap_or_default();
         let at = chrono::Utc::now().to_rfc3339();
         let mut lines = Vec::new();
-        for event in events {
-            let record =
-                serde_json::json!({"sink": sink, "reason": reason, "at": at, "event": event});
+        for entry in entries {
+            let record = match entry {
+                Ok(event) => {
+                    serde_json::json!({"sink": sink, "reason": reason, "at": at, "event": event})
+                }
+                Err(unreadable) => {
+                    serde_json::json!({"sink": sink, "reason": reason, "at": at, "unreadable": unreadable})
+                }
+            };
             lines.extend_from_slice(record.to_string().as_bytes());
             lines.push(b'\n');
         }
-        if let Err(error) = sched_relay_file::append(&self.path, &lines, true) {
-            let error: SinkError = error;
-            tracing::error!(path = %self.path.display(), error = %error, lost = %String::from_utf8_lossy(&lines), "Cannot write the dead-letter file");
-        }
+        lines
     }
 }

@@ -7,7 +7,7 @@
 use redb::ReadableDatabase;
 use serde_json::Value;
 
-use super::{EPOCH, META, Outbox, StoreError};
+use super::{Access, EPOCH, META, Outbox, StoreError};
 
 /// A processed document and its incarnation epoch, stored together as the last processed one.
 #[derive(Debug, Clone, Copy)]
@@ -26,16 +26,26 @@ impl Outbox {
     /// The epoch of the last processed document; 0 when none was stored (a store written
     /// before epochs existed had seen no reset).
     pub fn last_epoch(&self) -> Result<u64, StoreError> {
-        let txn = self.db.begin_read().map_err(|e| self.io(e))?;
-        let meta = txn.open_table(META).map_err(|e| self.io(e))?;
-        let Some(bytes) = meta.get(EPOCH).map_err(|e| self.io(e))? else {
+        self.reopen_if_due();
+        let stored = self.with_db(Access::Read, |db| {
+            let txn = db.begin_read().map_err(|e| self.io(e))?;
+            let meta = txn.open_table(META).map_err(|e| self.io(e))?;
+            Ok(meta
+                .get(EPOCH)
+                .map_err(|e| self.io(e))?
+                .map(|bytes| bytes.value().to_vec()))
+        })?;
+        let Some(bytes) = stored else {
             return Ok(0);
         };
-        let bytes: [u8; 8] = bytes.value().try_into().map_err(|_| StoreError::Corrupt {
-            path: self.path.display().to_string(),
-            what: "incarnation epoch",
-            reason: format!("expected 8 bytes, found {}", bytes.value().len()),
-        })?;
+        let bytes: [u8; 8] = bytes
+            .as_slice()
+            .try_into()
+            .map_err(|_| StoreError::Corrupt {
+                path: self.path.display().to_string(),
+                what: "incarnation epoch",
+                reason: format!("expected 8 bytes, found {}", bytes.len()),
+            })?;
         Ok(u64::from_be_bytes(bytes))
     }
 }

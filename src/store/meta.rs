@@ -5,7 +5,7 @@
 use redb::ReadableDatabase;
 use serde_json::Value;
 
-use super::{META, Outbox, StoreError};
+use super::{Access, META, Outbox, StoreError};
 
 /// The VM identity instance metadata last answered.
 pub const IDENTITY: &str = "identity";
@@ -13,12 +13,19 @@ pub const IDENTITY: &str = "identity";
 impl Outbox {
     /// The value kept under `key`, if any.
     pub fn meta(&self, key: &str) -> Result<Option<Value>, StoreError> {
-        let txn = self.db.begin_read().map_err(|e| self.io(e))?;
-        let meta = txn.open_table(META).map_err(|e| self.io(e))?;
-        let Some(bytes) = meta.get(key).map_err(|e| self.io(e))? else {
+        self.reopen_if_due();
+        let stored = self.with_db(Access::Read, |db| {
+            let txn = db.begin_read().map_err(|e| self.io(e))?;
+            let meta = txn.open_table(META).map_err(|e| self.io(e))?;
+            Ok(meta
+                .get(key)
+                .map_err(|e| self.io(e))?
+                .map(|bytes| bytes.value().to_vec()))
+        })?;
+        let Some(bytes) = stored else {
             return Ok(None);
         };
-        serde_json::from_slice(bytes.value())
+        serde_json::from_slice(&bytes)
             .map(Some)
             .map_err(|e| StoreError::Corrupt {
                 path: self.path.display().to_string(),
@@ -30,12 +37,15 @@ impl Outbox {
     /// Keeps `value` under `key`, durably.
     pub fn set_meta(&self, key: &str, value: &Value) -> Result<(), StoreError> {
         let bytes = serde_json::to_vec(value).map_err(|e| self.io(e))?;
-        let txn = self.write()?;
-        {
-            let mut meta = txn.open_table(META).map_err(|e| self.io(e))?;
-            meta.insert(key, bytes.as_slice()).map_err(|e| self.io(e))?;
-        }
-        txn.commit().map_err(|e| self.io(e))
+        self.reopen_if_due();
+        self.with_db(Access::Write, |db| {
+            let txn = self.write(db)?;
+            {
+                let mut meta = txn.open_table(META).map_err(|e| self.io(e))?;
+                meta.insert(key, bytes.as_slice()).map_err(|e| self.io(e))?;
+            }
+            txn.commit().map_err(|e| self.io(e))
+        })
     }
 }
 

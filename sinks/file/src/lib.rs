@@ -1,6 +1,12 @@
 //! The embedded sinks that need no broker: [`FileSink`] appends one structured-mode CloudEvent
 //! per line (JSON Lines) and fsyncs each batch before reporting it delivered; [`StdoutSink`]
 //! prints events for people and pipes.
+//!
+//! A batch is appended all or nothing ([`append_to`]): a write or fsync that fails half-way (a
+//! full disk) is cut off again before the error is reported, so the retried batch never
+//! follows a torn line; a file that ends mid-line anyway (a crash) gets a line break first.
+//! Proved with an in-process fault (`HalfWayFailingFile`) here, and on a real full tmpfs in
+//! the agent's `tests/full_disk.rs`.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -60,17 +66,81 @@ pub fn append(path: &Path, bytes: &[u8], fsync: bool) -> Result<(), SinkError> {
             SinkError::from_io(&format!("cannot create directory {}", parent.display()), &e)
         })?;
     }
-    let context = || format!("cannot append to {}", path.display());
+    let context = format!("cannot append to {}", path.display());
     let mut file = std::fs::OpenOptions::new()
         .create(true)
+        .read(true)
         .append(true)
         .open(path)
-        .map_err(|e| SinkError::from_io(&context(), &e))?;
-    file.write_all(bytes)
-        .map_err(|e| SinkError::from_io(&context(), &e))?;
-    if fsync {
-        file.sync_data()
-            .map_err(|e| SinkError::from_io(&context(), &e))?;
+        .map_err(|e| SinkError::from_io(&context, &e))?;
+    append_to(&mut file, bytes, fsync).map_err(|e| SinkError::from_io(&context, &e))
+}
+
+/// What [`append_to`] needs of a file opened for appending; a test puts a fault in between.
+pub trait AppendTarget: Write {
+    /// The file's length now.
+    fn size(&self) -> std::io::Result<u64>;
+    /// Cuts the file back to `len` bytes.
+    fn truncate(&self, len: u64) -> std::io::Result<()>;
+    /// Makes the written data durable.
+    fn sync(&self) -> std::io::Result<()>;
+    /// The last byte of the file, if it has any.
+    fn last_byte(&self, len: u64) -> std::io::Result<Option<u8>>;
+}
+
+impl AppendTarget for std::fs::File {
+    fn size(&self) -> std::io::Result<u64> {
+        Ok(self.metadata()?.len())
+    }
+    fn truncate(&self, len: u64) -> std::io::Result<()> {
+        self.set_len(len)
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        self.sync_data()
+    }
+    fn last_byte(&self, len: u64) -> std::io::Result<Option<u8>> {
+        use std::os::unix::fs::FileExt;
+        if len == 0 {
+            return Ok(None);
+        }
+        let mut byte = [0u8];
+        self.read_exact_at(&mut byte, len - 1)?;
+        Ok(Some(byte[0]))
+    }
+}
+
+/// Appends `bytes` to an open file, and fsyncs when asked, all or nothing: when the write or
+/// the fsync fails (say ENOSPC half-way through a batch), the file is cut back to its length
+/// before the write and the error returned, so the retried batch starts on a line of its own
+/// instead of after a torn one. A file that already ends mid-line (a crash mid-write, or a
+/// cut that failed) first gets a line break, so only that one line is torn.
+pub fn append_to(file: &mut impl AppendTarget, bytes: &[u8], fsync: bool) -> std::io::Result<()> {
+    if bytes.is_empty() {
+        return Ok(());
+    }
+    let before = file.size()?;
+    let torn = file.last_byte(before)?.is_some_and(|last| last != b'\n');
+    let written = (|| {
+        if torn {
+            file.write_all(b"\n")?;
+        }
+        file.write_all(bytes)?;
+        if fsync {
+            file.sync()?;
+        }
+        Ok(())
+    })();
+    if let Err(error) = written {
+        return Err(match file.truncate(before).and_then(|()| file.sync()) {
+            Ok(()) => error,
+            Err(cut) => std::io::Error::new(
+                error.kind(),
+                format!(
+                    "{error}; cutting the file back to {before} bytes failed too ({cut}), so it \
+                     may end in a torn line, which the next write steps past"
+                ),
+            ),
+        });
     }
     Ok(())
 }
@@ -225,6 +295,100 @@ mod tests {
         });
         let error = sink.deliver(&[event("a")]).await.unwrap_err();
         assert!(!error.is_retriable(), "{error}");
+    }
+
+    /// An in-process fault injector: a file that writes only the first half of the next
+    /// write, then fails it with ENOSPC, like a disk that fills mid-batch.
+    struct HalfWayFailingFile {
+        file: std::fs::File,
+        fail_next_write: bool,
+    }
+
+    impl Write for HalfWayFailingFile {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            if self.fail_next_write {
+                self.fail_next_write = false;
+                self.file.write_all(&bytes[..bytes.len() / 2])?;
+                return Err(std::io::Error::from_raw_os_error(28)); // ENOSPC
+            }
+            self.file.write(bytes)
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            self.file.flush()
+        }
+    }
+
+    impl AppendTarget for HalfWayFailingFile {
+        fn size(&self) -> std::io::Result<u64> {
+            self.file.size()
+        }
+        fn truncate(&self, len: u64) -> std::io::Result<()> {
+            AppendTarget::truncate(&self.file, len)
+        }
+        fn sync(&self) -> std::io::Result<()> {
+            self.file.sync()
+        }
+        fn last_byte(&self, len: u64) -> std::io::Result<Option<u8>> {
+            self.file.last_byte(len)
+        }
+    }
+
+    #[test]
+    fn a_batch_that_fails_half_written_leaves_no_torn_line_and_its_retry_appends_whole_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("events.jsonl");
+        append(&path, &encode_json_lines(&[event("a")]).unwrap(), true).unwrap();
+        let before = std::fs::read(&path).unwrap();
+        let batch = encode_json_lines(&[event("b"), event("c")]).unwrap();
+        let open = || {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .append(true)
+                .open(&path)
+                .unwrap()
+        };
+        let mut failing = HalfWayFailingFile {
+            file: open(),
+            fail_next_write: true,
+        };
+        let error = append_to(&mut failing, &batch, true).unwrap_err();
+        assert_eq!(
+            error.raw_os_error(),
+            Some(28),
+            "the write error is reported"
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&std::fs::read(&path).unwrap()),
+            String::from_utf8_lossy(&before),
+            "the file is cut back to its length before the failed write"
+        );
+        // The fan-out retries the same batch: every line of the file must parse.
+        append_to(&mut open(), &batch, true).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let ids: Vec<String> = text
+            .lines()
+            .map(|line| {
+                serde_json::from_str::<Event>(line)
+                    .unwrap_or_else(|e| panic!("torn line {line:?}: {e}"))
+                    .id()
+                    .to_owned()
+            })
+            .collect();
+        assert_eq!(ids, ["a", "b", "c"]);
+    }
+
+    #[test]
+    fn a_file_left_torn_by_a_crash_gets_a_line_break_before_the_next_batch() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("events.jsonl");
+        let whole = encode_json_lines(&[event("a")]).unwrap();
+        std::fs::write(&path, &whole[..whole.len() / 2]).unwrap();
+        append(&path, &encode_json_lines(&[event("b")]).unwrap(), true).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        let b: Event = serde_json::from_str(lines[1]).expect("the new line stands alone");
+        assert_eq!(b.id(), "b");
     }
 
     #[test]

@@ -1,0 +1,120 @@
+//! An in-process fault injector for the state store: a redb `StorageBackend` over the real
+//! file that fails every write, sync and resize with ENOSPC while [`DiskFaults::fill`] is on,
+//! as a full disk does, and passes everything through once [`DiskFaults::free`] is called.
+//! Tests (and rehearsals) use it to prove the store survives a full disk without restarting
+//! the process; production opens the file without it.
+
+use std::ops::Bound;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use redb::backends::FileBackend;
+use redb::{BackendError, StorageBackend};
+
+/// The switch of a simulated full disk, shared by the test and every backend opened on it
+/// (the store reopens its file after a failure, and the new backend must see the same disk).
+#[derive(Debug, Default)]
+pub struct DiskFaults {
+    full: AtomicBool,
+    refused: AtomicU64,
+}
+
+impl DiskFaults {
+    pub fn new() -> Arc<DiskFaults> {
+        Arc::default()
+    }
+
+    /// From now on every write, sync and resize fails with ENOSPC.
+    pub fn fill(&self) {
+        self.full.store(true, Ordering::SeqCst);
+    }
+
+    /// Space is back: writes pass through again.
+    pub fn free(&self) {
+        self.full.store(false, Ordering::SeqCst);
+    }
+
+    /// How many operations were refused so far (to show a test really hit the fault).
+    pub fn refused(&self) -> u64 {
+        self.refused.load(Ordering::SeqCst)
+    }
+
+    fn check(&self) -> Result<(), std::io::Error> {
+        if self.full.load(Ordering::SeqCst) {
+            self.refused.fetch_add(1, Ordering::SeqCst);
+            return Err(std::io::Error::from_raw_os_error(28)); // ENOSPC
+        }
+        Ok(())
+    }
+}
+
+/// redb's own file backend, with [`DiskFaults`] in front of every write.
+#[derive(Debug)]
+pub(super) struct FaultInjectingBackend {
+    file: FileBackend,
+    faults: Arc<DiskFaults>,
+}
+
+impl FaultInjectingBackend {
+    pub(super) fn open(
+        path: &std::path::Path,
+        faults: Arc<DiskFaults>,
+    ) -> Result<Self, redb::DatabaseError> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)?;
+        Ok(FaultInjectingBackend {
+            file: FileBackend::new(file)?,
+            faults,
+        })
+    }
+}
+
+impl StorageBackend for FaultInjectingBackend {
+    fn len(&self) -> Result<u64, std::io::Error> {
+        self.file.len()
+    }
+    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), std::io::Error> {
+        self.file.read(offset, out)
+    }
+    fn set_len(&self, len: u64) -> Result<(), std::io::Error> {
+        self.faults.check()?;
+        self.file.set_len(len)
+    }
+    fn sync_data(&self) -> Result<(), std::io::Error> {
+        self.faults.check()?;
+        self.file.sync_data()
+    }
+    fn write(&self, offset: u64, data: &[u8]) -> Result<(), std::io::Error> {
+        self.faults.check()?;
+        self.file.write(offset, data)
+    }
+    fn close(&self) -> Result<(), std::io::Error> {
+        self.file.close()
+    }
+    fn try_lock_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<bool, BackendError> {
+        self.file.try_lock_range(start, end)
+    }
+    fn try_lock_shared_range(
+        &self,
+        start: Bound<u64>,
+        end: Bound<u64>,
+    ) -> Result<bool, BackendError> {
+        self.file.try_lock_shared_range(start, end)
+    }
+    fn lock_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<(), BackendError> {
+        self.file.lock_range(start, end)
+    }
+    fn lock_shared_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<(), BackendError> {
+        self.file.lock_shared_range(start, end)
+    }
+    fn unlock_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<(), BackendError> {
+        self.file.unlock_range(start, end)
+    }
+    fn query_lock_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<bool, BackendError> {
+        self.file.query_lock_range(start, end)
+    }
+}

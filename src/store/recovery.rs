@@ -1,0 +1,132 @@
+//! Whether the state store can be written, and when to reopen it. redb latches the first
+//! I/O error of a database (`PreviousIo`): every later transaction fails, even once the disk
+//! has room again. So after an I/O error the outbox closes the database and opens the file
+//! anew (redb repairs it from the last durable commit), with backoff, until a write
+//! succeeds. Meanwhile `/readyz` and `sched_relay_state_store_writable` say why it cannot be
+//! written.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use redb::Database;
+
+use super::DiskFaults;
+use crate::retry::Backoff;
+
+/// Waits between attempts to reopen: the first at once, then 250 ms doubling to 5 s, so space
+/// that comes back is used within seconds while a disk that stays full costs little.
+const REOPEN: Backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(5));
+
+/// The store's writability, shared by every user of the outbox.
+#[derive(Debug, Default)]
+pub(super) struct Health {
+    state: Mutex<Option<Unwritable>>,
+}
+
+#[derive(Debug)]
+struct Unwritable {
+    since: chrono::DateTime<chrono::Utc>,
+    reason: String,
+    reopen_attempts: u32,
+    next_reopen: Instant,
+}
+
+impl Health {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Unwritable>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// An operation failed with an I/O error: the database is latched until reopened.
+    pub(super) fn failed(&self, path: &str, reason: &str) {
+        metrics::counter!("sched_relay_state_store_errors_total").increment(1);
+        let mut state = self.lock();
+        match state.as_mut() {
+            // Keep the first reason (say ENOSPC): later ones are mostly redb's "previous I/O
+            // error", which says less.
+            Some(_) => {}
+            None => {
+                tracing::error!(path, error = %reason, "The state store cannot be written; new transitions are kept in memory and stored once it can (reopening it with backoff)");
+                metrics::gauge!("sched_relay_state_store_writable").set(0.0);
+                *state = Some(Unwritable {
+                    since: chrono::Utc::now(),
+                    reason: reason.to_owned(),
+                    reopen_attempts: 0,
+                    next_reopen: Instant::now(),
+                });
+            }
+        }
+    }
+
+    /// Whether the database should be closed and opened again now.
+    pub(super) fn reopen_due(&self) -> bool {
+        self.lock()
+            .as_ref()
+            .is_some_and(|unwritable| Instant::now() >= unwritable.next_reopen)
+    }
+
+    /// A reopen was tried (`Err`: why it failed); the next one waits longer.
+    pub(super) fn reopen_tried(&self, path: &str, result: Result<(), String>) {
+        let mut state = self.lock();
+        let Some(unwritable) = state.as_mut() else {
+            return;
+        };
+        let wait = REOPEN.ceiling(unwritable.reopen_attempts);
+        unwritable.reopen_attempts = unwritable.reopen_attempts.saturating_add(1);
+        unwritable.next_reopen = Instant::now() + wait;
+        match result {
+            Ok(()) => {
+                tracing::info!(
+                    path,
+                    attempt = unwritable.reopen_attempts,
+                    "Reopened the state store after an I/O error"
+                );
+            }
+            Err(reason) => {
+                tracing::warn!(path, attempt = unwritable.reopen_attempts, retry_in = ?wait, error = %reason, "Cannot reopen the state store yet");
+                unwritable.reason = reason;
+            }
+        }
+    }
+
+    /// A write transaction committed: the store is writable (again).
+    pub(super) fn wrote(&self, path: &str) {
+        let mut state = self.lock();
+        if let Some(unwritable) = state.take() {
+            let seconds = (chrono::Utc::now() - unwritable.since).num_seconds();
+            tracing::info!(
+                path,
+                unwritable_for_s = seconds,
+                "The state store can be written again"
+            );
+        }
+        metrics::gauge!("sched_relay_state_store_writable").set(1.0);
+    }
+
+    /// Why the store cannot be written, and since when, while it cannot.
+    pub(super) fn describe(&self) -> Option<String> {
+        self.lock().as_ref().map(|unwritable| {
+            format!(
+                "{} (since {}, {} reopen attempt(s))",
+                unwritable.reason,
+                unwritable
+                    .since
+                    .to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                unwritable.reopen_attempts
+            )
+        })
+    }
+}
+
+/// Opens (or creates) the redb file, through the fault injector when a test gave one.
+pub(super) fn open_database(
+    path: &Path,
+    faults: Option<&Arc<DiskFaults>>,
+) -> Result<Database, redb::DatabaseError> {
+    match faults {
+        None => Database::create(path),
+        Some(faults) => redb::Builder::new().create_with_backend(
+            super::faults::FaultInjectingBackend::open(path, faults.clone())?,
+        ),
+    }
+}

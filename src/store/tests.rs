@@ -1,0 +1,237 @@
+//! The outbox on its own, and on a disk that fills and frees (the in-process fault injector).
+
+use super::*;
+use cloudevents::{EventBuilder, EventBuilderV10};
+
+#[test]
+fn a_request_id_is_seen_once_across_reopening_until_it_expires() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let outbox = Outbox::open(dir.path(), 10, false).unwrap();
+        assert!(outbox.remember_request("r1", 100, 50).unwrap());
+        assert!(!outbox.remember_request("r1", 100, 60).unwrap());
+    }
+    let outbox = Outbox::open(dir.path(), 10, false).unwrap();
+    assert!(
+        !outbox.remember_request("r1", 100, 70).unwrap(),
+        "survives a restart"
+    );
+    // After its keep-until time the id is forgotten (the freshness check covers it).
+    assert!(outbox.remember_request("r2", 300, 200).unwrap());
+    assert!(outbox.remember_request("r1", 400, 201).unwrap());
+}
+
+fn event(id: &str) -> Event {
+    EventBuilderV10::new()
+        .id(id)
+        .source("urn:t")
+        .ty("t")
+        .build()
+        .unwrap()
+        .into()
+}
+
+fn ids(stored: &[Stored]) -> Vec<String> {
+    stored
+        .iter()
+        .map(|s| s.event.as_ref().unwrap().id().to_owned())
+        .collect()
+}
+
+fn processed(document: &Value) -> Processed<'_> {
+    Processed { document, epoch: 0 }
+}
+
+fn sinks(names: &[&str]) -> Vec<String> {
+    names.iter().map(|n| n.to_string()).collect()
+}
+
+#[test]
+fn events_wait_per_sink_in_order_until_removed_and_survive_a_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let document = serde_json::json!({"DocumentIncarnation": 3, "Events": []});
+    {
+        let outbox = Outbox::open(dir.path(), 100, false).unwrap();
+        assert_eq!(outbox.last_document().unwrap(), None);
+        outbox
+            .commit(&sinks(&["a", "b"]), &[event("1"), event("2")], None)
+            .unwrap();
+        outbox
+            .commit(
+                &sinks(&["a", "b"]),
+                &[event("3")],
+                Some(processed(&document)),
+            )
+            .unwrap();
+        let a = outbox.pending("a", 2).unwrap();
+        assert_eq!(ids(&a), ["1", "2"]);
+        outbox.remove("a", &[a[0].seq, a[1].seq]).unwrap();
+    }
+    let outbox = Outbox::open(dir.path(), 100, false).unwrap();
+    assert_eq!(ids(&outbox.pending("a", 10).unwrap()), ["3"]);
+    assert_eq!(ids(&outbox.pending("b", 10).unwrap()), ["1", "2", "3"]);
+    assert_eq!(outbox.last_document().unwrap(), Some(document));
+    assert_eq!(outbox.depth("b").unwrap(), 3);
+}
+
+#[test]
+fn a_full_sink_overflows_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let outbox = Outbox::open(dir.path(), 2, false).unwrap();
+    outbox
+        .commit(&sinks(&["slow"]), &[event("1"), event("2")], None)
+        .unwrap();
+    let overflow = outbox
+        .commit(&sinks(&["slow", "fast"]), &[event("3")], None)
+        .unwrap();
+    assert_eq!(overflow.len(), 1);
+    assert_eq!(overflow[0].0, "slow");
+    assert_eq!(ids(&outbox.pending("fast", 10).unwrap()), ["3"]);
+}
+
+#[test]
+fn a_sink_that_emptied_takes_new_events_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let outbox = Outbox::open(dir.path(), 10, false).unwrap();
+    outbox.commit(&sinks(&["s"]), &[event("1")], None).unwrap();
+    let first = outbox.pending("s", 1).unwrap()[0].seq;
+    outbox.remove("s", &[first]).unwrap();
+    outbox.commit(&sinks(&["s"]), &[event("2")], None).unwrap();
+    // Numbering starts again from 0 in an empty sink: no key can collide.
+    assert_eq!(ids(&outbox.pending("s", 10).unwrap()), ["2"]);
+}
+
+#[test]
+fn a_damaged_store_is_reported_and_fresh_state_moves_it_aside() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join(FILE_NAME),
+        b"this is not a redb file at all, not even close",
+    )
+    .unwrap();
+    let error = Outbox::open(dir.path(), 10, false)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(error.contains("--fresh-state"), "{error}");
+    let outbox = Outbox::open(dir.path(), 10, true).unwrap();
+    assert_eq!(outbox.last_document().unwrap(), None);
+    let moved: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains("set-aside"))
+        .collect();
+    assert_eq!(moved.len(), 1, "the damaged file is kept, not deleted");
+}
+
+/// Retries `operation` every 50 ms for up to 10 s (the store reopens with backoff).
+fn eventually<T>(mut operation: impl FnMut() -> Result<T, StoreError>) -> T {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match operation() {
+            Ok(value) => return value,
+            Err(error) if std::time::Instant::now() > deadline => {
+                panic!("the store did not recover once the disk was freed: {error}")
+            }
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(50)),
+        }
+    }
+}
+
+#[test]
+fn a_full_disk_fails_commits_and_once_freed_the_same_process_commits_again_losing_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let faults = DiskFaults::new();
+    let outbox = Outbox::open_with_faults(dir.path(), 100, faults.clone()).unwrap();
+    let first = serde_json::json!({"DocumentIncarnation": 1, "Events": []});
+    outbox
+        .commit(&sinks(&["a", "b"]), &[event("1")], Some(processed(&first)))
+        .unwrap();
+    assert!(outbox.remember_request("r1", 100, 50).unwrap());
+
+    faults.fill();
+    let during = serde_json::json!({"DocumentIncarnation": 2, "Events": []});
+    for _ in 0..3 {
+        let error = outbox
+            .commit(&sinks(&["a", "b"]), &[event("2")], Some(processed(&during)))
+            .expect_err("a commit on a full disk fails");
+        assert!(matches!(error, StoreError::Io { .. }), "{error}");
+        assert!(outbox.remember_request("r2", 100, 50).is_err());
+    }
+    assert!(faults.refused() > 0, "the fault was hit");
+    assert!(
+        outbox.unwritable().is_some(),
+        "the store says it cannot be written"
+    );
+
+    faults.free();
+    let after = serde_json::json!({"DocumentIncarnation": 3, "Events": []});
+    eventually(|| {
+        outbox.commit(
+            &sinks(&["a", "b"]),
+            &[event("2"), event("3")],
+            Some(processed(&after)),
+        )
+    });
+    assert_eq!(outbox.unwritable(), None, "writable again");
+    assert_eq!(ids(&outbox.pending("a", 10).unwrap()), ["1", "2", "3"]);
+    assert_eq!(outbox.depth("b").unwrap(), 3);
+    assert_eq!(outbox.last_document().unwrap(), Some(after));
+    assert!(
+        outbox.remember_request("r2", 100, 50).unwrap(),
+        "an id whose record failed is new"
+    );
+    assert!(
+        !outbox.remember_request("r1", 100, 50).unwrap(),
+        "ids recorded before the fault are kept"
+    );
+    let a = outbox.pending("a", 1).unwrap();
+    outbox.remove("a", &[a[0].seq]).unwrap();
+    assert_eq!(ids(&outbox.pending("a", 10).unwrap()), ["2", "3"]);
+}
+
+#[test]
+fn a_store_that_recovered_reopens_with_everything_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let faults = DiskFaults::new();
+    {
+        let outbox = Outbox::open_with_faults(dir.path(), 100, faults.clone()).unwrap();
+        outbox.commit(&sinks(&["a"]), &[event("1")], None).unwrap();
+        faults.fill();
+        assert!(outbox.commit(&sinks(&["a"]), &[event("2")], None).is_err());
+        faults.free();
+        eventually(|| outbox.commit(&sinks(&["a"]), &[event("2")], None));
+    }
+    let outbox = Outbox::open(dir.path(), 100, false).unwrap();
+    assert_eq!(ids(&outbox.pending("a", 10).unwrap()), ["1", "2"]);
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(32))]
+
+    /// Whatever the names (prefixes of each other, empty, non-ASCII), every sink with events
+    /// is listed once with its depth, and a move keeps every event, in order.
+    #[test]
+    fn stored_sinks_lists_every_backlog_and_a_move_keeps_every_event_in_order(
+        backlogs in proptest::collection::btree_map("[ab\u{e9}]{0,3}", 1usize..4, 1..6),
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let outbox = Outbox::open(dir.path(), 100, false).unwrap();
+        for (sink, count) in &backlogs {
+            let events: Vec<Event> = (0..*count).map(|n| event(&format!("{sink}/{n}"))).collect();
+            outbox.commit(std::slice::from_ref(sink), &events, None).unwrap();
+        }
+        let expected: Vec<(String, usize)> = backlogs.clone().into_iter().collect();
+        proptest::prop_assert_eq!(outbox.stored_sinks().unwrap(), expected);
+
+        let mut names = backlogs.keys();
+        let from = names.next().unwrap().clone();
+        let to = "target".to_owned();
+        let mut want = ids(&outbox.pending(&to, 100).unwrap());
+        want.extend(ids(&outbox.pending(&from, 100).unwrap()));
+        proptest::prop_assert_eq!(outbox.move_sink(&from, &to).unwrap(), backlogs[&from]);
+        proptest::prop_assert_eq!(ids(&outbox.pending(&to, 100).unwrap()), want);
+        proptest::prop_assert!(outbox.pending(&from, 100).unwrap().is_empty());
+        proptest::prop_assert_eq!(outbox.depth(&to).unwrap(), backlogs[&from]);
+    }
+}

@@ -1,0 +1,375 @@
+//! A full state disk that frees again, with the shipped defaults (1 s polls): an Azure event
+//! that appears and is cancelled while the state store cannot be written must still reach
+//! the sinks, `scheduled` then `cancelled`, once the disk has room, without a restart.
+//!
+//! Two ways: the agent in this process with its store opened through the in-process fault
+//! injector (`store::DiskFaults`), and the real binary with `state.dir` on a small tmpfs that
+//! the test fills and frees (needs root for `mount`; without it the test says so and is
+//! skipped, except under `CI`, where it fails). On the same kind of tmpfs, the file sink's
+//! batch that the full disk cuts short must leave only whole lines.
+
+mod common;
+
+use std::io::Write;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{BINARY, SimProcess, blocking_get, ids, read_events};
+use sched_relay::simulator::{Scenario, Simulator};
+use sched_relay::store::DiskFaults;
+
+const EVENT: &str = "C7061BAC-AFDC-4513-B24B-AA5F13A16123";
+
+/// Nothing for 5 s; then a Freeze appears and Azure cancels it 4 s later.
+const SCENARIO: &str = r#"
+description = "A Freeze that comes and goes while the state disk is full"
+time_scale = 1.0
+
+[[events]]
+id = "C7061BAC-AFDC-4513-B24B-AA5F13A16123"
+type = "Freeze"
+resources = ["WestNO_0"]
+appear_after = "5s"
+notice = "15m"
+cancel_after = "4s"
+"#;
+
+/// The agent's configuration: the shipped defaults, but for where things go.
+fn config(endpoint: &str, state: &Path, events: &Path, listen: Option<u16>) -> String {
+    let telemetry = listen
+        .map(|port| format!("[telemetry]\nlisten = \"127.0.0.1:{port}\"\n"))
+        .unwrap_or_default();
+    format!(
+        r#"
+[imds]
+endpoint = "{endpoint}"
+
+[state]
+dir = "{state}"
+
+[log]
+level = "sched_relay=debug,info"
+
+{telemetry}
+[[sinks]]
+name = "file"
+kind = "file"
+path = "{events}"
+"#,
+        state = state.display(),
+        events = events.display(),
+    )
+}
+
+fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The ids the file sink holds; every line must be one whole event.
+fn delivered(events: &Path) -> Vec<String> {
+    ids(&read_events(events))
+}
+
+/// After the disk was freed: the Freeze's transitions, in order, each once.
+fn assert_the_event_seen_meanwhile_arrived(events: &Path) {
+    let transitions: Vec<String> = delivered(events)
+        .into_iter()
+        .filter(|id| id.starts_with(EVENT))
+        .collect();
+    assert_eq!(
+        transitions,
+        [format!("{EVENT}:scheduled"), format!("{EVENT}:cancelled")],
+        "the transitions seen while the disk was full, with their usual ids"
+    );
+}
+
+async fn readyz(port: u16) -> (u16, String) {
+    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let response = client
+        .get(format!("http://127.0.0.1:{port}/readyz"))
+        .send()
+        .await
+        .unwrap();
+    (response.status().as_u16(), response.text().await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_seen_while_the_state_disk_is_full_is_delivered_once_it_frees_without_a_restart() {
+    let sim = Simulator::start(
+        Scenario::from_toml(SCENARIO).unwrap(),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let events = dir.path().join("events.jsonl");
+    let port = sched_relay_transport::testing::free_port();
+    let path = dir.path().join("agent.toml");
+    std::fs::write(
+        &path,
+        config(&sim.url(), &dir.path().join("state"), &events, Some(port)),
+    )
+    .unwrap();
+    let config = sched_relay::Config::load(Some(&path)).unwrap();
+    let faults = DiskFaults::new();
+    let options = sched_relay::RunOptions {
+        disk_faults: Some(faults.clone()),
+        ..Default::default()
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let agent = tokio::spawn(sched_relay::run(config, options, async {
+        let _ = stopped.await;
+    }));
+
+    let events_path = events.clone();
+    tokio::task::spawn_blocking(move || {
+        wait_for("the first document", Duration::from_secs(20), || {
+            delivered(&events_path).contains(&"document:1".to_owned())
+        })
+    })
+    .await
+    .unwrap();
+    faults.fill();
+    // The Freeze appears (incarnation 2) and is cancelled (3) while the disk is full; give
+    // the agent two polls to see each.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while sim.snapshot().incarnation < 3 {
+        assert!(Instant::now() < deadline, "the scenario did not play");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(faults.refused() > 0, "the agent hit the full disk");
+    assert!(
+        !delivered(&events).iter().any(|id| id.starts_with(EVENT)),
+        "nothing can have been stored while the disk was full"
+    );
+    let (status, body) = readyz(port).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("state store cannot be written"), "{body}");
+
+    faults.free();
+    let events_path = events.clone();
+    tokio::task::spawn_blocking(move || {
+        wait_for("the Freeze's transitions", Duration::from_secs(15), || {
+            delivered(&events_path).contains(&format!("{EVENT}:cancelled"))
+        })
+    })
+    .await
+    .unwrap();
+    assert_the_event_seen_meanwhile_arrived(&events);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (status, body) = readyz(port).await;
+        if status == 200 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "still not ready: {body}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    let _ = stop.send(());
+    agent.await.unwrap().unwrap();
+    sim.stop().await;
+}
+
+/// A tmpfs of `size` mounted on a fresh directory, unmounted on drop.
+struct Tmpfs {
+    dir: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    /// None when this machine does not let the test mount (not root, or in a container
+    /// without the capability).
+    fn mount(size: &str) -> Result<Tmpfs, String> {
+        let dir = tempfile::tempdir().unwrap();
+        let output = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .output()
+            .map_err(|e| format!("cannot run mount: {e}"))?;
+        if !output.status.success() {
+            return Err(format!(
+                "mount -t tmpfs failed ({}): {}",
+                output.status,
+                String::from_utf8_lossy(&output.stderr).trim()
+            ));
+        }
+        Ok(Tmpfs { dir })
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount")
+            .arg("-l")
+            .arg(self.dir.path())
+            .status();
+    }
+}
+
+/// The agent binary, killed if the test fails half-way.
+struct Agent(Child);
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Writes 4 KiB blocks to `filler` until the disk refuses one; returns how much it took.
+fn fill(filler: &Path) -> u64 {
+    let mut file = std::fs::File::create(filler).unwrap();
+    let block = [0xA5u8; 4096];
+    let mut written = 0;
+    loop {
+        match file.write(&block) {
+            Ok(0) => break,
+            Ok(n) => written += n as u64,
+            Err(error) if error.raw_os_error() == Some(28) => break,
+            Err(error) => panic!("filling the disk: {error}"),
+        }
+    }
+    let _ = file.sync_all();
+    written
+}
+
+#[test]
+fn on_a_real_full_tmpfs_the_agent_keeps_what_it_saw_and_delivers_it_once_space_returns() {
+    let disk = match Tmpfs::mount("16m") {
+        Ok(disk) => disk,
+        Err(why) if std::env::var_os("CI").is_some() => {
+            panic!("this test needs to mount a tmpfs (run as root): {why}")
+        }
+        Err(why) => {
+            eprintln!("skipped: this test needs to mount a tmpfs (run as root): {why}");
+            return;
+        }
+    };
+    let work = tempfile::tempdir().unwrap();
+    let scenario = work.path().join("scenario.toml");
+    std::fs::write(&scenario, SCENARIO).unwrap();
+    let sim = SimProcess::start(scenario.to_str().unwrap(), 1.0);
+    // The state and the file sink both on the small disk: the store must recover, and the
+    // file must hold only whole lines.
+    let events = disk.path().join("events.jsonl");
+    let port = sched_relay_transport::testing::free_port();
+    let path = work.path().join("agent.toml");
+    std::fs::write(
+        &path,
+        config(&sim.url, &disk.path().join("state"), &events, Some(port)),
+    )
+    .unwrap();
+    let log = work.path().join("agent.log");
+    let child = Command::new(BINARY)
+        .args(["run", "--config"])
+        .arg(&path)
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("the sched-relay binary starts");
+    let mut agent = Agent(child);
+    let log_text = || std::fs::read_to_string(&log).unwrap_or_default();
+
+    wait_for("the first document", Duration::from_secs(20), || {
+        delivered(&events).contains(&"document:1".to_owned())
+    });
+    let filler = disk.path().join("filler");
+    let taken = fill(&filler);
+    assert!(taken > 0, "the disk was filled");
+    wait_for("the Freeze to come and go", Duration::from_secs(30), || {
+        sim.state()["incarnation"].as_u64().unwrap_or_default() >= 3
+    });
+    std::thread::sleep(Duration::from_millis(2500));
+    assert!(
+        log_text().contains("The state store cannot be written"),
+        "the store hit the full disk:\n{}",
+        log_text()
+    );
+    let (status, body) = blocking_get(&format!("http://127.0.0.1:{port}/readyz"), &[]);
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("state store cannot be written"), "{body}");
+
+    std::fs::remove_file(&filler).unwrap();
+    wait_for("the Freeze's transitions", Duration::from_secs(20), || {
+        delivered(&events).contains(&format!("{EVENT}:cancelled"))
+    });
+    assert_the_event_seen_meanwhile_arrived(&events);
+    wait_for("/readyz to be 200 again", Duration::from_secs(10), || {
+        blocking_get(&format!("http://127.0.0.1:{port}/readyz"), &[]).0 == 200
+    });
+
+    let _ = Command::new("kill")
+        .args(["-TERM", &agent.0.id().to_string()])
+        .status();
+    let status = agent.0.wait().unwrap();
+    assert!(status.success(), "exit {status}:\n{}", log_text());
+    // Every line of the file sink is one whole event (read_events panics otherwise).
+    assert!(read_events(&events).len() >= 4);
+}
+
+#[test]
+fn a_file_sink_batch_cut_short_by_a_full_tmpfs_leaves_only_whole_lines() {
+    use sched_relay_file::{FileSink, FileSinkConfig};
+    use sched_relay_transport::Sink;
+    let disk = match Tmpfs::mount("256k") {
+        Ok(disk) => disk,
+        Err(why) if std::env::var_os("CI").is_some() => {
+            panic!("this test needs to mount a tmpfs (run as root): {why}")
+        }
+        Err(why) => {
+            eprintln!("skipped: this test needs to mount a tmpfs (run as root): {why}");
+            return;
+        }
+    };
+    let path = disk.path().join("events.jsonl");
+    let sink = FileSink::new(FileSinkConfig {
+        path: path.clone(),
+        fsync: true,
+    });
+    let event = |id: String| -> sched_relay_core::Event {
+        use cloudevents::{EventBuilder, EventBuilderV10};
+        EventBuilderV10::new()
+            .id(id)
+            .source("urn:sched-relay:vm:test")
+            .ty("com.azure.scheduledevents.scheduled")
+            .data(
+                "application/json",
+                serde_json::json!({"pad": "x".repeat(900)}),
+            )
+            .build()
+            .unwrap()
+            .into()
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        sink.deliver(&[event("first".into())]).await.unwrap();
+        let before = std::fs::read(&path).unwrap();
+        // About 1 MB: four times the disk, so the write fails part-way.
+        let big: Vec<_> = (0..1000).map(|n| event(format!("big-{n}"))).collect();
+        let error = sink.deliver(&big).await.unwrap_err();
+        assert!(error.is_retriable(), "a full disk may clear: {error}");
+        let after = std::fs::read(&path).unwrap();
+        assert!(
+            after == before,
+            "the file is {} bytes after the failed batch, {} before: not cut back",
+            after.len(),
+            before.len()
+        );
+        sink.deliver(&[event("after".into())]).await.unwrap();
+    });
+    let ids = ids(&read_events(&path));
+    assert_eq!(ids, ["first", "after"]);
+}
