@@ -64,7 +64,7 @@ fn agent(sim: &SimProcess, port: u16, extra: &str) -> AgentProcess {
         &format!("[telemetry]\nlisten = \"127.0.0.1:{port}\"\n{extra}"),
         &[
             ("SCHED_RELAY_IMDS__POLL_INTERVAL", "1s"),
-            ("SCHED_RELAY_IMDS__MAX_BACKOFF", "30s"),
+            ("SCHED_RELAY_IMDS__MAX_BACKOFF", "5s"),
             ("SCHED_RELAY_IMDS__REQUEST_TIMEOUT", "10s"),
             ("SCHED_RELAY_IMDS__FIRST_CALL_TIMEOUT", "150s"),
         ],
