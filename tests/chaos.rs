@@ -40,6 +40,10 @@ struct Edges {
     /// `/metadata/instance/compute` fails at start and later: every event must still name
     /// the VM as instance metadata does.
     compute_failures: bool,
+    /// The agent's state directory is on a small tmpfs that the driver fills for a few
+    /// seconds at a time (never across a kill: a restart while it is full loses what was only
+    /// in memory, as README says).
+    full_disk: bool,
 }
 
 /// A random scenario (TOML) whose phase changes for one event are at least `GAP` apart, so
@@ -156,6 +160,7 @@ fn random_scenario(rng: &mut fastrand::Rng, round: u64) -> (String, Vec<Planned>
     let mut edges = Edges {
         compute_failures: compute_failure,
         long_outage_end_ms,
+        full_disk: rng.u8(0..3) == 0,
         ..Edges::default()
     };
     // One round in three: Azure's numbering starts again from 1 part-way through.
@@ -220,6 +225,7 @@ struct Totals {
     long_outages: usize,
     incarnation_resets: usize,
     compute_failures: usize,
+    disk_fills: usize,
     /// The longest time from a long outage's end to the agent's first good poll.
     worst_detection_ms: u64,
     lost: usize,
@@ -283,11 +289,22 @@ timeout = "2s"
         exchange = topology.exchange,
         kafka = kafka_proxy.address(),
     );
+    let disk = edges.full_disk.then(|| {
+        common::Tmpfs::mount("64m").unwrap_or_else(|why| {
+            panic!("the full-disk fault needs to mount a tmpfs (run as root): {why}")
+        })
+    });
+    let state_dir = disk
+        .as_ref()
+        .map(|disk| disk.path().join("state").display().to_string());
+    let mut env = vec![("SCHED_RELAY_IMDS__MAX_BACKOFF", "5s")];
+    if let Some(dir) = &state_dir {
+        env.push(("SCHED_RELAY_STATE__DIR", dir.as_str()));
+    }
     let sim = SimProcess::start(scenario.to_str().unwrap(), 1.0);
     // Fast polls, so that 2.5 s phases survive kills, but the shipped backoff ceiling, which
     // is what decides how soon a long outage's end is noticed.
-    let mut agent =
-        AgentProcess::start_with_env(&sim.url, &sinks, &[("SCHED_RELAY_IMDS__MAX_BACKOFF", "5s")]);
+    let mut agent = AgentProcess::start_with_env(&sim.url, &sinks, &env);
     let proxies = [&nats_proxy, &rabbit_proxy, &kafka_proxy];
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
@@ -301,7 +318,15 @@ timeout = "2s"
         if over || Instant::now() > deadline {
             break;
         }
-        if rng.bool() {
+        if let Some(disk) = disk.as_ref().filter(|_| rng.u8(0..3) == 0) {
+            // The state disk fills up for a while, then frees: the agent keeps what it sees
+            // in memory and stores it once it can, without a restart.
+            let filler = disk.path().join("filler");
+            tokio::task::block_in_place(|| common::fill(&filler));
+            tokio::time::sleep(Duration::from_millis(rng.u64(1000..4000))).await;
+            std::fs::remove_file(&filler).unwrap();
+            totals.disk_fills += 1;
+        } else if rng.bool() {
             tokio::task::block_in_place(|| {
                 agent.kill9();
                 agent.spawn(&[]);
@@ -479,7 +504,7 @@ async fn random_faults_kills_and_outages_lose_and_invent_nothing() {
         }
     }
     println!(
-        "chaos: seed {seed}: {} rounds, {} documents, {} transitions, {} IMDS fault bursts, {} IMDS outages over 30 s (worst detection after recovery {} ms), {} incarnation resets, {} rounds with failing compute metadata, {} agent kills (-9), {} broker outages, lost = {}, invented = {}",
+        "chaos: seed {seed}: {} rounds, {} documents, {} transitions, {} IMDS fault bursts, {} IMDS outages over 30 s (worst detection after recovery {} ms), {} incarnation resets, {} rounds with failing compute metadata, {} state-disk fills, {} agent kills (-9), {} broker outages, lost = {}, invented = {}",
         totals.rounds,
         totals.documents,
         totals.transitions,
@@ -488,6 +513,7 @@ async fn random_faults_kills_and_outages_lose_and_invent_nothing() {
         totals.worst_detection_ms,
         totals.incarnation_resets,
         totals.compute_failures,
+        totals.disk_fills,
         totals.agent_kills,
         totals.broker_cuts,
         totals.lost,

@@ -10,12 +10,11 @@
 
 mod common;
 
-use std::io::Write;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{BINARY, SimProcess, blocking_get, ids, read_events};
+use common::{BINARY, SimProcess, Tmpfs, blocking_get, fill, ids, read_events};
 use sched_relay::simulator::{Scenario, Simulator};
 use sched_relay::store::DiskFaults;
 
@@ -177,45 +176,6 @@ async fn an_event_seen_while_the_state_disk_is_full_is_delivered_once_it_frees_w
     sim.stop().await;
 }
 
-/// A tmpfs of `size` mounted on a fresh directory, unmounted on drop.
-struct Tmpfs {
-    dir: tempfile::TempDir,
-}
-
-impl Tmpfs {
-    /// None when this machine does not let the test mount (not root, or in a container
-    /// without the capability).
-    fn mount(size: &str) -> Result<Tmpfs, String> {
-        let dir = tempfile::tempdir().unwrap();
-        let output = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-            .arg(dir.path())
-            .output()
-            .map_err(|e| format!("cannot run mount: {e}"))?;
-        if !output.status.success() {
-            return Err(format!(
-                "mount -t tmpfs failed ({}): {}",
-                output.status,
-                String::from_utf8_lossy(&output.stderr).trim()
-            ));
-        }
-        Ok(Tmpfs { dir })
-    }
-
-    fn path(&self) -> &Path {
-        self.dir.path()
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount")
-            .arg("-l")
-            .arg(self.dir.path())
-            .status();
-    }
-}
-
 /// The agent binary, killed if the test fails half-way.
 struct Agent(Child);
 
@@ -224,23 +184,6 @@ impl Drop for Agent {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-/// Writes 4 KiB blocks to `filler` until the disk refuses one; returns how much it took.
-fn fill(filler: &Path) -> u64 {
-    let mut file = std::fs::File::create(filler).unwrap();
-    let block = [0xA5u8; 4096];
-    let mut written = 0;
-    loop {
-        match file.write(&block) {
-            Ok(0) => break,
-            Ok(n) => written += n as u64,
-            Err(error) if error.raw_os_error() == Some(28) => break,
-            Err(error) => panic!("filling the disk: {error}"),
-        }
-    }
-    let _ = file.sync_all();
-    written
 }
 
 #[test]

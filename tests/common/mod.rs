@@ -4,7 +4,7 @@
 
 #![allow(dead_code)] // each test binary uses a different part of this module
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write as _};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -417,4 +417,60 @@ pub fn fixed_imds(body: &'static str) -> (String, std::sync::Arc<std::sync::atom
         }
     });
     (url, served)
+}
+
+/// A tmpfs of `size` mounted on a fresh directory, unmounted on drop.
+pub struct Tmpfs {
+    dir: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    /// An error when this machine does not let the test mount (not root, or in a container
+    /// without the capability).
+    pub fn mount(size: &str) -> Result<Tmpfs, String> {
+        let dir = tempfile::tempdir().unwrap();
+        let output = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .output()
+            .map_err(|e| format!("cannot run mount: {e}"))?;
+        if !output.status.success() {
+            return Err(format!(
+                "mount -t tmpfs failed ({}): {}",
+                output.status,
+                String::from_utf8_lossy(&output.stderr).trim()
+            ));
+        }
+        Ok(Tmpfs { dir })
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount")
+            .arg("-l")
+            .arg(self.dir.path())
+            .status();
+    }
+}
+
+/// Writes 4 KiB blocks to `filler` until the disk refuses one; returns how much it took.
+pub fn fill(filler: &Path) -> u64 {
+    let mut file = std::fs::File::create(filler).unwrap();
+    let block = [0xA5u8; 4096];
+    let mut written = 0;
+    loop {
+        match file.write(&block) {
+            Ok(0) => break,
+            Ok(n) => written += n as u64,
+            Err(error) if error.raw_os_error() == Some(28) => break,
+            Err(error) => panic!("filling the disk: {error}"),
+        }
+    }
+    let _ = file.sync_all();
+    written
 }
