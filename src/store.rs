@@ -34,11 +34,13 @@
 //! (the next document is then diffed against the last one stored, as after any restart).
 
 mod config;
+mod error;
 mod faults;
 mod recovery;
 mod sinks;
 
 pub use config::{StateConfig, check_state_dir};
+pub use error::StoreError;
 pub use faults::DiskFaults;
 use recovery::open_database;
 
@@ -70,28 +72,6 @@ pub use epoch::Processed;
 
 /// The file inside `state.dir`.
 pub const FILE_NAME: &str = "outbox.redb";
-
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    #[error(
-        "the state store {path} cannot be opened: {reason}. If it is damaged, start with \
-         --fresh-state to move it aside and begin afresh (what it holds is then not delivered)"
-    )]
-    Open { path: String, reason: String },
-    #[error("the state store {path} is in use by another process (is the agent running?)")]
-    InUse { path: String },
-    #[error("the state store {path} failed: {reason} (is the disk full or read-only?)")]
-    Io { path: String, reason: String },
-    #[error(
-        "the state store {path} holds an unreadable {what}: {reason}. Start with --fresh-state \
-         to move it aside and begin afresh"
-    )]
-    Corrupt {
-        path: String,
-        what: &'static str,
-        reason: String,
-    },
-}
 
 /// An undelivered event's id and observation time.
 pub type PendingId = (String, Option<chrono::DateTime<chrono::Utc>>);

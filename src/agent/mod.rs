@@ -203,21 +203,22 @@ pub async fn run(
     let mut poller = Poller::new(config, client, factory, fanout, telemetry, latest, previous)
         .with_policy(policy);
     poller.poll_until(shutdown).await;
+    // One deadline for everything that stops, so the agent exits within
+    // delivery.shutdown_timeout (systemd's stop timeout must only be longer).
+    let deadline = tokio::time::Instant::now() + shutdown_timeout;
+    tracing::info!(timeout = ?shutdown_timeout, "Shutting down: stopping approvals, draining sinks");
     let _ = stop.send(true);
     poller.policy = None;
     if let Some(mut task) = policy_task {
         // A POST under way may finish (its outcome is then stored); one that hangs is given up:
         // approving is idempotent, and an unapproved event starts at its NotBefore.
-        if tokio::time::timeout(POLICY_STOP_GRACE, &mut task)
-            .await
-            .is_err()
-        {
+        let grace = deadline.min(tokio::time::Instant::now() + POLICY_STOP_GRACE);
+        if tokio::time::timeout_at(grace, &mut task).await.is_err() {
             task.abort();
         }
     }
-    remote.stop().await;
-    tracing::info!(timeout = ?shutdown_timeout, "Shutting down, draining sinks");
-    poller.fanout.shutdown(shutdown_timeout).await;
+    remote.stop(deadline).await;
+    poller.fanout.shutdown_by(deadline).await;
     tracing::info!("Agent stopped");
     Ok(())
 }

@@ -4,14 +4,10 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use super::Approver;
 use super::config::ApprovalsConfig;
 use crate::sinks::SinkEntry;
-
-/// How long sources get to finish the message they are handling when the agent stops.
-const SOURCE_STOP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why remote approvals could not start.
 #[derive(Debug, thiserror::Error)]
@@ -34,18 +30,41 @@ pub struct RemoteApprovals {
 }
 
 impl RemoteApprovals {
-    /// Lets each source finish the message it is handling, then lets the checker finish.
-    pub async fn stop(self) {
-        for source in self.sources {
-            if tokio::time::timeout(SOURCE_STOP_TIMEOUT, source)
-                .await
-                .is_err()
-            {
-                tracing::warn!("An approval source did not stop in time");
+    /// Lets every source finish the message it is handling, all at once, then lets the
+    /// checker finish; whatever is still running at `deadline` is aborted (a source stuck on
+    /// a broker, a POST that hangs). An aborted source's message was not acknowledged, so its
+    /// broker delivers it again after the restart; approving is idempotent.
+    pub async fn stop(self, deadline: tokio::time::Instant) {
+        let mut sources = self.sources;
+        // They all saw the stop signal at once; this only waits for the last of them.
+        let stopped = tokio::time::timeout_at(deadline, async {
+            for source in sources.iter_mut() {
+                let _ = source.await;
+            }
+        })
+        .await;
+        if stopped.is_err() {
+            let running = sources.iter().filter(|s| !s.is_finished()).count();
+            tracing::warn!(
+                still_running = running,
+                "Approval sources did not stop by the shutdown deadline; aborting them"
+            );
+            for source in &sources {
+                source.abort();
+            }
+            for source in sources {
+                let _ = source.await;
             }
         }
-        if let Some(approver) = self.approver {
-            let _ = approver.await;
+        if let Some(mut approver) = self.approver
+            && tokio::time::timeout_at(deadline, &mut approver)
+                .await
+                .is_err()
+        {
+            tracing::warn!(
+                "The approval checker did not finish by the shutdown deadline; aborting it"
+            );
+            approver.abort();
         }
     }
 }

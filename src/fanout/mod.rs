@@ -230,14 +230,24 @@ impl Fanout {
 
     /// Lets every sink deliver what is stored for at most `timeout`, then stops them. What is
     /// still undelivered stays in the outbox and goes out after the next start.
-    pub async fn shutdown(mut self, timeout: Duration) {
+    pub async fn shutdown(self, timeout: Duration) {
+        self.shutdown_by(tokio::time::Instant::now() + timeout)
+            .await;
+    }
+
+    /// Lets every sink deliver what is stored until `deadline`, then stops them at once: a
+    /// task still inside a delivery (a broker that hangs) is aborted, not waited for, so the
+    /// agent exits within its stop timeout. Nothing is lost: an event leaves the outbox only
+    /// once its sink confirmed it.
+    pub async fn shutdown_by(mut self, deadline: tokio::time::Instant) {
         let _ = self.mode.send(Mode::Drain);
-        let drained = tokio::time::timeout(timeout, async {
+        let drained = tokio::time::timeout_at(deadline, async {
             while self.tasks.join_next().await.is_some() {}
         })
         .await;
         if drained.is_err() {
             let _ = self.mode.send(Mode::Stop);
+            self.tasks.abort_all();
             while self.tasks.join_next().await.is_some() {}
             for name in &self.names {
                 let depth = self.outbox.depth(name).unwrap_or_default();

@@ -1,0 +1,23 @@
+//! Why the state store failed, each case with what to do about it.
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error(
+        "the state store {path} cannot be opened: {reason}. If it is damaged, start with \
+         --fresh-state to move it aside and begin afresh (what it holds is then not delivered)"
+    )]
+    Open { path: String, reason: String },
+    #[error("the state store {path} is in use by another process (is the agent running?)")]
+    InUse { path: String },
+    #[error("the state store {path} failed: {reason} (is the disk full or read-only?)")]
+    Io { path: String, reason: String },
+    #[error(
+        "the state store {path} holds an unreadable {what}: {reason}. Start with --fresh-state \
+         to move it aside and begin afresh"
+    )]
+    Corrupt {
+        path: String,
+        what: &'static str,
+        reason: String,
+    },
+}
