@@ -220,6 +220,9 @@ async fn main() -> ExitCode {
         }
         Command::CheckConfig { config } => match load_config(config.as_deref()) {
             Ok(config) => {
+                for warning in config.warnings() {
+                    eprintln!("config warning: {warning}");
+                }
                 print!("{}", config.to_redacted_toml());
                 ExitCode::SUCCESS
             }

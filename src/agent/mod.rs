@@ -65,6 +65,9 @@ pub async fn run(
     options: RunOptions,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), AgentError> {
+    for warning in config.warnings() {
+        tracing::warn!(key = %warning.path, "Configuration: {}", warning.message);
+    }
     crate::store::check_state_dir(&config.state.dir).map_err(|error| AgentError::StateDir {
         path: config.state.dir.display().to_string(),
         error,

@@ -253,13 +253,28 @@ fn placeholders_other_than_vmname_are_refused() {
     );
 }
 
+fn warnings(text: &str) -> Vec<String> {
+    let config: Config = toml::from_str(text).unwrap();
+    config.warnings().iter().map(|p| p.to_string()).collect()
+}
+
+/// A configuration that ran before an upgrade must keep the agent relaying events after it:
+/// what older releases accepted is warned about (and made safe), not refused.
 #[test]
-fn a_backoff_ceiling_that_could_swallow_a_spot_notice_is_refused() {
-    let found = problems("[imds]\nmax_backoff = \"30s\"\n");
+fn a_backoff_ceiling_that_could_swallow_a_spot_notice_is_warned_about_and_clamped() {
+    let old = "[imds]\nmax_backoff = \"30s\"\n";
+    assert!(problems(old).is_empty(), "{:?}", problems(old));
+    let found = warnings(old);
     assert!(
         found
             .iter()
-            .any(|p| p.contains("imds.max_backoff") && p.contains("30 s eviction notice")),
+            .any(|w| w.contains("imds.max_backoff") && w.contains("5s is used")),
+        "{found:?}"
+    );
+    assert!(warnings("[imds]\nmax_backoff = \"5s\"\n").is_empty());
+    let found = problems("[imds]\nmax_backoff = \"100ms\"\n");
+    assert!(
+        found.iter().any(|p| p.contains("imds.max_backoff")),
         "{found:?}"
     );
     assert!(problems("[imds]\nmax_backoff = \"5s\"\nunready_after = \"30s\"\n").is_empty());
@@ -271,10 +286,10 @@ fn a_backoff_ceiling_that_could_swallow_a_spot_notice_is_refused() {
 }
 
 #[test]
-fn policy_rules_the_api_version_cannot_satisfy_are_refused_naming_the_version_needed() {
-    let found = problems(
-        "[imds]\napi_version = \"2019-01-01\"\n[policy]\napprove_user_initiated = true\napprove_freeze_max_seconds = 9\n",
-    );
+fn policy_rules_the_api_version_cannot_satisfy_are_warned_about_naming_the_version_needed() {
+    let old = "[imds]\napi_version = \"2019-01-01\"\n[policy]\napprove_user_initiated = true\napprove_freeze_max_seconds = 9\n";
+    assert!(problems(old).is_empty());
+    let found = warnings(old);
     assert_eq!(found.len(), 2, "{found:?}");
     assert!(
         found[0].starts_with("policy.approve_user_initiated: ")
@@ -290,7 +305,7 @@ fn policy_rules_the_api_version_cannot_satisfy_are_refused_naming_the_version_ne
         "{found:?}"
     );
     // 2019-08-01 has EventSource but not DurationInSeconds.
-    let found = problems(
+    let found = warnings(
         "[imds]\napi_version = \"2019-08-01\"\n[policy]\napprove_user_initiated = true\napprove_freeze_max_seconds = 9\n",
     );
     assert_eq!(found.len(), 1, "{found:?}");
@@ -300,13 +315,27 @@ fn policy_rules_the_api_version_cannot_satisfy_are_refused_naming_the_version_ne
     );
     // The default api-version serves both; rules that are off need nothing.
     assert!(
-        problems("[policy]\napprove_user_initiated = true\napprove_freeze_max_seconds = 9\n")
+        warnings("[policy]\napprove_user_initiated = true\napprove_freeze_max_seconds = 9\n")
             .is_empty()
     );
     assert!(
-        problems(
+        warnings(
             "[imds]\napi_version = \"2017-03-01\"\n[policy]\napprove_event_types = [\"Preempt\"]\n"
         )
         .is_empty()
     );
+}
+
+#[test]
+fn without_metadata_or_a_configured_name_the_hostname_is_used_and_warned_about() {
+    let found = warnings("[identity]\nfrom_metadata = false\n");
+    assert!(
+        found
+            .iter()
+            .any(|w| w.starts_with("identity.vm_name") && w.contains("hostname")),
+        "{found:?}"
+    );
+    assert!(problems("[identity]\nfrom_metadata = false\n").is_empty());
+    assert!(warnings("[identity]\nfrom_metadata = false\nhostname_fallback = true\n").is_empty());
+    assert!(warnings("[identity]\nfrom_metadata = false\nvm_name = \"vm0\"\n").is_empty());
 }

@@ -26,15 +26,38 @@ impl Config {
         section("delivery", self.delivery.validate());
         section("log", self.log.validate());
         section("approvals", self.approvals.validate(&self.sinks));
-        problems.extend(self.policy_api_version_problems());
         problems.extend(self.http_approvals_problems());
         problems.extend(self.sinks_problems());
         problems
     }
 
+    /// What the agent accepts but an operator should know, one line per key: said by
+    /// `check-config` and logged at WARN when the agent starts. These are not refused, so that
+    /// a configuration that ran before an upgrade keeps the agent relaying events after it.
+    pub fn warnings(&self) -> Vec<ConfigProblem> {
+        let mut warnings = self.policy_api_version_warnings();
+        if self.imds.max_backoff > crate::imds::pacing::MAX_ERROR_BACKOFF {
+            warnings.push(problem(
+                "imds.max_backoff",
+                format!(
+                    "{} is above 5s, the most the agent waits between polls while the metadata service fails (a Spot VM's eviction notice is 30 s): 5s is used; set it to 5s or less",
+                    humantime::format_duration(self.imds.max_backoff)
+                ),
+            ));
+        }
+        let identity = &self.identity;
+        if !identity.from_metadata && identity.vm_name.is_none() && !identity.hostname_fallback {
+            warnings.push(problem(
+                "identity.vm_name",
+                "is not set and from_metadata = false: the hostname names this VM, which on a scale set is not the name in Resources (vmss000001, not vmss_1); set vm_name, or hostname_fallback = true to say the hostname is right",
+            ));
+        }
+        warnings
+    }
+
     /// A policy rule that reads a field the configured api-version does not return would
-    /// silently never fire: refuse it, naming the version that has the field.
-    fn policy_api_version_problems(&self) -> Vec<ConfigProblem> {
+    /// silently never fire: say so, naming the version that has the field.
+    fn policy_api_version_warnings(&self) -> Vec<ConfigProblem> {
         let version = self.imds.api_version.as_str();
         // A malformed version is reported by [imds] itself.
         if !crate::imds::is_api_version(version) {
@@ -61,7 +84,7 @@ impl Config {
                 problem(
                     format!("policy.{key}"),
                     format!(
-                        "needs {field}, which imds.api_version {version} does not return, so the rule would never fire; set imds.api_version to {since} or later, or remove policy.{key}"
+                        "needs {field}, which imds.api_version {version} does not return, so the rule never fires; set imds.api_version to {since} or later, or remove policy.{key}"
                     ),
                 )
             })

@@ -7,7 +7,6 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::DEFAULT_LEASE_PATHS;
-use super::pacing::MAX_ERROR_BACKOFF;
 
 /// The metadata service allows about 5 requests per second per VM.
 pub const MIN_POLL_INTERVAL: Duration = Duration::from_millis(200);
@@ -69,7 +68,7 @@ fn default_first_call_timeout() -> Duration {
     Duration::from_secs(150)
 }
 fn default_max_backoff() -> Duration {
-    MAX_ERROR_BACKOFF
+    super::pacing::MAX_ERROR_BACKOFF
 }
 fn default_unready_after() -> Duration {
     Duration::from_secs(10)
@@ -123,11 +122,13 @@ impl ImdsConfig {
                     .into(),
             );
         }
-        if self.max_backoff < MIN_POLL_INTERVAL || self.max_backoff > MAX_ERROR_BACKOFF {
+        // Above 5 s it is clamped with a warning (Config::warnings), so that a configuration
+        // written for an older release still runs.
+        if self.max_backoff < MIN_POLL_INTERVAL {
             push(
                 "max_backoff",
                 format!(
-                    "{} is outside 200ms..5s: a longer wait after an outage can swallow a Spot VM's 30 s eviction notice",
+                    "{} is below 200ms, faster than the service's 5 requests/s",
                     humantime::format_duration(self.max_backoff)
                 ),
             );

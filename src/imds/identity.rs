@@ -76,14 +76,8 @@ impl IdentityConfig {
                 ));
             }
         }
-        if !self.from_metadata && self.vm_name.is_none() && !self.hostname_fallback {
-            problems.push((
-                "vm_name".to_owned(),
-                "is needed with from_metadata = false: nothing else names this VM (set it to the \
-                 name Azure lists in Resources, or set hostname_fallback = true if the hostname is that name)"
-                    .to_owned(),
-            ));
-        }
+        // from_metadata = false without vm_name names the VM by its hostname, as before
+        // hostname_fallback existed: a warning (Config::warnings), not a refusal.
         problems
     }
 }
@@ -186,7 +180,8 @@ impl IdentityResolver {
     }
 
     /// `identity`, named by the hostname if it has no name yet (only reached when allowed:
-    /// `hostname_fallback`, which validation requires when nothing else can name the VM).
+    /// `hostname_fallback`, or `from_metadata = false` without `vm_name`, which
+    /// `Config::warnings` points out).
     fn or_hostname(&self, mut identity: Identity, origin: Origin) -> (Identity, Origin) {
         if !identity.name.is_empty() {
             return (identity, origin);
@@ -258,27 +253,5 @@ mod tests {
     fn a_kept_identity_without_a_name_is_refused() {
         let error = identity_from_json(&serde_json::json!({"vm_id": "x"})).unwrap_err();
         assert!(error.contains("name"), "{error}");
-    }
-
-    #[test]
-    fn without_metadata_the_name_must_be_configured_unless_the_hostname_may_be_used() {
-        let config = IdentityConfig {
-            from_metadata: false,
-            ..Default::default()
-        };
-        let problems = config.validate();
-        assert_eq!(problems.len(), 1, "{problems:?}");
-        assert_eq!(problems[0].0, "vm_name");
-        assert!(problems[0].1.contains("hostname_fallback"), "{problems:?}");
-        let fallback = IdentityConfig {
-            hostname_fallback: true,
-            ..config.clone()
-        };
-        assert!(fallback.validate().is_empty());
-        let named = IdentityConfig {
-            vm_name: Some("FrontEnd_IN_0".into()),
-            ..config
-        };
-        assert!(named.validate().is_empty());
     }
 }
