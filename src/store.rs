@@ -46,7 +46,7 @@ use recovery::open_database;
 
 mod meta;
 
-pub use meta::IDENTITY;
+pub use meta::{IDENTITY, IMDS_ANSWERED};
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};

@@ -236,3 +236,47 @@ fn a_refused_document_is_reported_once_counted_every_poll_and_named_in_readyz() 
         .unwrap_or_default();
     assert!(counted >= 12.0, "{metrics}");
 }
+
+/// A metadata service that hangs instead of failing (requests accepted, never answered),
+/// with the agent killed and restarted in the middle: the restart must not fall back to the
+/// 150 s first-call timeout, and a poll hung across the recovery costs at most
+/// `imds.request_timeout` (5 s), so a Preempt that appears then is still seen in time.
+#[test]
+fn a_hanging_service_across_a_restart_is_noticed_within_six_seconds_of_recovery() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = scenario(
+        &dir,
+        r#"
+[[faults]]
+kind = "delay"
+delay = "120s"
+after = "4s"
+lasting = "30s"
+
+[[events]]
+id = "spot"
+type = "Preempt"
+resources = ["WestNO_0"]
+appear_after = "34s"
+notice = "30s"
+"#,
+    );
+    let sim = SimProcess::start(&path, 1.0);
+    let mut agent = AgentProcess::start_on_defaults(&sim.url, "");
+    agent.wait_for_document(1, Duration::from_secs(5));
+    std::thread::sleep(Duration::from_secs(8));
+    agent.kill9();
+    agent.spawn(&[]);
+    let events = agent.wait_for_id("spot:scheduled", Duration::from_secs(60));
+    let requests = sim.requests();
+    let seen_at = first_good_get_after(&requests, 34_000).expect("a good poll after the hang");
+    let delay = seen_at - 34_000;
+    eprintln!("hang of 30 s with a restart: the Preempt was seen {delay} ms after recovery");
+    assert!(
+        delay <= DETECTION_GOAL_MS,
+        "seen {delay} ms after recovery, goal {DETECTION_GOAL_MS} ms:\n{}",
+        agent.log()
+    );
+    let scheduled = events.iter().find(|e| e["id"] == "spot:scheduled").unwrap();
+    assert_eq!(scheduled["eventstatus"], "Scheduled");
+}

@@ -27,6 +27,9 @@ use crate::store::{DiskFaults, Outbox, StoreError};
 use local_policy::LocalPolicy;
 use poller::Poller;
 
+/// How long the metadata service stays enabled after a request, with a margin (Azure: 24 h).
+const IMDS_ENABLED_FOR: i64 = 23 * 3600;
+
 /// How long a local-policy POST under way at shutdown may take to finish.
 const POLICY_STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -119,6 +122,16 @@ pub async fn run(
         },
     };
     let previous = (previous, outbox.last_epoch()?);
+    // The service stays enabled for a day after a request: if it answered this agent within
+    // that day, the first poll after a restart needs no long first-call timeout.
+    let answered_at = outbox
+        .meta(crate::store::IMDS_ANSWERED)
+        .ok()
+        .flatten()
+        .and_then(|value| value.as_i64());
+    if answered_at.is_some_and(|at| chrono::Utc::now().timestamp() - at < IMDS_ENABLED_FOR) {
+        client.assume_enabled();
+    }
     // A renamed or removed sink leaves a backlog nothing delivers: say so, once.
     let configured: Vec<String> = config.sinks.iter().map(|s| s.name.clone()).collect();
     let orphaned = crate::orphans::find(&outbox, &configured)?;

@@ -102,6 +102,7 @@ impl Poller {
         let mut failing_since: Option<Instant> = None;
         let mut alerted = false;
         let mut policy_fed = false;
+        let mut answer_recorded = false;
         // The last refused document's reason: said once at WARN, not once per poll.
         let mut refusal: Option<String> = None;
         loop {
@@ -123,6 +124,10 @@ impl Poller {
                     alerted = false;
                     refusal = None;
                     self.telemetry.imds.answered();
+                    if !answer_recorded {
+                        answer_recorded = true;
+                        self.record_answer();
+                    }
                     self.note_odd_fields(parsed.document.incarnation, &parsed.warnings);
                     self.share(&parsed.document);
                     metrics::gauge!("sched_relay_imds_last_success_timestamp_seconds")
@@ -194,6 +199,18 @@ impl Poller {
                 }
             }
         }
+    }
+
+    /// Remembers in the store, once per start and off the runtime, that the service answers:
+    /// a restart within the day then needs no long first call (see `run`).
+    fn record_answer(&self) {
+        let outbox = self.fanout.publisher().outbox().clone();
+        tokio::task::spawn_blocking(move || {
+            let now = serde_json::json!(Utc::now().timestamp());
+            if let Err(error) = outbox.set_meta(crate::store::IMDS_ANSWERED, &now) {
+                tracing::debug!(error = %error, "Cannot note that the metadata service answers");
+            }
+        });
     }
 
     /// `sched_relay_document_events{event_type, status}`: how many events of each kind the

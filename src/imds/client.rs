@@ -159,6 +159,18 @@ impl ImdsClient {
         format!("{base}{path}?api-version={api_version}")
     }
 
+    /// The service is known to be enabled (it answered this agent within the last day, as the
+    /// state store remembers): no request needs the long first-call timeout. Without this, an
+    /// agent restarted during an outage would wait `first_call_timeout` on every poll.
+    pub fn assume_enabled(&self) {
+        self.answered.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the service has answered a Scheduled Events request of this client.
+    pub fn has_answered(&self) -> bool {
+        self.answered.load(Ordering::Relaxed)
+    }
+
     /// Scheduled Events requests wait long until the service has answered once (the first
     /// call enables it); anything else, and everything after, uses the normal timeout.
     fn scheduled_events_timeout(&self) -> Duration {

@@ -61,8 +61,10 @@ fn default_api_version() -> String {
 fn default_poll_interval() -> Duration {
     Duration::from_secs(1)
 }
+/// A poll that hangs across the service's recovery costs at most this (the retry follows at
+/// once), so it is part of the detection delay after an outage: poll interval + 5 s.
 fn default_request_timeout() -> Duration {
-    Duration::from_secs(10)
+    Duration::from_secs(5)
 }
 fn default_first_call_timeout() -> Duration {
     Duration::from_secs(150)

@@ -9,6 +9,9 @@ use super::{Access, META, Outbox, StoreError};
 
 /// The VM identity instance metadata last answered.
 pub const IDENTITY: &str = "identity";
+/// When the metadata service last answered (Unix seconds, written once per start): it stays
+/// enabled for a day after a request, so a restart within that day needs no long first call.
+pub const IMDS_ANSWERED: &str = "imds_answered";
 
 impl Outbox {
     /// The value kept under `key`, if any.
