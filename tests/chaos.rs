@@ -325,6 +325,9 @@ timeout = "2s"
             tokio::task::block_in_place(|| common::fill(&filler));
             tokio::time::sleep(Duration::from_millis(rng.u64(1000..4000))).await;
             std::fs::remove_file(&filler).unwrap();
+            // The store notices within a second (its reopen backoff); a kill before then
+            // would lose what was only in memory, the documented limit of a full disk.
+            tokio::time::sleep(Duration::from_millis(2500)).await;
             totals.disk_fills += 1;
         } else if rng.bool() {
             tokio::task::block_in_place(|| {

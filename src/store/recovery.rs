@@ -14,9 +14,11 @@ use redb::Database;
 use super::DiskFaults;
 use crate::retry::Backoff;
 
-/// Waits between attempts to reopen: the first at once, then 250 ms doubling to 5 s, so space
-/// that comes back is used within seconds while a disk that stays full costs little.
-const REOPEN: Backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(5));
+/// Waits between attempts to reopen: the first at once, then 250 ms doubling to 1 s, so space
+/// that comes back is used within a second (what the poller keeps in memory until then is lost
+/// by a restart; the chaos driver found a kill 1-5 s after the disk freed losing it) while a
+/// disk that stays full costs one open a second.
+const REOPEN: Backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(1));
 
 /// The store's writability, shared by every user of the outbox.
 #[derive(Debug, Default)]
@@ -74,16 +76,26 @@ impl Health {
         let wait = REOPEN.ceiling(unwritable.reopen_attempts);
         unwritable.reopen_attempts = unwritable.reopen_attempts.saturating_add(1);
         unwritable.next_reopen = Instant::now() + wait;
+        // While the disk stays full this runs once a second: said once, then at DEBUG (the
+        // ERROR when it began and the INFO when it ends bracket the outage).
+        let first = unwritable.reopen_attempts == 1;
         match result {
+            Ok(()) if first => {
+                tracing::info!(path, "Reopened the state store after an I/O error");
+            }
             Ok(()) => {
-                tracing::info!(
+                tracing::debug!(
                     path,
                     attempt = unwritable.reopen_attempts,
                     "Reopened the state store after an I/O error"
                 );
             }
             Err(reason) => {
-                tracing::warn!(path, attempt = unwritable.reopen_attempts, retry_in = ?wait, error = %reason, "Cannot reopen the state store yet");
+                if first {
+                    tracing::warn!(path, retry_in = ?wait, error = %reason, "Cannot reopen the state store yet (retried every second, logged at DEBUG from now on)");
+                } else {
+                    tracing::debug!(path, attempt = unwritable.reopen_attempts, error = %reason, "Cannot reopen the state store yet");
+                }
                 unwritable.reason = reason;
             }
         }
