@@ -61,9 +61,16 @@ pub async fn serve(
 }
 
 async fn readyz(State(telemetry): State<Arc<Telemetry>>) -> Response {
-    match telemetry.readiness() {
-        Ok(body) => (StatusCode::OK, axum::Json(body)).into_response(),
-        Err(body) => (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response(),
+    // Readiness reads the store (each sink's depth), which can wait on a commit's fsync or a
+    // reopen after an I/O error: off the async threads, so a probe never stalls polling.
+    match tokio::task::spawn_blocking(move || telemetry.readiness()).await {
+        Ok(Ok(body)) => (StatusCode::OK, axum::Json(body)).into_response(),
+        Ok(Err(body)) => (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response(),
+        Err(error) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("readiness failed: {error}"),
+        )
+            .into_response(),
     }
 }
 

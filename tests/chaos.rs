@@ -289,11 +289,17 @@ timeout = "2s"
         exchange = topology.exchange,
         kafka = kafka_proxy.address(),
     );
-    let disk = edges.full_disk.then(|| {
-        common::Tmpfs::mount("64m").unwrap_or_else(|why| {
+    let disk = match edges.full_disk.then(|| common::Tmpfs::mount("64m")) {
+        None => None,
+        Some(Ok(disk)) => Some(disk),
+        Some(Err(why)) if std::env::var_os("CI").is_some() => {
             panic!("the full-disk fault needs to mount a tmpfs (run as root): {why}")
-        })
-    });
+        }
+        Some(Err(why)) => {
+            eprintln!("chaos: no full-disk fault this round (mounting a tmpfs needs root): {why}");
+            None
+        }
+    };
     let state_dir = disk
         .as_ref()
         .map(|disk| disk.path().join("state").display().to_string());

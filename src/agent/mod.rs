@@ -219,6 +219,9 @@ pub async fn run(
     let mut poller = Poller::new(config, client, factory, fanout, telemetry, latest, previous)
         .with_policy(policy);
     poller.poll_until(shutdown).await;
+    // Transitions seen while the store could not be written live only in memory: one last
+    // try, then name each one, so a restart to "fix" a full disk never loses them silently.
+    poller.store_unstored_at_exit().await;
     // One deadline for everything that stops, so the agent exits within
     // delivery.shutdown_timeout (systemd's stop timeout must only be longer).
     let deadline = tokio::time::Instant::now() + shutdown_timeout;

@@ -201,6 +201,31 @@ impl Poller {
         }
     }
 
+    /// At exit: stores what is still held in memory if the store takes it now, else logs every
+    /// such event whole at ERROR (the next start diffs against the last stored document, so
+    /// their net effect is reported again, but not each step).
+    pub(super) async fn store_unstored_at_exit(&mut self) {
+        if self.unstored.is_empty() {
+            return;
+        }
+        let processed = self
+            .previous
+            .as_ref()
+            .map(|document| crate::store::Processed {
+                document: &document.raw,
+                epoch: self.epoch,
+            });
+        match self.fanout.publish(&self.unstored, processed).await {
+            Ok(()) => self.unstored.clear(),
+            Err(error) => {
+                for event in self.unstored.drain(..) {
+                    let text = serde_json::to_string(&event).unwrap_or_default();
+                    tracing::error!(id = %event.id(), event = %text, error = %error, "Stopping with a transition the state store never took; it is not delivered (the next start reports the net change)");
+                }
+            }
+        }
+    }
+
     /// Remembers in the store, once per start and off the runtime, that the service answers:
     /// a restart within the day then needs no long first call (see `run`).
     fn record_answer(&self) {

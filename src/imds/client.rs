@@ -302,6 +302,9 @@ impl ImdsClient {
                 .get(header::RETRY_AFTER)
                 .and_then(|value| value.to_str().ok())
                 .and_then(sched_relay_transport::parse_retry_after);
+            if let Some(wait) = retry_after {
+                self.pacer.throttled(wait);
+            }
             return Err(ImdsError::Throttled {
                 url: url.to_owned(),
                 retry_after,

@@ -17,8 +17,9 @@ use tokio::time::Instant;
 use super::ImdsError;
 use crate::retry::Backoff;
 
-/// The least time between two requests of this process to the metadata service.
-pub const MIN_REQUEST_SPACING: Duration = Duration::from_millis(200);
+/// The least time between two requests of this process to the metadata service: a little over
+/// 200 ms, so that no second holds more than 5 even with the endpoints of a window counted.
+pub const MIN_REQUEST_SPACING: Duration = Duration::from_millis(210);
 /// The longest wait between two polls while the service fails (the `imds.max_backoff` bound).
 pub const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(5);
 /// The longest wait a throttled service (429) can impose, however long its `Retry-After`:
@@ -59,22 +60,40 @@ pub fn error_wait(
 #[derive(Debug)]
 pub struct Pacer {
     next: tokio::sync::Mutex<Option<Instant>>,
+    /// A throttled service's `Retry-After`: no request of this client goes out before it
+    /// (polls, approval POSTs and identity alike).
+    throttled_until: std::sync::Mutex<Option<Instant>>,
 }
 
 impl Pacer {
     pub fn new() -> Pacer {
         Pacer {
             next: tokio::sync::Mutex::new(None),
+            throttled_until: std::sync::Mutex::new(None),
         }
     }
 
     /// Waits for this request's turn.
     pub async fn turn(&self) {
         let mut next = self.next.lock().await;
-        if let Some(at) = *next {
+        let throttled = *self
+            .throttled_until
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(at) = next.max(throttled) {
             tokio::time::sleep_until(at).await;
         }
         *next = Some(Instant::now() + MIN_REQUEST_SPACING);
+    }
+
+    /// The service answered 429 and asked for `retry_after` (at most [`MAX_THROTTLED_WAIT`]).
+    pub fn throttled(&self, retry_after: Duration) {
+        let until = Instant::now() + retry_after.min(MAX_THROTTLED_WAIT);
+        let mut throttled = self
+            .throttled_until
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        *throttled = (*throttled).max(Some(until));
     }
 }
 
@@ -151,6 +170,20 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_retry_after_holds_back_every_request_of_the_client() {
+        let pacer = Pacer::new();
+        pacer.turn().await;
+        let start = Instant::now();
+        pacer.throttled(Duration::from_secs(4));
+        pacer.turn().await;
+        assert!(Instant::now() - start >= Duration::from_secs(4));
+        pacer.throttled(Duration::from_secs(600));
+        let start = Instant::now();
+        pacer.turn().await;
+        assert_eq!(Instant::now() - start, MAX_THROTTLED_WAIT);
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn requests_are_spaced_so_no_second_holds_more_than_five() {
         let pacer = Pacer::new();
         let start = Instant::now();
@@ -165,7 +198,7 @@ mod tests {
         for (i, first) in at.iter().enumerate() {
             let within = at[i..]
                 .iter()
-                .take_while(|t| **t < *first + Duration::from_secs(1))
+                .take_while(|t| **t <= *first + Duration::from_secs(1))
                 .count();
             assert!(
                 within <= 5,
