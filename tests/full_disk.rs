@@ -316,3 +316,81 @@ fn a_file_sink_batch_cut_short_by_a_full_tmpfs_leaves_only_whole_lines() {
     let ids = ids(&read_events(&path));
     assert_eq!(ids, ["first", "after"]);
 }
+
+/// A user-initiated Reboot that appears while the state disk is full is approved all the same
+/// (an approval needs the metadata service, not the store), and its outcome is delivered once
+/// the disk frees. In-process, through the fault injector, on the shipped `[imds]` defaults.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_policy_approves_while_the_state_disk_is_full_and_reports_it_once_it_frees() {
+    const REBOOT: &str = "5a4e3e9a-6c7f-4a32-9d8e-0000000000f1";
+    let scenario = format!(
+        "[[events]]\nid = \"{REBOOT}\"\ntype = \"Reboot\"\nsource = \"User\"\nresources = [\"WestNO_0\"]\nappear_after = \"5s\"\nnotice = \"15m\"\nstarted_for = \"1h\"\n"
+    );
+    let sim = Simulator::start(
+        Scenario::from_toml(&scenario).unwrap(),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let events = dir.path().join("events.jsonl");
+    let path = dir.path().join("agent.toml");
+    let text = config(&sim.url(), &dir.path().join("state"), &events, None)
+        + "\n[policy]\napprove_user_initiated = true\n";
+    std::fs::write(&path, text).unwrap();
+    let config = sched_relay::Config::load(Some(&path)).unwrap();
+    let faults = DiskFaults::new();
+    let options = sched_relay::RunOptions {
+        disk_faults: Some(faults.clone()),
+        ..Default::default()
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let agent = tokio::spawn(sched_relay::run(config, options, async {
+        let _ = stopped.await;
+    }));
+    let events_path = events.clone();
+    tokio::task::spawn_blocking(move || {
+        wait_for("the first document", Duration::from_secs(20), || {
+            delivered(&events_path).contains(&"document:1".to_owned())
+        })
+    })
+    .await
+    .unwrap();
+    faults.fill();
+    // The Reboot appears at 5 s; the approval goes out while nothing can be stored.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !sim
+        .requests()
+        .iter()
+        .any(|r| r.method == "POST" && r.status == Some(200))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "no approval while the disk was full"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(faults.refused() > 0, "the agent hit the full disk");
+    assert!(
+        !delivered(&events).iter().any(|id| id.contains(REBOOT)),
+        "nothing can have been stored while the disk was full"
+    );
+    faults.free();
+    let events_path = events.clone();
+    tokio::task::spawn_blocking(move || {
+        wait_for(
+            "the approval's outcome and the transitions",
+            Duration::from_secs(15),
+            || {
+                let ids = delivered(&events_path);
+                ids.contains(&format!("policy:{REBOOT}:accepted"))
+                    && ids.contains(&format!("{REBOOT}:scheduled"))
+            },
+        )
+    })
+    .await
+    .unwrap();
+    let _ = stop.send(());
+    agent.await.unwrap().unwrap();
+    sim.stop().await;
+}

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::Utc;
+use cloudevents::AttributesReader;
 use sched_relay_core::document::{Document, EventStatus, ScheduledEvent};
 use sched_relay_core::event::{ApprovalOutcome, EventFactory, Outcome};
 use sched_relay_core::policy::{self, Decision, PolicyConfig};
@@ -59,7 +60,13 @@ pub(super) struct LocalPolicy {
     publisher: Publisher,
     dry_run: bool,
     approvals: HashMap<String, Approval>,
+    /// Outcome events the state store did not take (a full disk): stored with the next ones,
+    /// or on their own at least every [`OUTCOME_RETRY`].
+    unpublished: Vec<sched_relay_core::Event>,
 }
+
+/// How often outcome events the state store refused are offered to it again.
+const OUTCOME_RETRY: Duration = Duration::from_secs(1);
 
 impl LocalPolicy {
     pub(super) fn new(
@@ -76,6 +83,7 @@ impl LocalPolicy {
             publisher,
             dry_run,
             approvals: HashMap::new(),
+            unpublished: Vec::new(),
         }
     }
 
@@ -92,9 +100,16 @@ impl LocalPolicy {
                     Approval::Done => None,
                 })
                 .min();
+            let next_retry = match self.unpublished.is_empty() {
+                true => next_retry,
+                false => Some(next_retry.map_or(Instant::now() + OUTCOME_RETRY, |at| {
+                    at.min(Instant::now() + OUTCOME_RETRY)
+                })),
+            };
             let judge_all = tokio::select! {
                 changed = documents.changed() => {
                     if changed.is_err() {
+                        self.stop().await;
                         return;
                     }
                     true
@@ -154,11 +169,29 @@ impl LocalPolicy {
                 }
             }
         }
+        let mut outcomes = std::mem::take(&mut self.unpublished)
+            .into_iter()
+            .chain(outcomes)
+            .collect::<Vec<_>>();
         if outcomes.is_empty() {
             return;
         }
         if let Err(error) = self.publisher.publish(&outcomes, None).await {
-            tracing::error!(error = %error, "Cannot store the outcome events of local-policy approvals");
+            tracing::warn!(error = %error, count = outcomes.len(), "Cannot store the outcome events of local-policy approvals yet; keeping them to store once the state store takes them");
+            self.unpublished.append(&mut outcomes);
+        }
+    }
+
+    /// At exit: outcomes the store never took get one more try, then are logged whole.
+    async fn stop(&mut self) {
+        if self.unpublished.is_empty() {
+            return;
+        }
+        if let Err(error) = self.publisher.publish(&self.unpublished, None).await {
+            for event in self.unpublished.drain(..) {
+                let text = serde_json::to_string(&event).unwrap_or_default();
+                tracing::error!(id = %event.id(), event = %text, error = %error, "Stopping with an approval outcome the state store never took; it is not delivered");
+            }
         }
     }
 

@@ -55,6 +55,8 @@ pub(super) struct Poller {
     /// tries to store them again, and the first commit that succeeds carries them all, with
     /// the ids they were derived with.
     pub(super) unstored: Vec<sched_relay_core::Event>,
+    /// Counts the documents `previous` has been: local policy is fed each one once.
+    pub(super) generation: u64,
 }
 
 impl Poller {
@@ -82,6 +84,7 @@ impl Poller {
             document_gauges: Vec::new(),
             warned: None,
             unstored: Vec::new(),
+            generation: 0,
         }
     }
 
@@ -102,6 +105,7 @@ impl Poller {
         let mut failing_since: Option<Instant> = None;
         let mut alerted = false;
         let mut policy_fed = false;
+        let mut policy_generation = self.generation;
         let mut answer_recorded = false;
         // The last refused document's reason: said once at WARN, not once per poll.
         let mut refusal: Option<String> = None;
@@ -134,19 +138,22 @@ impl Poller {
                         .set(Utc::now().timestamp() as f64);
                     // Ready once a fetched document is processed (its events stored): not when
                     // its commit failed, even if the stored one has the same incarnation.
-                    if let Some(new_document) = self.on_document(parsed.document).await
-                        && let Some(previous) = &self.previous
-                    {
+                    if self.on_document(parsed.document).await.is_some() {
                         self.telemetry
                             .first_poll_done
                             .store(true, std::sync::atomic::Ordering::Relaxed);
-                        // Local policy judges the first document after start in full (an
-                        // event stored before a restart is approved too), then each new one.
-                        if new_document || !policy_fed {
-                            policy_fed = true;
-                            if let Some(policy) = &self.policy {
-                                policy.send_replace(Some(Arc::new(previous.clone())));
-                            }
+                    }
+                    // Local policy judges the first document after start in full (an event
+                    // stored before a restart is approved too), then each new one, stored or
+                    // not: an approval needs the metadata service, not the state store, and a
+                    // full disk must not cost a user's early start.
+                    if (self.generation != policy_generation || !policy_fed)
+                        && let Some(previous) = &self.previous
+                    {
+                        policy_fed = true;
+                        policy_generation = self.generation;
+                        if let Some(policy) = &self.policy {
+                            policy.send_replace(Some(Arc::new(previous.clone())));
                         }
                     }
                     interval
@@ -349,6 +356,7 @@ impl Poller {
             self.client.forget_accepted(present);
             self.epoch = epoch;
             self.previous = Some(document.clone());
+            self.generation += 1;
         }
         let processed = crate::store::Processed {
             document: &document.raw,
