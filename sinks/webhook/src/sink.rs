@@ -164,6 +164,41 @@ impl WebhookSink {
     }
 }
 
+/// The proxy the environment names for `url`, as reqwest's default client reads it
+/// (`HTTPS_PROXY`/`HTTP_PROXY`, then `ALL_PROXY`, either case), unless `NO_PROXY` lists the
+/// host (`*`, the host itself, or a domain it is in).
+fn proxy_for(url: &url::Url, env: impl Fn(&str) -> Option<String>) -> Option<url::Url> {
+    let var = |names: &[&str]| {
+        names
+            .iter()
+            .find_map(|name| env(name).filter(|v| !v.trim().is_empty()))
+    };
+    let names: &[&str] = if url.scheme() == "https" {
+        &["HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"]
+    } else {
+        &["HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"]
+    };
+    let proxy = var(names)?;
+    let host = url.host_str().unwrap_or_default().to_ascii_lowercase();
+    let bypassed = var(&["NO_PROXY", "no_proxy"]).is_some_and(|list| {
+        list.split(',')
+            .map(|entry| entry.trim().to_ascii_lowercase())
+            .any(|entry| {
+                let domain = entry.trim_start_matches('.');
+                entry == "*"
+                    || (!domain.is_empty()
+                        && (host == domain || host.ends_with(&format!(".{domain}"))))
+            })
+    });
+    if bypassed {
+        return None;
+    }
+    url::Url::parse(&proxy)
+        .ok()
+        .filter(|parsed| parsed.has_host())
+        .or_else(|| url::Url::parse(&format!("http://{proxy}")).ok())
+}
+
 /// The TLS client settings of deliveries and health checks: the platform's trust store (as
 /// reqwest uses it), plus the PEM certificates of `ca_file`, HTTP/1.1 only.
 fn tls_config(
@@ -248,32 +283,48 @@ impl Sink for WebhookSink {
         // and, over HTTPS, completes a TLS handshake that a delivery would accept.
         let url = url::Url::parse(&self.config.url)
             .map_err(|e| SinkError::Permanent(format!("url: {e}")))?;
-        let host = url.host_str().unwrap_or_default().to_owned();
-        let port = url.port_or_known_default().unwrap_or(443);
+        // Deliveries go through the proxy the environment names (reqwest reads HTTPS_PROXY and
+        // friends): then the probe can only check that the proxy accepts a connection.
+        let proxy = proxy_for(&url, |name| std::env::var(name).ok());
+        let target = proxy.as_ref().unwrap_or(&url);
+        let host = target.host_str().unwrap_or_default().to_owned();
+        let port = target.port_or_known_default().unwrap_or(443);
         let connect = tokio::net::lookup_host((host.as_str(), port));
-        let mut addresses = tokio::time::timeout(self.config.timeout, connect)
-            .await
-            .map_err(|_| {
-                SinkError::Retriable(format!(
-                    "cannot resolve {host} within {:?}",
-                    self.config.timeout
-                ))
-            })?
-            .map_err(|e| SinkError::Retriable(format!("cannot resolve {host}: {e}")))?;
-        let address = addresses
-            .next()
-            .ok_or_else(|| SinkError::Retriable(format!("{host} has no address")))?;
-        let stream =
-            tokio::time::timeout(self.config.timeout, tokio::net::TcpStream::connect(address))
+        let addresses: Vec<std::net::SocketAddr> =
+            tokio::time::timeout(self.config.timeout, connect)
                 .await
                 .map_err(|_| {
                     SinkError::Retriable(format!(
-                        "{host}:{port} did not accept a connection within {:?}",
+                        "cannot resolve {host} within {:?}",
                         self.config.timeout
                     ))
                 })?
-                .map_err(|e| SinkError::Retriable(format!("{host}:{port} is unreachable: {e}")))?;
-        if url.scheme() != "https" {
+                .map_err(|e| SinkError::Retriable(format!("cannot resolve {host}: {e}")))?
+                .collect();
+        if addresses.is_empty() {
+            return Err(SinkError::Retriable(format!("{host} has no address")));
+        }
+        // Every address, as a connection attempt would (IPv6 first, then IPv4, ...).
+        let connect_any = async {
+            let mut last = None;
+            for address in &addresses {
+                match tokio::net::TcpStream::connect(address).await {
+                    Ok(stream) => return Ok(stream),
+                    Err(error) => last = Some(error),
+                }
+            }
+            Err(last.expect("at least one address"))
+        };
+        let stream = tokio::time::timeout(self.config.timeout, connect_any)
+            .await
+            .map_err(|_| {
+                SinkError::Retriable(format!(
+                    "{host}:{port} did not accept a connection within {:?}",
+                    self.config.timeout
+                ))
+            })?
+            .map_err(|e| SinkError::Retriable(format!("{host}:{port} is unreachable: {e}")))?;
+        if url.scheme() != "https" || proxy.is_some() {
             return Ok(());
         }
         let (Some(tls), Some(url_host)) = (&self.tls, url.host()) else {
@@ -307,6 +358,55 @@ impl Sink for WebhookSink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_probe_takes_the_proxy_a_delivery_takes() {
+        let url = |text: &str| url::Url::parse(text).unwrap();
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                pairs
+                    .iter()
+                    .find(|(key, _)| *key == name)
+                    .map(|(_, value)| value.to_string())
+            }
+        };
+        let hook = url("https://hooks.example.com/events");
+        assert_eq!(proxy_for(&hook, env(&[])), None);
+        let proxied = proxy_for(&hook, env(&[("HTTPS_PROXY", "http://proxy.corp:3128")]));
+        assert_eq!(proxied.unwrap().port_or_known_default(), Some(3128));
+        // Without a scheme, as curl accepts it.
+        let bare = proxy_for(&hook, env(&[("https_proxy", "proxy.corp:8080")]));
+        assert_eq!(bare.unwrap().host_str(), Some("proxy.corp"));
+        // An http:// webhook does not take the HTTPS proxy.
+        let plain = url("http://hooks.example.com/events");
+        assert_eq!(
+            proxy_for(&plain, env(&[("HTTPS_PROXY", "http://p:1")])),
+            None
+        );
+        for no_proxy in ["*", "example.com", ".example.com", "hooks.example.com"] {
+            let pairs: &'static [(&'static str, &'static str)] = match no_proxy {
+                "*" => &[("HTTPS_PROXY", "http://p:1"), ("NO_PROXY", "*")],
+                "example.com" => &[
+                    ("HTTPS_PROXY", "http://p:1"),
+                    ("NO_PROXY", "a.org, example.com"),
+                ],
+                ".example.com" => &[("HTTPS_PROXY", "http://p:1"), ("no_proxy", ".example.com")],
+                _ => &[
+                    ("ALL_PROXY", "http://p:1"),
+                    ("NO_PROXY", "hooks.example.com"),
+                ],
+            };
+            assert_eq!(proxy_for(&hook, env(pairs)), None, "{no_proxy}");
+        }
+        let other = url("https://notexample.com/events");
+        assert!(
+            proxy_for(
+                &other,
+                env(&[("HTTPS_PROXY", "http://p:1"), ("NO_PROXY", "example.com")])
+            )
+            .is_some()
+        );
+    }
 
     #[test]
     fn signature_is_hex_hmac_sha256_of_the_body() {
