@@ -46,7 +46,7 @@ use recovery::open_database;
 
 mod meta;
 
-pub use meta::{IDENTITY, IMDS_ANSWERED};
+pub use meta::{ACCEPTED_EVENT_IDS, IDENTITY, IMDS_ANSWERED};
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};

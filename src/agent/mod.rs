@@ -132,6 +132,15 @@ pub async fn run(
     if answered_at.is_some_and(|at| chrono::Utc::now().timestamp() - at < IMDS_ENABLED_FOR) {
         client.assume_enabled();
     }
+    // What this agent approved before a restart still counts when such an event turns out
+    // gone (it probably ran while the agent was down, say because this VM rebooted).
+    let accepted: Vec<String> = outbox
+        .meta(crate::store::ACCEPTED_EVENT_IDS)
+        .ok()
+        .flatten()
+        .and_then(|value| serde_json::from_value(value).ok())
+        .unwrap_or_default();
+    client.restore_accepted(&accepted);
     // A renamed or removed sink leaves a backlog nothing delivers: say so, once.
     let configured: Vec<String> = config.sinks.iter().map(|s| s.name.clone()).collect();
     let orphaned = crate::orphans::find(&outbox, &configured)?;

@@ -57,6 +57,8 @@ pub(super) struct Poller {
     pub(super) unstored: Vec<sched_relay_core::Event>,
     /// Counts the documents `previous` has been: local policy is fed each one once.
     pub(super) generation: u64,
+    /// The accepted EventIds last written to the store (`ACCEPTED_EVENT_IDS`).
+    pub(super) persisted_accepted: Option<Vec<String>>,
 }
 
 impl Poller {
@@ -85,6 +87,7 @@ impl Poller {
             warned: None,
             unstored: Vec::new(),
             generation: 0,
+            persisted_accepted: None,
         }
     }
 
@@ -143,6 +146,7 @@ impl Poller {
                             .first_poll_done
                             .store(true, std::sync::atomic::Ordering::Relaxed);
                     }
+                    self.persist_accepted();
                     // Local policy judges the first document after start in full (an event
                     // stored before a restart is approved too), then each new one, stored or
                     // not: an approval needs the metadata service, not the state store, and a
@@ -231,6 +235,23 @@ impl Poller {
                 }
             }
         }
+    }
+
+    /// Keeps the EventIds this agent approved in the store when they changed (off the
+    /// runtime), so that a restart still knows them.
+    fn persist_accepted(&mut self) {
+        let accepted = self.client.accepted();
+        if self.persisted_accepted.as_ref() == Some(&accepted) {
+            return;
+        }
+        let outbox = self.fanout.publisher().outbox().clone();
+        let value = serde_json::json!(accepted);
+        self.persisted_accepted = Some(accepted);
+        tokio::task::spawn_blocking(move || {
+            if let Err(error) = outbox.set_meta(crate::store::ACCEPTED_EVENT_IDS, &value) {
+                tracing::debug!(error = %error, "Cannot keep the approved EventIds in the state store");
+            }
+        });
     }
 
     /// Remembers in the store, once per start and off the runtime, that the service answers:

@@ -221,6 +221,13 @@ impl ImdsClient {
         }
     }
 
+    /// Takes back the accepted EventIds an earlier run of the agent kept (see `run`): an event
+    /// it approved that vanished while the agent was down (this VM rebooted) is then still
+    /// reported as probably started.
+    pub fn restore_accepted(&self, event_ids: &[String]) {
+        self.remember_accepted(event_ids);
+    }
+
     /// The EventIds whose StartRequests this client sent and the service accepted (by local
     /// policy or a remote approval), until [`ImdsClient::forget_accepted`] drops them.
     pub fn accepted(&self) -> Vec<String> {

@@ -12,6 +12,9 @@ pub const IDENTITY: &str = "identity";
 /// When the metadata service last answered (Unix seconds, written once per start): it stays
 /// enabled for a day after a request, so a restart within that day needs no long first call.
 pub const IMDS_ANSWERED: &str = "imds_answered";
+/// The EventIds this agent approved that are still in the document (see
+/// `ImdsClient::accepted`), so that they survive a restart.
+pub const ACCEPTED_EVENT_IDS: &str = "accepted_event_ids";
 
 impl Outbox {
     /// The value kept under `key`, if any.
