@@ -11,7 +11,7 @@ use lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
 };
 use sched_relay_transport::binding::{self, expand_template};
-use sched_relay_transport::{Event, Sink, SinkError};
+use sched_relay_transport::{DeliveryError, Event, Sink, SinkError};
 use tokio::sync::Mutex;
 
 use crate::{AmqpSinkConfig, HeaderStyle};
@@ -214,7 +214,7 @@ impl AmqpSink {
 
 #[async_trait]
 impl Sink for AmqpSink {
-    async fn deliver(&self, batch: &[Event]) -> Result<(), SinkError> {
+    async fn deliver(&self, batch: &[Event]) -> Result<(), DeliveryError> {
         let channel = self.channel().await?;
         let style = match self.config.header_style {
             HeaderStyle::Rabbitmq => binding::AMQP_RABBITMQ,
@@ -224,9 +224,18 @@ impl Sink for AmqpSink {
             mandatory: true,
             ..BasicPublishOptions::default()
         };
+        // Published in order until one fails (`stopped`); the confirms of what was published
+        // before it decide the confirmed prefix, and each failure names its event.
+        let mut stopped: Option<(usize, SinkError)> = None;
         let mut confirms = Vec::with_capacity(batch.len());
-        for event in batch {
-            let encoded = binding::encode(event, self.config.content_mode, style)?;
+        for (index, event) in batch.iter().enumerate() {
+            let encoded = match binding::encode(event, self.config.content_mode, style) {
+                Ok(encoded) => encoded,
+                Err(error) => {
+                    stopped = Some((index, error.into()));
+                    break;
+                }
+            };
             let routing_key = expand_template(&self.config.routing_key, event);
             let published = channel
                 .basic_publish(
@@ -240,49 +249,55 @@ impl Sink for AmqpSink {
             match published {
                 Ok(confirm) => confirms.push((routing_key, confirm)),
                 Err(error) => {
-                    self.forget_connection().await;
-                    return Err(self.classify(error, "publish failed"));
+                    stopped = Some((index, self.classify(error, "publish failed")));
+                    break;
                 }
             }
         }
         let timeout = self.config.timeout;
-        for (routing_key, confirm) in confirms {
+        for (index, (routing_key, confirm)) in confirms.into_iter().enumerate() {
             let confirmation = match tokio::time::timeout(timeout, confirm).await {
                 Err(_) => {
                     self.forget_connection().await;
-                    return Err(SinkError::Retriable(format!(
+                    let error = SinkError::Retriable(format!(
                         "no publisher confirm from {} within {timeout:?}",
                         self.broker()
-                    )));
+                    ));
+                    return Err(DeliveryError::at(index, error));
                 }
                 Ok(Err(error)) => {
                     self.forget_connection().await;
-                    return Err(self.classify(error, "publish not confirmed"));
+                    let error = self.classify(error, "publish not confirmed");
+                    return Err(DeliveryError::at(index, error));
                 }
                 Ok(Ok(confirmation)) => confirmation,
             };
-            match confirmation {
-                Confirmation::Ack(None) => {}
-                Confirmation::Ack(Some(_)) => {
-                    return Err(SinkError::Permanent(format!(
-                        "unroutable: no queue is bound to exchange {} for routing key {routing_key} (bind one, or set declare = true with a queue)",
-                        self.config.exchange
-                    )));
-                }
-                Confirmation::Nack(_) => {
-                    return Err(SinkError::Retriable(format!(
-                        "{} refused to store a message for {routing_key} (nack)",
-                        self.broker()
-                    )));
-                }
+            let error = match confirmation {
+                Confirmation::Ack(None) => continue,
+                Confirmation::Ack(Some(_)) => SinkError::Permanent(format!(
+                    "unroutable: no queue is bound to exchange {} for routing key {routing_key} (bind one, or set declare = true with a queue)",
+                    self.config.exchange
+                )),
+                Confirmation::Nack(_) => SinkError::Retriable(format!(
+                    "{} refused to store a message for {routing_key} (nack)",
+                    self.broker()
+                )),
                 Confirmation::NotRequested => {
-                    return Err(SinkError::Retriable(
-                        "publisher confirms are not enabled on the channel".into(),
-                    ));
+                    SinkError::Retriable("publisher confirms are not enabled on the channel".into())
                 }
-            }
+            };
+            return Err(DeliveryError::at(index, error));
         }
-        Ok(())
+        match stopped {
+            Some((index, error)) => {
+                if error.is_retriable() {
+                    // A failed publish leaves the channel unusable: start afresh next time.
+                    self.forget_connection().await;
+                }
+                Err(DeliveryError::at(index, error))
+            }
+            None => Ok(()),
+        }
     }
 
     async fn health_check(&self) -> Result<(), SinkError> {

@@ -12,7 +12,7 @@ use rdkafka::message::DeliveryResult;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer, ProducerContext};
 use sched_relay_transport::binding;
-use sched_relay_transport::{Event, Sink, SinkError};
+use sched_relay_transport::{DeliveryError, Event, Sink, SinkError};
 use tokio::sync::oneshot;
 
 use crate::KafkaSinkConfig;
@@ -190,11 +190,20 @@ impl KafkaSink {
 
 #[async_trait]
 impl Sink for KafkaSink {
-    async fn deliver(&self, batch: &[Event]) -> Result<(), SinkError> {
+    async fn deliver(&self, batch: &[Event]) -> Result<(), DeliveryError> {
         let producer = self.current_producer()?;
+        // Queued in order until one cannot be (`stopped`); the delivery reports of what was
+        // queued before it decide the confirmed prefix, and each failure names its event.
+        let mut stopped: Option<(usize, SinkError)> = None;
         let mut deliveries = Vec::with_capacity(batch.len());
-        for event in batch {
-            let encoded = binding::encode(event, self.config.content_mode, binding::KAFKA)?;
+        for (index, event) in batch.iter().enumerate() {
+            let encoded = match binding::encode(event, self.config.content_mode, binding::KAFKA) {
+                Ok(encoded) => encoded,
+                Err(error) => {
+                    stopped = Some((index, error.into()));
+                    break;
+                }
+            };
             let mut headers = OwnedHeaders::new_with_capacity(encoded.headers.len() + 1);
             for (name, value) in &encoded.headers {
                 headers = headers.insert(Header {
@@ -221,29 +230,30 @@ impl Sink for KafkaSink {
             match producer.producer.send(record) {
                 Ok(()) => deliveries.push((event.id().to_owned(), delivery)),
                 Err((error, _)) => {
-                    return Err(self.classify(&error, "cannot queue a message"));
+                    stopped = Some((index, self.classify(&error, "cannot queue a message")));
+                    break;
                 }
             }
         }
-        for (id, delivery) in deliveries {
-            match delivery.await {
-                Ok(Ok(())) => {}
+        for (index, (id, delivery)) in deliveries.into_iter().enumerate() {
+            let error = match delivery.await {
+                Ok(Ok(())) => continue,
                 Ok(Err(error)) if self.replace_if_fatal(&producer, &error) => {
-                    return Err(SinkError::Retriable(format!(
+                    SinkError::Retriable(format!(
                         "{id} not delivered: {error}; the producer was in a fatal state and has been replaced"
-                    )));
+                    ))
                 }
-                Ok(Err(error)) => {
-                    return Err(self.classify(&error, &format!("{id} not delivered")));
-                }
+                Ok(Err(error)) => self.classify(&error, &format!("{id} not delivered")),
                 Err(_) => {
-                    return Err(SinkError::Retriable(format!(
-                        "{id}: the producer dropped the delivery report"
-                    )));
+                    SinkError::Retriable(format!("{id}: the producer dropped the delivery report"))
                 }
-            }
+            };
+            return Err(DeliveryError::at(index, error));
         }
-        Ok(())
+        match stopped {
+            Some((index, error)) => Err(DeliveryError::at(index, error)),
+            None => Ok(()),
+        }
     }
 
     async fn health_check(&self) -> Result<(), SinkError> {
