@@ -394,3 +394,22 @@ async fn a_retried_rest_never_resends_the_confirmed_prefix() {
     assert_eq!(ids(&sink.delivered()), ["1", "3"], "each once, in order");
     assert_eq!(dead_letter_ids(dir.path(), "s"), ["2"]);
 }
+
+#[tokio::test]
+async fn refused_credentials_are_retried_until_rotated_never_dead_lettered() {
+    let dir = tempfile::tempdir().unwrap();
+    let sink = RecordingSink::new();
+    sink.fail_next((0..3).map(|_| SinkError::Authentication("login refused".into())));
+    let fanout = start(
+        dir.path(),
+        vec![("rotating", sink.clone())],
+        &fast_delivery(),
+    );
+    fanout
+        .publish(&[event("1"), event("2")], None)
+        .await
+        .unwrap();
+    fanout.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(ids(&sink.delivered()), ["1", "2"]);
+    assert!(dead_letter_ids(dir.path(), "rotating").is_empty());
+}

@@ -41,6 +41,9 @@ impl Worker {
         match checked {
             Some(Ok(())) => tracing::info!(sink = %self.name, "Sink ready"),
             Some(Err(error)) => {
+                if error.is_authentication() {
+                    metrics::counter!("sched_relay_sink_authentication_failed_total", "sink" => self.name.clone()).increment(1);
+                }
                 tracing::error!(sink = %self.name, error = %error, "Sink health check failed; its events will be retried or dead-lettered")
             }
             None => return,
@@ -228,7 +231,14 @@ impl Worker {
                     });
                 metrics::counter!("sched_relay_sink_retried_total", "sink" => self.name.clone())
                     .increment(1);
-                tracing::warn!(sink = %self.name, attempt = attempt + 1, retry_in = ?wait, error = %error, "Delivery failed, will retry");
+                if error.error.is_authentication() {
+                    // Retried, since a rotation is fixed on the server's side, but an operator
+                    // must know: nothing reaches this sink until then.
+                    metrics::counter!("sched_relay_sink_authentication_failed_total", "sink" => self.name.clone()).increment(1);
+                    tracing::error!(sink = %self.name, attempt = attempt + 1, retry_in = ?wait, error = %error, "The destination refused the sink's credentials or permissions; will retry");
+                } else {
+                    tracing::warn!(sink = %self.name, attempt = attempt + 1, retry_in = ?wait, error = %error, "Delivery failed, will retry");
+                }
                 attempt = attempt.saturating_add(1);
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => {}

@@ -167,22 +167,19 @@ impl AmqpSink {
         Ok(())
     }
 
-    /// Access refused and missing exchanges are configuration problems; the rest (network,
-    /// broker restarts, channel closures) may clear up.
+    /// Classifies the error of this operation from lapin's typed error (the broker's reply
+    /// code), never from its text: see [`fault`].
     pub fn classify(&self, error: lapin::Error, what: &str) -> SinkError {
-        let text = error.to_string();
-        let message = format!("{what} on {}: {text}", self.broker());
-        if text.contains("ACCESS_REFUSED")
-            || text.contains("access refused")
-            || text.contains("403")
-        {
-            SinkError::Permanent(format!("{message} (check the user and password in url)"))
-        } else if text.contains("NOT_FOUND") || text.contains("404") {
-            SinkError::Permanent(format!(
+        let message = format!("{what} on {}: {error}", self.broker());
+        match fault(error.kind()) {
+            AmqpFault::Authentication => SinkError::Authentication(format!(
+                "{message} (check the user and password in url, and the user's permissions on the vhost and exchange)"
+            )),
+            AmqpFault::NotFound => SinkError::Permanent(format!(
                 "{message} (create the exchange, or set declare = true)"
-            ))
-        } else {
-            SinkError::Retriable(message)
+            )),
+            AmqpFault::Refused => SinkError::Permanent(message),
+            AmqpFault::Transient => SinkError::Retriable(message),
         }
     }
 
@@ -326,5 +323,85 @@ impl Sink for AmqpSink {
             ));
         }
         Ok(())
+    }
+}
+
+/// What a failed AMQP operation means for delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AmqpFault {
+    /// The broker refused the login, or the user's access to the vhost or exchange (403
+    /// ACCESS_REFUSED, 530 NOT_ALLOWED, a failing auth provider). Retried: passwords are
+    /// rotated and permissions granted on the broker without touching the agent.
+    Authentication,
+    /// 404 NOT_FOUND: the exchange or queue does not exist.
+    NotFound,
+    /// The broker refused the message or the configuration (content too large, an exchange
+    /// declared with another type, an invalid vhost path, an unsupported method).
+    Refused,
+    /// Everything else: the network, a broker restart, a closed channel, a missed heartbeat.
+    Transient,
+}
+
+/// Reads a lapin error kind: AMQP reply codes for what the broker said, lapin's own kinds for
+/// what happened on this side.
+pub fn fault(kind: &lapin::ErrorKind) -> AmqpFault {
+    use lapin::ErrorKind;
+    match kind {
+        ErrorKind::ProtocolError(error) => match error.get_id() {
+            403 | 530 => AmqpFault::Authentication,
+            404 => AmqpFault::NotFound,
+            311 | 402 | 406 | 502 | 503 | 540 => AmqpFault::Refused,
+            _ => AmqpFault::Transient,
+        },
+        ErrorKind::AuthProviderError(_) => AmqpFault::Authentication,
+        ErrorKind::InvalidProtocolVersion(_) | ErrorKind::SerialisationError(_) => {
+            AmqpFault::Refused
+        }
+        _ => AmqpFault::Transient,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPHardError, AMQPSoftError};
+
+    fn reply(code: u16) -> lapin::ErrorKind {
+        let error = AMQPError::from_id(code, "from the broker".into()).expect("a known reply code");
+        lapin::ErrorKind::ProtocolError(error)
+    }
+
+    #[test]
+    fn a_refused_login_or_permission_is_an_authentication_fault_not_a_permanent_one() {
+        assert_eq!(fault(&reply(403)), AmqpFault::Authentication);
+        assert_eq!(fault(&reply(530)), AmqpFault::Authentication);
+        let provider = lapin::ErrorKind::AuthProviderError("token expired".into());
+        assert_eq!(fault(&provider), AmqpFault::Authentication);
+    }
+
+    #[test]
+    fn reply_codes_decide_not_found_refused_and_transient() {
+        assert_eq!(fault(&reply(404)), AmqpFault::NotFound);
+        assert_eq!(fault(&reply(406)), AmqpFault::Refused);
+        assert_eq!(fault(&reply(311)), AmqpFault::Refused);
+        // A broker shutting down (320 CONNECTION_FORCED) or out of resources comes back.
+        assert_eq!(fault(&reply(320)), AmqpFault::Transient);
+        assert_eq!(fault(&reply(506)), AmqpFault::Transient);
+        let kinds = [
+            AMQPErrorKind::Hard(AMQPHardError::INTERNALERROR),
+            AMQPErrorKind::Soft(AMQPSoftError::RESOURCELOCKED),
+        ];
+        for kind in kinds {
+            let error = lapin::ErrorKind::ProtocolError(AMQPError::new(kind, "".into()));
+            assert_eq!(fault(&error), AmqpFault::Transient);
+        }
+    }
+
+    #[test]
+    fn the_text_of_an_error_never_decides() {
+        // An I/O error whose text mentions 403 or NOT_FOUND is still the network's.
+        let io = std::io::Error::other("proxy said 403 ACCESS_REFUSED NOT_FOUND 404");
+        let kind = lapin::ErrorKind::IOError(std::sync::Arc::new(io));
+        assert_eq!(fault(&kind), AmqpFault::Transient);
     }
 }

@@ -177,7 +177,7 @@ impl Sink for NatsSink {
 }
 
 /// Connects with the sink's URL, credentials and TLS settings (also used by the approval
-/// source). Authentication and TLS problems are permanent; an unreachable server is not.
+/// source). See [`connect_error`] for what retrying can fix.
 pub async fn connect(config: &NatsSinkConfig) -> Result<async_nats::Client, SinkError> {
     let mut options = async_nats::ConnectOptions::new()
         .name("sched-relay")
@@ -218,15 +218,59 @@ pub async fn connect(config: &NatsSinkConfig) -> Result<async_nats::Client, Sink
     }
     let servers: Vec<String> = config.url.split(',').map(|s| s.trim().to_owned()).collect();
     options.connect(servers).await.map_err(|error| {
-        use async_nats::ConnectErrorKind::*;
         let message = format!("cannot connect to NATS at {}: {error}", config.url);
-        match error.kind() {
-            AuthorizationViolation | Authentication => SinkError::Permanent(format!(
-                "{message} (check user/password, token or credentials_file)"
-            )),
-            Tls => SinkError::Permanent(format!("{message} (check tls and ca_file)")),
-            ServerParse => SinkError::Permanent(message),
-            _ => SinkError::Retriable(message),
-        }
+        connect_error(error.kind(), message)
     })
+}
+
+/// Classifies a failed connection by async-nats's error kind. A refused login is retried
+/// (loudly): credentials are rotated on the server without touching the agent. A TLS set-up
+/// or server list that cannot work is not.
+pub fn connect_error(kind: async_nats::ConnectErrorKind, message: String) -> SinkError {
+    use async_nats::ConnectErrorKind::*;
+    match kind {
+        AuthorizationViolation | Authentication => SinkError::Authentication(format!(
+            "{message} (check user/password, token or credentials_file)"
+        )),
+        Tls => SinkError::Permanent(format!("{message} (check tls and ca_file)")),
+        ServerParse => SinkError::Permanent(message),
+        Dns | TimedOut | Io | MaxReconnects => SinkError::Retriable(message),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use async_nats::ConnectErrorKind;
+
+    #[test]
+    fn a_refused_login_is_retried_as_an_authentication_failure() {
+        for kind in [
+            ConnectErrorKind::AuthorizationViolation,
+            ConnectErrorKind::Authentication,
+        ] {
+            let error = connect_error(kind, "refused".into());
+            assert!(
+                error.is_retriable() && error.is_authentication(),
+                "{kind:?}: {error}"
+            );
+        }
+    }
+
+    #[test]
+    fn only_a_configuration_that_cannot_work_is_permanent() {
+        assert!(!connect_error(ConnectErrorKind::Tls, "tls".into()).is_retriable());
+        assert!(!connect_error(ConnectErrorKind::ServerParse, "url".into()).is_retriable());
+        for kind in [
+            ConnectErrorKind::Io,
+            ConnectErrorKind::TimedOut,
+            ConnectErrorKind::Dns,
+        ] {
+            let error = connect_error(kind, "down".into());
+            assert!(
+                error.is_retriable() && !error.is_authentication(),
+                "{kind:?}"
+            );
+        }
+    }
 }

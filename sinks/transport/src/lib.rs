@@ -48,6 +48,12 @@ pub enum SinkError {
         message: String,
         after: std::time::Duration,
     },
+    /// The destination refused our credentials or permissions. Retried (loudly: an ERROR log
+    /// and `sched_relay_sink_authentication_failed_total`), because credentials are rotated
+    /// and permissions granted on the destination's side without touching the agent: a
+    /// rotation must not dead-letter every event meanwhile.
+    #[error("{0} (will retry: credentials and permissions can change on the server)")]
+    Authentication(String),
     /// The destination refused the batch for a reason retrying cannot change (bad
     /// configuration, message rejected); the batch goes to the dead-letter file.
     #[error("{0} (not retriable)")]
@@ -140,7 +146,15 @@ impl From<binding::EncodeError> for SinkError {
 impl SinkError {
     /// Whether retrying the same batch can help.
     pub fn is_retriable(&self) -> bool {
-        matches!(self, SinkError::Retriable(_) | SinkError::RetryAfter { .. })
+        matches!(
+            self,
+            SinkError::Retriable(_) | SinkError::RetryAfter { .. } | SinkError::Authentication(_)
+        )
+    }
+
+    /// Whether the destination refused our credentials or permissions.
+    pub fn is_authentication(&self) -> bool {
+        matches!(self, SinkError::Authentication(_))
     }
 
     /// How long the destination asked us to wait before the next try, if it said.
