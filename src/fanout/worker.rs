@@ -69,6 +69,7 @@ impl Worker {
             // Register for a wake-up before reading, so an event stored in between is not missed.
             let wake = self.wake.clone();
             let woken = wake.notified();
+            tokio::pin!(woken);
             let pending = match self.read().await {
                 Ok(pending) => pending,
                 Err(error) => {
@@ -87,6 +88,11 @@ impl Worker {
             };
             if pending.is_empty() {
                 if *self.mode.borrow() == Mode::Drain {
+                    // Events stored while the read ran (just before the drain began) woke
+                    // us: drain them too rather than leave them for the next start.
+                    if woken.as_mut().enable() {
+                        continue;
+                    }
                     return;
                 }
                 let mut mode = self.mode.clone();
