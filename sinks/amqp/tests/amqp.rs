@@ -175,6 +175,50 @@ async fn an_unroutable_message_is_an_error_not_a_silent_drop() {
     topology.remove().await;
 }
 
+/// Publisher confirms answer per message: an unroutable event in the middle of a batch is
+/// named, and the events before it count as confirmed (the fan-out then goes on after it).
+#[tokio::test]
+async fn an_unroutable_event_mid_batch_is_named_and_the_events_before_it_are_confirmed() {
+    if !broker_available("RabbitMQ", &address(), HOW) {
+        return;
+    }
+    let topology = Topology::new(&url()).await;
+    let mut config = config(&url(), &topology.exchange);
+    config.routing_key = "{vmname}.{transition}".into();
+    let (queue, exchange) = (topology.queue.as_str(), topology.exchange.as_str());
+    let channel = &topology.channel;
+    channel
+        .queue_unbind(
+            queue.into(),
+            exchange.into(),
+            "#".into(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    for key in ["*.scheduled", "*.started"] {
+        let options = lapin::options::QueueBindOptions::default();
+        channel
+            .queue_bind(
+                queue.into(),
+                exchange.into(),
+                key.into(),
+                options,
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+    }
+    // scheduled, document, started: the document has no queue.
+    let events = live_migration_events("WestNO_0");
+    let batch = [events[1].clone(), events[2].clone(), events[3].clone()];
+    let error = AmqpSink::new(config).deliver(&batch).await.unwrap_err();
+    assert!(!error.is_retriable(), "{error}");
+    assert_eq!((error.confirmed, error.names_event), (1, true), "{error}");
+    assert!(error.to_string().contains("unroutable"), "{error}");
+    topology.remove().await;
+}
+
 #[tokio::test]
 async fn a_missing_exchange_is_reported_by_the_health_check_and_declare_creates_it() {
     if !broker_available("RabbitMQ", &address(), HOW) {

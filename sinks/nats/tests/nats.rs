@@ -319,3 +319,27 @@ async fn a_refused_password_is_retried_and_delivery_resumes_once_the_server_acce
             .unwrap();
     }
 }
+
+/// JetStream acknowledges each message: a failure in the middle of a batch names its event
+/// and the events before it count as confirmed, so a retry never sends them again.
+#[tokio::test]
+async fn a_jetstream_failure_mid_batch_names_its_event_and_keeps_the_confirmed_prefix() {
+    let url = shared_url();
+    if !broker_available("NATS", &address(&url), HOW) {
+        return;
+    }
+    let prefix = unique("midbatch");
+    let mut stream = create_stream(&url, &prefix, &format!("{prefix}.scheduled")).await;
+    let sink = NatsSink::new(config(
+        &url,
+        &format!("{prefix}.{{transition}}"),
+        true,
+        ContentMode::Binary,
+    ));
+    // scheduled (captured by the stream), then document (no stream).
+    let events = live_migration_events("vm");
+    let error = sink.deliver(&events[1..3]).await.unwrap_err();
+    assert!(error.is_retriable(), "{error}");
+    assert_eq!((error.confirmed, error.names_event), (1, true), "{error}");
+    assert_eq!(stream.info().await.unwrap().state.messages, 1);
+}
