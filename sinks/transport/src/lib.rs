@@ -1,5 +1,6 @@
 //! What every sched-relay connection shares, both ways. Outbound: the [`Sink`] trait, the
-//! [`SinkError`] that tells the fan-out whether retrying can help, and a [`RecordingSink`]
+//! [`SinkError`] that tells the fan-out whether retrying can help, the [`DeliveryError`] that
+//! says how far a batch got (so one refused event costs only itself), and a [`RecordingSink`]
 //! that tests use to see exactly what reached a sink. Inbound ([`inbound`]): how approval
 //! sources hand messages to the agent and learn when to acknowledge them. And [`secret`]:
 //! credentials in configurations, never printed.
