@@ -99,6 +99,11 @@ pub const METRICS: &[(&str, &str, &str)] = &[
         "Failed delivery attempts of a sink (retried or dead-lettered).",
     ),
     (
+        "sched_relay_sink_authentication_failed_total",
+        "counter",
+        "Health checks and delivery attempts of a sink whose credentials or permissions the destination refused (retried; logged at ERROR).",
+    ),
+    (
         "sched_relay_sink_retried_total",
         "counter",
         "Delivery attempts of a sink that will be retried.",

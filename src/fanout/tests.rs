@@ -2,7 +2,7 @@
 
 use super::*;
 use cloudevents::{EventBuilder, EventBuilderV10};
-use sched_relay_transport::{RecordingSink, SinkError};
+use sched_relay_transport::{DeliveryError, RecordingSink, SinkError};
 
 fn event(id: &str) -> Event {
     EventBuilderV10::new()
@@ -175,7 +175,7 @@ struct FillsTheDiskOnDelivery {
 
 #[async_trait::async_trait]
 impl Sink for FillsTheDiskOnDelivery {
-    async fn deliver(&self, batch: &[Event]) -> Result<(), SinkError> {
+    async fn deliver(&self, batch: &[Event]) -> Result<(), DeliveryError> {
         if !self.filled.swap(true, std::sync::atomic::Ordering::SeqCst) {
             self.faults.fill();
         }
@@ -220,4 +220,229 @@ async fn a_delivered_batch_that_cannot_be_removed_is_not_delivered_again_while_t
     }
     fanout.shutdown(Duration::from_secs(5)).await;
     assert_eq!(ids(&recorded.delivered()), ["1"]);
+}
+
+#[cfg(feature = "webhook")]
+/// A webhook that is down, then answers 400 to `document` events and 200 to the rest (the
+/// issue's reproduction), with what it accepted.
+async fn webhook_refusing_documents(
+    down: Arc<std::sync::atomic::AtomicBool>,
+) -> (String, Arc<std::sync::Mutex<Vec<String>>>) {
+    let accepted = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = accepted.clone();
+    let app = axum::Router::new().fallback(
+        move |headers: axum::http::HeaderMap, body: axum::body::Bytes| {
+            let (seen, down) = (seen.clone(), down.clone());
+            async move {
+                if down.load(std::sync::atomic::Ordering::SeqCst) {
+                    return axum::http::StatusCode::SERVICE_UNAVAILABLE;
+                }
+                let header = |name: &str| {
+                    let value = headers.get(name).and_then(|v| v.to_str().ok());
+                    value.unwrap_or_default().to_owned()
+                };
+                // (type, id) of each event: one in binary mode, several in a batch.
+                let events: Vec<(String, String)> = if header("content-type").contains("batch") {
+                    let batch: Vec<serde_json::Value> = serde_json::from_slice(&body).unwrap();
+                    let field = |e: &serde_json::Value, f: &str| e[f].as_str().unwrap().to_owned();
+                    batch
+                        .iter()
+                        .map(|e| (field(e, "type"), field(e, "id")))
+                        .collect()
+                } else {
+                    vec![(header("ce-type"), header("ce-id"))]
+                };
+                if events.iter().any(|(ty, _)| ty.ends_with(".document")) {
+                    return axum::http::StatusCode::BAD_REQUEST;
+                }
+                seen.lock()
+                    .unwrap()
+                    .extend(events.into_iter().map(|(_, id)| id));
+                axum::http::StatusCode::OK
+            }
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/events", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (url, accepted)
+}
+
+fn dead_letter_ids(dir: &Path, sink: &str) -> Vec<String> {
+    std::fs::read_to_string(dir.join(format!("dead-letter/{sink}.jsonl")))
+        .unwrap_or_default()
+        .lines()
+        .map(|line| {
+            serde_json::from_str::<serde_json::Value>(line).unwrap()["event"]["id"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect()
+}
+
+#[cfg(feature = "webhook")]
+async fn events_reach_a_webhook_that_refuses_documents_after_an_outage(batch: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let down = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let (url, accepted) = webhook_refusing_documents(down.clone()).await;
+    let config: sched_relay_webhook::WebhookSinkConfig =
+        toml::from_str(&format!("url = \"{url}\"\nbatch = {batch}")).unwrap();
+    let outbox = Arc::new(Outbox::open(dir.path(), 100, false).unwrap());
+    let fanout = Fanout::start(
+        vec![NamedSink {
+            name: "hook".into(),
+            sink: Box::new(sched_relay_webhook::WebhookSink::new(config)),
+        }],
+        &fast_delivery(),
+        dir.path(),
+        outbox.clone(),
+    );
+    let events = sched_relay_transport::testing::live_migration_events("vm");
+    fanout.publish(&events, None).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    down.store(false, std::sync::atomic::Ordering::SeqCst);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while outbox.depth("hook").unwrap_or(1) > 0 {
+        assert!(std::time::Instant::now() < deadline, "never settled");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    fanout.shutdown(Duration::from_secs(5)).await;
+    let transitions: Vec<String> = events
+        .iter()
+        .filter(|e| !e.ty().ends_with(".document"))
+        .map(|e| e.id().to_owned())
+        .collect();
+    let documents: Vec<String> = events
+        .iter()
+        .filter(|e| e.ty().ends_with(".document"))
+        .map(|e| e.id().to_owned())
+        .collect();
+    assert_eq!(
+        *accepted.lock().unwrap(),
+        transitions,
+        "scheduled, started and completed all arrive, in order"
+    );
+    assert_eq!(
+        dead_letter_ids(dir.path(), "hook"),
+        documents,
+        "only the refused documents are dead-lettered"
+    );
+}
+
+#[cfg(feature = "webhook")]
+#[tokio::test]
+async fn one_refused_event_is_dead_lettered_alone_and_the_rest_of_its_batch_is_delivered() {
+    events_reach_a_webhook_that_refuses_documents_after_an_outage(false).await;
+}
+
+#[cfg(feature = "webhook")]
+#[tokio::test]
+async fn a_batch_webhook_that_refuses_a_batch_gets_its_events_one_by_one_and_only_the_refused_are_dead_lettered()
+ {
+    events_reach_a_webhook_that_refuses_documents_after_an_outage(true).await;
+}
+
+#[tokio::test]
+async fn an_exec_drain_script_failing_on_one_event_does_not_skip_the_later_events_of_its_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let ran = dir.path().join("ran");
+    let script = format!(
+        "[ \"$TRANSITION\" = document ] && exit 3; echo \"$TRANSITION\" >> {}",
+        ran.display()
+    );
+    let config: sched_relay_exec::ExecSinkConfig =
+        toml::from_str(&format!("command = [\"/bin/sh\", \"-c\", {script:?}]")).unwrap();
+    let outbox = Arc::new(Outbox::open(dir.path(), 100, false).unwrap());
+    let fanout = Fanout::start(
+        vec![NamedSink {
+            name: "drain".into(),
+            sink: Box::new(sched_relay_exec::ExecSink::new(config)),
+        }],
+        &fast_delivery(),
+        dir.path(),
+        outbox,
+    );
+    let events = sched_relay_transport::testing::live_migration_events("vm");
+    fanout.publish(&events, None).await.unwrap();
+    fanout.shutdown(Duration::from_secs(10)).await;
+    assert_eq!(
+        std::fs::read_to_string(&ran)
+            .unwrap()
+            .lines()
+            .collect::<Vec<_>>(),
+        ["scheduled", "started", "completed"]
+    );
+    assert_eq!(
+        dead_letter_ids(dir.path(), "drain").len(),
+        4,
+        "the four documents"
+    );
+}
+
+#[tokio::test]
+async fn a_retried_rest_never_resends_the_confirmed_prefix() {
+    let dir = tempfile::tempdir().unwrap();
+    let sink = RecordingSink::new();
+    let fanout = start(dir.path(), vec![("s", sink.clone())], &fast_delivery());
+    sink.refuse(|e| e.id() == "2");
+    fanout
+        .publish(&[event("1"), event("2"), event("3")], None)
+        .await
+        .unwrap();
+    fanout.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(ids(&sink.delivered()), ["1", "3"], "each once, in order");
+    assert_eq!(dead_letter_ids(dir.path(), "s"), ["2"]);
+}
+
+#[tokio::test]
+async fn refused_credentials_are_retried_until_rotated_never_dead_lettered() {
+    let dir = tempfile::tempdir().unwrap();
+    let sink = RecordingSink::new();
+    sink.fail_next((0..3).map(|_| SinkError::Authentication("login refused".into())));
+    let fanout = start(
+        dir.path(),
+        vec![("rotating", sink.clone())],
+        &fast_delivery(),
+    );
+    fanout
+        .publish(&[event("1"), event("2")], None)
+        .await
+        .unwrap();
+    fanout.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(ids(&sink.delivered()), ["1", "2"]);
+    assert!(dead_letter_ids(dir.path(), "rotating").is_empty());
+}
+
+/// Review finding: on a full disk the dead-letter write failed, was logged, and the refused
+/// event left the outbox all the same. Now it stays there until its dead letter is on disk,
+/// and the events after it wait behind it (per-sink order).
+#[tokio::test]
+async fn a_refused_event_leaves_the_outbox_only_once_its_dead_letter_is_written() {
+    let dir = tempfile::tempdir().unwrap();
+    // The dead-letter directory cannot be created: a file stands in its place.
+    std::fs::write(dir.path().join("dead-letter"), b"in the way").unwrap();
+    let sink = RecordingSink::new();
+    sink.refuse(|e| e.id() == "2");
+    let fanout = start(dir.path(), vec![("s", sink.clone())], &fast_delivery());
+    fanout
+        .publish(&[event("1"), event("2"), event("3")], None)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        ids(&sink.delivered()),
+        ["1"],
+        "3 waits behind the refused 2"
+    );
+    assert_eq!(fanout.publisher().outbox().depth("s").unwrap(), 2);
+    std::fs::remove_file(dir.path().join("dead-letter")).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while sink.delivered().len() < 2 {
+        assert!(std::time::Instant::now() < deadline, "never delivered 3");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    fanout.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(ids(&sink.delivered()), ["1", "3"]);
+    assert_eq!(dead_letter_ids(dir.path(), "s"), ["2"]);
 }

@@ -41,6 +41,9 @@ impl Worker {
         match checked {
             Some(Ok(())) => tracing::info!(sink = %self.name, "Sink ready"),
             Some(Err(error)) => {
+                if error.is_authentication() {
+                    metrics::counter!("sched_relay_sink_authentication_failed_total", "sink" => self.name.clone()).increment(1);
+                }
                 tracing::error!(sink = %self.name, error = %error, "Sink health check failed; its events will be retried or dead-lettered")
             }
             None => return,
@@ -66,6 +69,7 @@ impl Worker {
             // Register for a wake-up before reading, so an event stored in between is not missed.
             let wake = self.wake.clone();
             let woken = wake.notified();
+            tokio::pin!(woken);
             let pending = match self.read().await {
                 Ok(pending) => pending,
                 Err(error) => {
@@ -84,6 +88,11 @@ impl Worker {
             };
             if pending.is_empty() {
                 if *self.mode.borrow() == Mode::Drain {
+                    // Events stored while the read ran (just before the drain began) woke
+                    // us: drain them too rather than leave them for the next start.
+                    if woken.as_mut().enable() {
+                        continue;
+                    }
                     return;
                 }
                 let mut mode = self.mode.clone();
@@ -112,12 +121,17 @@ impl Worker {
             if batch.is_empty() {
                 continue;
             }
-            if !self.deliver(&batch).await {
-                return; // stopped: the batch stays in the outbox
+            if !self.deliver(&batch, &seqs, &mut unremoved).await {
+                return; // stopped: the unconfirmed rest stays in the outbox
             }
-            if !self.forget(&seqs).await {
-                unremoved.extend(seqs);
-            }
+        }
+    }
+
+    /// Removes delivered (or dead-lettered) events now, or before the next read if the store
+    /// fails.
+    async fn settle(&self, seqs: &[u64], unremoved: &mut Vec<u64>) {
+        if !self.forget(seqs).await {
+            unremoved.extend_from_slice(seqs);
         }
     }
 
@@ -162,78 +176,141 @@ impl Worker {
         }
     }
 
-    /// Delivers one batch, retrying while retrying can help. Returns false when told to stop
-    /// before the batch was delivered or dead-lettered.
-    async fn deliver(&mut self, batch: &[Event]) -> bool {
+    /// Delivers one batch (`seqs` are its events' outbox sequence numbers), retrying while
+    /// retrying can help, and removes each event from the outbox as soon as the sink confirmed
+    /// it or it was dead-lettered, so a retry never sends a confirmed event again. An event the
+    /// sink refuses for good is dead-lettered alone and the rest goes on, in order; a refusal
+    /// of the rest as a whole (one request for the batch) is retried event by event first.
+    /// Returns false when told to stop before the whole batch was settled.
+    async fn deliver(&mut self, batch: &[Event], seqs: &[u64], unremoved: &mut Vec<u64>) -> bool {
         let mut attempt: u32 = 0;
-        loop {
-            // At the shutdown deadline an attempt in flight is abandoned; the batch stays in
-            // the outbox (it may also have arrived: at least once).
+        let mut start = 0;
+        let mut one_by_one = false;
+        while start < batch.len() {
+            let end = if one_by_one { start + 1 } else { batch.len() };
+            let part = &batch[start..end];
+            // At the shutdown deadline an attempt in flight is abandoned; its events stay in
+            // the outbox (they may also have arrived: at least once).
             let result = tokio::select! {
-                result = self.sink.deliver(batch) => result,
+                result = self.sink.deliver(part) => result,
                 _ = self.stopped() => return false,
             };
             self.health.set(
                 &self.name,
                 result.as_ref().map_err(|e| e.to_string()).copied(),
             );
-            if result.is_err() {
-                metrics::counter!("sched_relay_sink_failed_total", "sink" => self.name.clone())
-                    .increment(1);
-            }
-            match result {
+            let error = match result {
                 Ok(()) => {
-                    metrics::counter!("sched_relay_sink_delivered_total", "sink" => self.name.clone())
-                        .increment(batch.len() as u64);
                     if attempt > 0 {
                         tracing::info!(sink = %self.name, attempts = attempt + 1, "Sink recovered, batch delivered");
                     }
-                    // The agent's own part of the latency: from the document's arrival (the
-                    // event's `time`) to the destination's confirmation.
-                    let now = chrono::Utc::now();
-                    for event in batch {
-                        let latency = event
-                            .time()
-                            .map(|observed| {
-                                (now - *observed).num_microseconds().unwrap_or(i64::MAX)
-                            })
-                            .unwrap_or_default();
-                        metrics::histogram!("sched_relay_sink_delivery_latency_seconds", "sink" => self.name.clone())
-                            .record(latency as f64 / 1e6);
-                        tracing::debug!(sink = %self.name, event_id = %event.id(), latency_us = latency, "Delivered");
-                    }
-                    return true;
+                    self.confirmed(part);
+                    self.settle(&seqs[start..end], unremoved).await;
+                    start = end;
+                    attempt = 0;
+                    continue;
                 }
-                Err(error) if error.is_retriable() => {
-                    // A destination that says when to come back is believed, within an hour.
-                    let wait = error
-                        .retry_after()
-                        .map(|after| after.min(MAX_RETRY_AFTER))
-                        .unwrap_or_else(|| {
-                            Backoff::new(self.delivery.retry_initial, self.delivery.retry_max)
-                                .jittered(attempt)
-                        });
-                    metrics::counter!("sched_relay_sink_retried_total", "sink" => self.name.clone()).increment(1);
+                Err(error) => error,
+            };
+            metrics::counter!("sched_relay_sink_failed_total", "sink" => self.name.clone())
+                .increment(1);
+            let confirmed = error.confirmed.min(part.len());
+            if confirmed > 0 {
+                self.confirmed(&part[..confirmed]);
+                self.settle(&seqs[start..start + confirmed], unremoved)
+                    .await;
+                start += confirmed;
+                attempt = 0;
+            }
+            let rest = end - start;
+            if rest == 0 {
+                continue; // a sink that confirmed everything and still failed: nothing left
+            }
+            if error.is_retriable() {
+                // A destination that says when to come back is believed, within an hour.
+                let wait = error
+                    .retry_after()
+                    .map(|after| after.min(MAX_RETRY_AFTER))
+                    .unwrap_or_else(|| {
+                        Backoff::new(self.delivery.retry_initial, self.delivery.retry_max)
+                            .jittered(attempt)
+                    });
+                metrics::counter!("sched_relay_sink_retried_total", "sink" => self.name.clone())
+                    .increment(1);
+                if error.error.is_authentication() {
+                    // Retried, since a rotation is fixed on the server's side, but an operator
+                    // must know: nothing reaches this sink until then.
+                    metrics::counter!("sched_relay_sink_authentication_failed_total", "sink" => self.name.clone()).increment(1);
+                    tracing::error!(sink = %self.name, attempt = attempt + 1, retry_in = ?wait, error = %error, "The destination refused the sink's credentials or permissions; will retry");
+                } else {
                     tracing::warn!(sink = %self.name, attempt = attempt + 1, retry_in = ?wait, error = %error, "Delivery failed, will retry");
-                    attempt = attempt.saturating_add(1);
+                }
+                attempt = attempt.saturating_add(1);
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = self.stopped() => return false,
+                }
+            } else if error.names_event || rest == 1 {
+                let refused = batch[start].clone();
+                let event_id = refused.id().to_owned();
+                // The event leaves the outbox only once its dead letter is on disk (fsync'd,
+                // off the async threads): on a full disk it waits there, not nowhere.
+                let reason = error.to_string();
+                let mut said = false;
+                loop {
+                    let file = self.dead_letter.clone();
+                    let (refused, reason) = (refused.clone(), reason.clone());
+                    let written = tokio::task::spawn_blocking(move || {
+                        file.try_write(&[Ok(refused)], &reason)
+                    })
+                    .await
+                    .unwrap_or_else(|panic| Err(SinkError::Retriable(panic.to_string())));
+                    let Err(write_error) = written else { break };
+                    if !said {
+                        said = true;
+                        tracing::error!(sink = %self.name, event_id = %event_id, path = %self.dead_letter.path.display(), error = %write_error, "Cannot write the dead-letter file; the refused event stays in the outbox and the write is tried again every second");
+                    }
                     tokio::select! {
-                        _ = tokio::time::sleep(wait) => {}
+                        _ = tokio::time::sleep(STORE_RETRY) => {}
                         _ = self.stopped() => return false,
                     }
                 }
-                Err(error) => {
-                    metrics::counter!("sched_relay_sink_dead_lettered_total", "sink" => self.name.clone())
-                        .increment(batch.len() as u64);
-                    tracing::error!(sink = %self.name, events = batch.len(), error = %error, "Delivery refused, batch written to the dead-letter file");
-                    self.dead_letter.write(batch, &error.to_string());
-                    return true;
-                }
+                metrics::counter!("sched_relay_sink_dead_lettered_total", "sink" => self.name.clone())
+                    .increment(1);
+                tracing::error!(sink = %self.name, event_id = %event_id, error = %error, "Delivery refused, event written to the dead-letter file; the events after it go on");
+                self.settle(&seqs[start..start + 1], unremoved).await;
+                start += 1;
+                attempt = 0;
+            } else {
+                // The destination refused several events at once without saying which one it
+                // objects to: find out by sending them one at a time.
+                tracing::warn!(sink = %self.name, events = rest, error = %error, "Delivery of a batch refused; retrying its events one by one to find the refused ones");
+                one_by_one = true;
             }
+        }
+        true
+    }
+
+    /// Counts confirmed events and records the agent's own part of their latency: from the
+    /// document's arrival (the event's `time`) to the destination's confirmation.
+    fn confirmed(&self, events: &[Event]) {
+        metrics::counter!("sched_relay_sink_delivered_total", "sink" => self.name.clone())
+            .increment(events.len() as u64);
+        let now = chrono::Utc::now();
+        for event in events {
+            let latency = event
+                .time()
+                .map(|observed| (now - *observed).num_microseconds().unwrap_or(i64::MAX))
+                .unwrap_or_default();
+            metrics::histogram!("sched_relay_sink_delivery_latency_seconds", "sink" => self.name.clone())
+                .record(latency as f64 / 1e6);
+            tracing::debug!(sink = %self.name, event_id = %event.id(), latency_us = latency, "Delivered");
         }
     }
 }
 
 /// The dead-letter file of one sink.
+#[derive(Clone)]
 pub(super) struct DeadLetter {
     pub(super) path: PathBuf,
 }

@@ -4,7 +4,7 @@
 use async_trait::async_trait;
 use sched_relay_exec::ExecSink;
 use sched_relay_file::{FileSink, StdoutSink};
-use sched_relay_transport::{Event, Sink, SinkError};
+use sched_relay_transport::{DeliveryError, Event, Sink, SinkError};
 
 use super::{SinkEntry, SinkKind};
 use crate::fanout::NamedSink;
@@ -44,14 +44,14 @@ struct NotCompiledIn(&'static str);
 
 #[async_trait]
 impl Sink for NotCompiledIn {
-    async fn deliver(&self, _batch: &[Event]) -> Result<(), SinkError> {
+    async fn deliver(&self, _batch: &[Event]) -> Result<(), DeliveryError> {
+        Err(self.health_check().await.unwrap_err().into())
+    }
+
+    async fn health_check(&self) -> Result<(), SinkError> {
         Err(SinkError::Permanent(format!(
             "this sched-relay was built without {} support",
             self.0
         )))
-    }
-
-    async fn health_check(&self) -> Result<(), SinkError> {
-        self.deliver(&[]).await
     }
 }

@@ -21,7 +21,7 @@ mod sink;
 #[cfg(feature = "client")]
 pub mod source;
 #[cfg(feature = "client")]
-pub use sink::AmqpSink;
+pub use sink::{AmqpFault, AmqpSink, fault};
 #[cfg(feature = "testing")]
 pub mod testing;
 

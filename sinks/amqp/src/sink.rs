@@ -11,7 +11,7 @@ use lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
 };
 use sched_relay_transport::binding::{self, expand_template};
-use sched_relay_transport::{Event, Sink, SinkError};
+use sched_relay_transport::{DeliveryError, Event, Sink, SinkError};
 use tokio::sync::Mutex;
 
 use crate::{AmqpSinkConfig, HeaderStyle};
@@ -167,22 +167,19 @@ impl AmqpSink {
         Ok(())
     }
 
-    /// Access refused and missing exchanges are configuration problems; the rest (network,
-    /// broker restarts, channel closures) may clear up.
+    /// Classifies the error of this operation from lapin's typed error (the broker's reply
+    /// code), never from its text: see [`fault`].
     pub fn classify(&self, error: lapin::Error, what: &str) -> SinkError {
-        let text = error.to_string();
-        let message = format!("{what} on {}: {text}", self.broker());
-        if text.contains("ACCESS_REFUSED")
-            || text.contains("access refused")
-            || text.contains("403")
-        {
-            SinkError::Permanent(format!("{message} (check the user and password in url)"))
-        } else if text.contains("NOT_FOUND") || text.contains("404") {
-            SinkError::Permanent(format!(
+        let message = format!("{what} on {}: {error}", self.broker());
+        match fault(error.kind()) {
+            AmqpFault::Authentication => SinkError::Authentication(format!(
+                "{message} (check the user and password in url, and the user's permissions on the vhost and exchange)"
+            )),
+            AmqpFault::NotFound => SinkError::Permanent(format!(
                 "{message} (create the exchange, or set declare = true)"
-            ))
-        } else {
-            SinkError::Retriable(message)
+            )),
+            AmqpFault::Refused => SinkError::Permanent(message),
+            AmqpFault::Transient => SinkError::Retriable(message),
         }
     }
 
@@ -214,7 +211,7 @@ impl AmqpSink {
 
 #[async_trait]
 impl Sink for AmqpSink {
-    async fn deliver(&self, batch: &[Event]) -> Result<(), SinkError> {
+    async fn deliver(&self, batch: &[Event]) -> Result<(), DeliveryError> {
         let channel = self.channel().await?;
         let style = match self.config.header_style {
             HeaderStyle::Rabbitmq => binding::AMQP_RABBITMQ,
@@ -224,9 +221,18 @@ impl Sink for AmqpSink {
             mandatory: true,
             ..BasicPublishOptions::default()
         };
+        // Published in order until one fails (`stopped`); the confirms of what was published
+        // before it decide the confirmed prefix, and each failure names its event.
+        let mut stopped: Option<(usize, SinkError)> = None;
         let mut confirms = Vec::with_capacity(batch.len());
-        for event in batch {
-            let encoded = binding::encode(event, self.config.content_mode, style)?;
+        for (index, event) in batch.iter().enumerate() {
+            let encoded = match binding::encode(event, self.config.content_mode, style) {
+                Ok(encoded) => encoded,
+                Err(error) => {
+                    stopped = Some((index, error.into()));
+                    break;
+                }
+            };
             let routing_key = expand_template(&self.config.routing_key, event);
             let published = channel
                 .basic_publish(
@@ -240,49 +246,55 @@ impl Sink for AmqpSink {
             match published {
                 Ok(confirm) => confirms.push((routing_key, confirm)),
                 Err(error) => {
-                    self.forget_connection().await;
-                    return Err(self.classify(error, "publish failed"));
+                    stopped = Some((index, self.classify(error, "publish failed")));
+                    break;
                 }
             }
         }
         let timeout = self.config.timeout;
-        for (routing_key, confirm) in confirms {
+        for (index, (routing_key, confirm)) in confirms.into_iter().enumerate() {
             let confirmation = match tokio::time::timeout(timeout, confirm).await {
                 Err(_) => {
                     self.forget_connection().await;
-                    return Err(SinkError::Retriable(format!(
+                    let error = SinkError::Retriable(format!(
                         "no publisher confirm from {} within {timeout:?}",
                         self.broker()
-                    )));
+                    ));
+                    return Err(DeliveryError::at(index, error));
                 }
                 Ok(Err(error)) => {
                     self.forget_connection().await;
-                    return Err(self.classify(error, "publish not confirmed"));
+                    let error = self.classify(error, "publish not confirmed");
+                    return Err(DeliveryError::at(index, error));
                 }
                 Ok(Ok(confirmation)) => confirmation,
             };
-            match confirmation {
-                Confirmation::Ack(None) => {}
-                Confirmation::Ack(Some(_)) => {
-                    return Err(SinkError::Permanent(format!(
-                        "unroutable: no queue is bound to exchange {} for routing key {routing_key} (bind one, or set declare = true with a queue)",
-                        self.config.exchange
-                    )));
-                }
-                Confirmation::Nack(_) => {
-                    return Err(SinkError::Retriable(format!(
-                        "{} refused to store a message for {routing_key} (nack)",
-                        self.broker()
-                    )));
-                }
+            let error = match confirmation {
+                Confirmation::Ack(None) => continue,
+                Confirmation::Ack(Some(_)) => SinkError::Permanent(format!(
+                    "unroutable: no queue is bound to exchange {} for routing key {routing_key} (bind one, or set declare = true with a queue)",
+                    self.config.exchange
+                )),
+                Confirmation::Nack(_) => SinkError::Retriable(format!(
+                    "{} refused to store a message for {routing_key} (nack)",
+                    self.broker()
+                )),
                 Confirmation::NotRequested => {
-                    return Err(SinkError::Retriable(
-                        "publisher confirms are not enabled on the channel".into(),
-                    ));
+                    SinkError::Retriable("publisher confirms are not enabled on the channel".into())
                 }
-            }
+            };
+            return Err(DeliveryError::at(index, error));
         }
-        Ok(())
+        match stopped {
+            Some((index, error)) => {
+                if error.is_retriable() {
+                    // A failed publish leaves the channel unusable: start afresh next time.
+                    self.forget_connection().await;
+                }
+                Err(DeliveryError::at(index, error))
+            }
+            None => Ok(()),
+        }
     }
 
     async fn health_check(&self) -> Result<(), SinkError> {
@@ -311,5 +323,85 @@ impl Sink for AmqpSink {
             ));
         }
         Ok(())
+    }
+}
+
+/// What a failed AMQP operation means for delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AmqpFault {
+    /// The broker refused the login, or the user's access to the vhost or exchange (403
+    /// ACCESS_REFUSED, 530 NOT_ALLOWED, a failing auth provider). Retried: passwords are
+    /// rotated and permissions granted on the broker without touching the agent.
+    Authentication,
+    /// 404 NOT_FOUND: the exchange or queue does not exist.
+    NotFound,
+    /// The broker refused the message or the configuration (content too large, an exchange
+    /// declared with another type, an invalid vhost path, an unsupported method).
+    Refused,
+    /// Everything else: the network, a broker restart, a closed channel, a missed heartbeat.
+    Transient,
+}
+
+/// Reads a lapin error kind: AMQP reply codes for what the broker said, lapin's own kinds for
+/// what happened on this side.
+pub fn fault(kind: &lapin::ErrorKind) -> AmqpFault {
+    use lapin::ErrorKind;
+    match kind {
+        ErrorKind::ProtocolError(error) => match error.get_id() {
+            403 | 530 => AmqpFault::Authentication,
+            404 => AmqpFault::NotFound,
+            311 | 402 | 406 | 502 | 503 | 540 => AmqpFault::Refused,
+            _ => AmqpFault::Transient,
+        },
+        ErrorKind::AuthProviderError(_) => AmqpFault::Authentication,
+        ErrorKind::InvalidProtocolVersion(_) | ErrorKind::SerialisationError(_) => {
+            AmqpFault::Refused
+        }
+        _ => AmqpFault::Transient,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPHardError, AMQPSoftError};
+
+    fn reply(code: u16) -> lapin::ErrorKind {
+        let error = AMQPError::from_id(code, "from the broker".into()).expect("a known reply code");
+        lapin::ErrorKind::ProtocolError(error)
+    }
+
+    #[test]
+    fn a_refused_login_or_permission_is_an_authentication_fault_not_a_permanent_one() {
+        assert_eq!(fault(&reply(403)), AmqpFault::Authentication);
+        assert_eq!(fault(&reply(530)), AmqpFault::Authentication);
+        let provider = lapin::ErrorKind::AuthProviderError("token expired".into());
+        assert_eq!(fault(&provider), AmqpFault::Authentication);
+    }
+
+    #[test]
+    fn reply_codes_decide_not_found_refused_and_transient() {
+        assert_eq!(fault(&reply(404)), AmqpFault::NotFound);
+        assert_eq!(fault(&reply(406)), AmqpFault::Refused);
+        assert_eq!(fault(&reply(311)), AmqpFault::Refused);
+        // A broker shutting down (320 CONNECTION_FORCED) or out of resources comes back.
+        assert_eq!(fault(&reply(320)), AmqpFault::Transient);
+        assert_eq!(fault(&reply(506)), AmqpFault::Transient);
+        let kinds = [
+            AMQPErrorKind::Hard(AMQPHardError::INTERNALERROR),
+            AMQPErrorKind::Soft(AMQPSoftError::RESOURCELOCKED),
+        ];
+        for kind in kinds {
+            let error = lapin::ErrorKind::ProtocolError(AMQPError::new(kind, "".into()));
+            assert_eq!(fault(&error), AmqpFault::Transient);
+        }
+    }
+
+    #[test]
+    fn the_text_of_an_error_never_decides() {
+        // An I/O error whose text mentions 403 or NOT_FOUND is still the network's.
+        let io = std::io::Error::other("proxy said 403 ACCESS_REFUSED NOT_FOUND 404");
+        let kind = lapin::ErrorKind::IOError(std::sync::Arc::new(io));
+        assert_eq!(fault(&kind), AmqpFault::Transient);
     }
 }

@@ -175,6 +175,50 @@ async fn an_unroutable_message_is_an_error_not_a_silent_drop() {
     topology.remove().await;
 }
 
+/// Publisher confirms answer per message: an unroutable event in the middle of a batch is
+/// named, and the events before it count as confirmed (the fan-out then goes on after it).
+#[tokio::test]
+async fn an_unroutable_event_mid_batch_is_named_and_the_events_before_it_are_confirmed() {
+    if !broker_available("RabbitMQ", &address(), HOW) {
+        return;
+    }
+    let topology = Topology::new(&url()).await;
+    let mut config = config(&url(), &topology.exchange);
+    config.routing_key = "{vmname}.{transition}".into();
+    let (queue, exchange) = (topology.queue.as_str(), topology.exchange.as_str());
+    let channel = &topology.channel;
+    channel
+        .queue_unbind(
+            queue.into(),
+            exchange.into(),
+            "#".into(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    for key in ["*.scheduled", "*.started"] {
+        let options = lapin::options::QueueBindOptions::default();
+        channel
+            .queue_bind(
+                queue.into(),
+                exchange.into(),
+                key.into(),
+                options,
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+    }
+    // scheduled, document, started: the document has no queue.
+    let events = live_migration_events("WestNO_0");
+    let batch = [events[1].clone(), events[2].clone(), events[3].clone()];
+    let error = AmqpSink::new(config).deliver(&batch).await.unwrap_err();
+    assert!(!error.is_retriable(), "{error}");
+    assert_eq!((error.confirmed, error.names_event), (1, true), "{error}");
+    assert!(error.to_string().contains("unroutable"), "{error}");
+    topology.remove().await;
+}
+
 #[tokio::test]
 async fn a_missing_exchange_is_reported_by_the_health_check_and_declare_creates_it() {
     if !broker_available("RabbitMQ", &address(), HOW) {
@@ -210,25 +254,73 @@ async fn a_missing_exchange_is_reported_by_the_health_check_and_declare_creates_
     topology.remove().await;
 }
 
+fn rabbitmqctl(args: &[&str]) {
+    let status = std::process::Command::new("rabbitmqctl")
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("rabbitmqctl runs");
+    assert!(status.success(), "rabbitmqctl {args:?}");
+}
+
+/// A credential rotation: the broker's password changes after the agent's, and the agent
+/// must deliver again as soon as they agree, not dead-letter everything meanwhile.
 #[tokio::test]
-async fn a_wrong_password_is_a_clear_error_that_retrying_cannot_fix() {
+async fn a_refused_password_is_retried_and_delivery_resumes_once_the_broker_accepts_it() {
     if !broker_available("RabbitMQ", &address(), HOW) {
         return;
     }
-    let mut config = config(&url(), "amq.topic");
-    config.password = Some(sched_relay_transport::secret::Secret::new(
-        "definitely-wrong",
-    ));
-    let error = AmqpSink::new(config).health_check().await.unwrap_err();
-    assert!(!error.is_retriable(), "{error}");
+    if std::process::Command::new("rabbitmqctl")
+        .arg("version")
+        .output()
+        .is_err()
+    {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "rabbitmqctl is needed under CI"
+        );
+        eprintln!("skipped: no rabbitmqctl to create a user with");
+        return;
+    }
+    let user = unique("sr-rotated-");
+    rabbitmqctl(&["add_user", &user, "old-password"]);
+    rabbitmqctl(&["set_permissions", "-p", "/", &user, ".*", ".*", ".*"]);
+    let topology = Topology::new(&url()).await;
+    let broker = url::Url::parse(&url()).unwrap();
+    let mut config = config(
+        &format!(
+            "amqp://{user}@{}:{}/%2f",
+            broker.host_str().unwrap(),
+            broker.port().unwrap_or(5672)
+        ),
+        &topology.exchange,
+    );
+    config.password = Some(sched_relay_transport::secret::Secret::new("new-password"));
+    let sink = AmqpSink::new(config);
+    let events = live_migration_events("WestNO_0");
+
+    let error = sink.deliver(&events).await.unwrap_err();
+    assert!(error.is_retriable(), "a refused login is retried: {error}");
+    assert!(error.error.is_authentication(), "{error}");
     assert!(
         error.to_string().contains("check the user and password"),
         "{error}"
     );
     assert!(
-        !error.to_string().contains("definitely-wrong"),
+        !error.to_string().contains("new-password"),
         "the password never appears: {error}"
     );
+    let checked = sink.health_check().await.unwrap_err();
+    assert!(
+        checked.is_retriable() && checked.is_authentication(),
+        "{checked}"
+    );
+
+    rabbitmqctl(&["change_password", &user, "new-password"]);
+    sched_relay_transport::testing::deliver_until_accepted(&sink, &events, 20).await;
+    assert_eq!(topology.drain(events.len()).await.len(), events.len());
+    topology.remove().await;
+    rabbitmqctl(&["delete_user", &user]);
 }
 
 #[tokio::test]

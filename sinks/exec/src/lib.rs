@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use cloudevents::{AttributesReader, Data};
-use sched_relay_transport::{Event, EventKind, Sink, SinkError};
+use sched_relay_transport::{DeliveryError, Event, EventKind, Sink, SinkError};
 use serde::{Deserialize, Serialize};
 use tokio::io::AsyncWriteExt;
 
@@ -181,9 +181,12 @@ impl ExecSink {
 
 #[async_trait]
 impl Sink for ExecSink {
-    async fn deliver(&self, batch: &[Event]) -> Result<(), SinkError> {
-        for event in batch {
-            self.run(event).await?;
+    async fn deliver(&self, batch: &[Event]) -> Result<(), DeliveryError> {
+        // One run per event: a failure names its event, and the ones before it are done.
+        for (index, event) in batch.iter().enumerate() {
+            self.run(event)
+                .await
+                .map_err(|e| DeliveryError::at(index, e))?;
         }
         Ok(())
     }

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use async_trait::async_trait;
 use cloudevents::AttributesReader;
-use sched_relay_transport::{Event, Sink, SinkError};
+use sched_relay_transport::{DeliveryError, Event, Sink, SinkError};
 use serde::Deserialize;
 
 /// `kind = "file"`: JSON Lines of structured-mode CloudEvents.
@@ -147,13 +147,17 @@ pub fn append_to(file: &mut impl AppendTarget, bytes: &[u8], fsync: bool) -> std
 
 #[async_trait]
 impl Sink for FileSink {
-    async fn deliver(&self, batch: &[Event]) -> Result<(), SinkError> {
+    async fn deliver(&self, batch: &[Event]) -> Result<(), DeliveryError> {
+        // One append for the batch: it is written whole or not at all, so a failure is the
+        // batch's (the fan-out tries its events one by one before it dead-letters any).
         let bytes = encode_json_lines(batch)?;
         let path = self.config.path.clone();
         let fsync = self.config.fsync;
-        tokio::task::spawn_blocking(move || append(&path, &bytes, fsync))
-            .await
-            .map_err(|e| SinkError::Retriable(format!("file writer task failed: {e}")))?
+        Ok(
+            tokio::task::spawn_blocking(move || append(&path, &bytes, fsync))
+                .await
+                .map_err(|e| SinkError::Retriable(format!("file writer task failed: {e}")))??,
+        )
     }
 
     async fn health_check(&self) -> Result<(), SinkError> {
@@ -221,7 +225,7 @@ pub fn summary_line(event: &Event) -> String {
 
 #[async_trait]
 impl Sink for StdoutSink {
-    async fn deliver(&self, batch: &[Event]) -> Result<(), SinkError> {
+    async fn deliver(&self, batch: &[Event]) -> Result<(), DeliveryError> {
         let bytes = match self.config.format {
             StdoutFormat::Json => encode_json_lines(batch)?,
             StdoutFormat::Pretty => {
@@ -242,10 +246,10 @@ impl Sink for StdoutSink {
         // Blocking stdout is fine here: one task owns this sink, and a closed pipe must be
         // reported, not retried forever.
         let mut stdout = std::io::stdout().lock();
-        stdout
+        Ok(stdout
             .write_all(&bytes)
             .and_then(|_| stdout.flush())
-            .map_err(|e| SinkError::Permanent(format!("cannot write to stdout: {e}")))
+            .map_err(|e| SinkError::Permanent(format!("cannot write to stdout: {e}")))?)
     }
 }
 

@@ -19,7 +19,7 @@ mod sink;
 #[cfg(feature = "client")]
 pub mod source;
 #[cfg(feature = "client")]
-pub use sink::{KafkaSink, client_config};
+pub use sink::{KafkaFault, KafkaSink, client_config, fault};
 #[cfg(feature = "testing")]
 pub mod testing;
 

@@ -12,13 +12,14 @@ use rdkafka::message::DeliveryResult;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer, ProducerContext};
 use sched_relay_transport::binding;
-use sched_relay_transport::{Event, Sink, SinkError};
+use sched_relay_transport::{DeliveryError, Event, Sink, SinkError};
 use tokio::sync::oneshot;
 
 use crate::KafkaSinkConfig;
 
 /// Keeps the last error librdkafka reported for its connections (a refused login, an
-/// unreachable broker): the calls themselves only say "transport failure".
+/// unreachable broker) since the current attempt began: the calls themselves only say
+/// "transport failure".
 #[derive(Clone, Default)]
 struct LastError(std::sync::Arc<Mutex<Option<ReportedError>>>);
 
@@ -35,6 +36,12 @@ impl ClientContext for LastError {
 impl LastError {
     fn get(&self) -> Option<ReportedError> {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Forgets what was reported before: each attempt is judged by its own errors, so a
+    /// refused login an hour ago does not mark today's timeout permanent.
+    fn clear(&self) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
 }
 
@@ -143,58 +150,87 @@ impl KafkaSink {
         true
     }
 
-    /// Authorization, authentication and malformed messages cannot be fixed by retrying;
-    /// everything else (timeouts, unreachable brokers, leader changes) can.
+    /// Classifies the error of this attempt by its error codes (see [`fault`]), with what
+    /// librdkafka reported for its connections during the attempt.
     fn classify(&self, error: &KafkaError, what: &str) -> SinkError {
-        use RDKafkaErrorCode::*;
-        let last = self.last_error.get();
+        let reported = self.last_error.get();
         let mut message = format!(
             "{what} (topic {}, brokers {}): {error}",
             self.config.topic, self.config.brokers
         );
-        if let Some((_, reason)) = &last {
+        if let Some((_, reason)) = &reported {
             message = format!("{message}; the connection reported: {reason}");
         }
-        let authentication = last.as_ref().is_some_and(|(code, reason)| {
-            matches!(
-                code,
-                Some(Authentication | SaslAuthenticationFailed | UnsupportedSASLMechanism)
-            ) || reason.contains("SASL")
-                || reason.contains("uthenticat")
-        });
-        let permanent = matches!(
+        match fault(
             error.rdkafka_error_code(),
+            reported.and_then(|(code, _)| code),
+        ) {
+            KafkaFault::Authentication => SinkError::Authentication(format!(
+                "{message} (check security_protocol, sasl_mechanism, sasl_username, sasl_password and the topic's ACLs)"
+            )),
+            KafkaFault::Refused => SinkError::Permanent(message),
+            KafkaFault::Transient => SinkError::Retriable(message),
+        }
+    }
+}
+
+/// What a failed Kafka operation means for delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KafkaFault {
+    /// A refused login or ACL. Retried: credentials are rotated and ACLs granted on the
+    /// cluster without touching the agent.
+    Authentication,
+    /// A message or topic the cluster can never take (too large, invalid, an invalid name).
+    Refused,
+    /// Timeouts, unreachable brokers, leader changes, a missing topic being created.
+    Transient,
+}
+
+/// Reads the error code of the failed call and the code librdkafka reported for its
+/// connections during the same attempt (a transport failure says only "transport").
+pub fn fault(code: Option<RDKafkaErrorCode>, reported: Option<RDKafkaErrorCode>) -> KafkaFault {
+    use RDKafkaErrorCode::*;
+    let authentication = |code: Option<RDKafkaErrorCode>| {
+        matches!(
+            code,
             Some(
-                MessageSizeTooLarge
-                    | InvalidMessage
-                    | InvalidMessageSize
+                Authentication
+                    | SaslAuthenticationFailed
+                    | UnsupportedSASLMechanism
                     | TopicAuthorizationFailed
                     | ClusterAuthorizationFailed
-                    | SaslAuthenticationFailed
-                    | Authentication
-                    | InvalidTopic
-                    | UnsupportedSASLMechanism
+                    | TransactionalIdAuthorizationFailed
             )
-        );
-        if authentication {
-            SinkError::Permanent(format!(
-                "{message} (check security_protocol, sasl_mechanism, sasl_username and sasl_password)"
-            ))
-        } else if permanent {
-            SinkError::Permanent(message)
-        } else {
-            SinkError::Retriable(message)
+        )
+    };
+    if authentication(code) || authentication(reported) {
+        return KafkaFault::Authentication;
+    }
+    match code {
+        Some(MessageSizeTooLarge | InvalidMessage | InvalidMessageSize | InvalidTopic) => {
+            KafkaFault::Refused
         }
+        _ => KafkaFault::Transient,
     }
 }
 
 #[async_trait]
 impl Sink for KafkaSink {
-    async fn deliver(&self, batch: &[Event]) -> Result<(), SinkError> {
+    async fn deliver(&self, batch: &[Event]) -> Result<(), DeliveryError> {
+        self.last_error.clear();
         let producer = self.current_producer()?;
+        // Queued in order until one cannot be (`stopped`); the delivery reports of what was
+        // queued before it decide the confirmed prefix, and each failure names its event.
+        let mut stopped: Option<(usize, SinkError)> = None;
         let mut deliveries = Vec::with_capacity(batch.len());
-        for event in batch {
-            let encoded = binding::encode(event, self.config.content_mode, binding::KAFKA)?;
+        for (index, event) in batch.iter().enumerate() {
+            let encoded = match binding::encode(event, self.config.content_mode, binding::KAFKA) {
+                Ok(encoded) => encoded,
+                Err(error) => {
+                    stopped = Some((index, error.into()));
+                    break;
+                }
+            };
             let mut headers = OwnedHeaders::new_with_capacity(encoded.headers.len() + 1);
             for (name, value) in &encoded.headers {
                 headers = headers.insert(Header {
@@ -221,32 +257,34 @@ impl Sink for KafkaSink {
             match producer.producer.send(record) {
                 Ok(()) => deliveries.push((event.id().to_owned(), delivery)),
                 Err((error, _)) => {
-                    return Err(self.classify(&error, "cannot queue a message"));
+                    stopped = Some((index, self.classify(&error, "cannot queue a message")));
+                    break;
                 }
             }
         }
-        for (id, delivery) in deliveries {
-            match delivery.await {
-                Ok(Ok(())) => {}
+        for (index, (id, delivery)) in deliveries.into_iter().enumerate() {
+            let error = match delivery.await {
+                Ok(Ok(())) => continue,
                 Ok(Err(error)) if self.replace_if_fatal(&producer, &error) => {
-                    return Err(SinkError::Retriable(format!(
+                    SinkError::Retriable(format!(
                         "{id} not delivered: {error}; the producer was in a fatal state and has been replaced"
-                    )));
+                    ))
                 }
-                Ok(Err(error)) => {
-                    return Err(self.classify(&error, &format!("{id} not delivered")));
-                }
+                Ok(Err(error)) => self.classify(&error, &format!("{id} not delivered")),
                 Err(_) => {
-                    return Err(SinkError::Retriable(format!(
-                        "{id}: the producer dropped the delivery report"
-                    )));
+                    SinkError::Retriable(format!("{id}: the producer dropped the delivery report"))
                 }
-            }
+            };
+            return Err(DeliveryError::at(index, error));
         }
-        Ok(())
+        match stopped {
+            Some((index, error)) => Err(DeliveryError::at(index, error)),
+            None => Ok(()),
+        }
     }
 
     async fn health_check(&self) -> Result<(), SinkError> {
+        self.last_error.clear();
         let producer = self.current_producer()?;
         let fetching = producer.clone();
         let topic = self.config.topic.clone();
@@ -307,4 +345,45 @@ pub fn client_config(config: &KafkaSinkConfig) -> Result<ClientConfig, String> {
         client.set("ssl.ca.location", ca.display().to_string());
     }
     Ok(client)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use RDKafkaErrorCode::*;
+
+    #[test]
+    fn a_refused_login_or_acl_is_an_authentication_fault_retried_not_permanent() {
+        let failure = KafkaError::MessageProduction(SaslAuthenticationFailed);
+        assert_eq!(
+            fault(failure.rdkafka_error_code(), None),
+            KafkaFault::Authentication
+        );
+        assert_eq!(
+            fault(Some(TopicAuthorizationFailed), None),
+            KafkaFault::Authentication
+        );
+        // A transport failure during which the connection reported a refused login.
+        assert_eq!(
+            fault(Some(BrokerTransportFailure), Some(Authentication)),
+            KafkaFault::Authentication
+        );
+    }
+
+    #[test]
+    fn only_this_attempts_codes_decide() {
+        // No reported error (cleared at the attempt's start): a timeout is a timeout.
+        let timeout = KafkaError::MessageProduction(MessageTimedOut);
+        assert_eq!(
+            fault(timeout.rdkafka_error_code(), None),
+            KafkaFault::Transient
+        );
+        assert_eq!(fault(Some(MessageSizeTooLarge), None), KafkaFault::Refused);
+        assert_eq!(fault(Some(InvalidTopic), None), KafkaFault::Refused);
+        assert_eq!(
+            fault(Some(UnknownTopicOrPartition), None),
+            KafkaFault::Transient
+        );
+        assert_eq!(fault(None, None), KafkaFault::Transient);
+    }
 }

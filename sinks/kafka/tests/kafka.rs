@@ -202,9 +202,11 @@ async fn delivery_resumes_after_the_network_to_the_broker_comes_back() {
 }
 
 /// tansu 0.6 with --authentication offers no SASL mechanism at all, so what can be shown here
-/// is a broker that refuses the login: the error must say so and must not be retried forever.
+/// is a broker that refuses the login: the error must say so, and is retried as an
+/// authentication failure (a credential rotation must not dead-letter every event meanwhile).
 #[tokio::test]
-async fn a_broker_that_refuses_the_login_gives_a_clear_error_that_is_not_retried() {
+async fn a_broker_that_refuses_the_login_gives_a_clear_error_retried_as_an_authentication_failure()
+{
     let listen = sched_relay_transport::testing::free_port();
     let address = format!("127.0.0.1:{listen}");
     let Some(_broker) = PrivateTansu::start_with(listen, &address, &["--authentication"]) else {
@@ -215,8 +217,9 @@ async fn a_broker_that_refuses_the_login_gives_a_clear_error_that_is_not_retried
     config.sasl_mechanism = Some("PLAIN".into());
     config.sasl_username = Some("relay".into());
     config.sasl_password = Some(sched_relay_transport::secret::Secret::new("wrong"));
-    let error = KafkaSink::new(config).health_check().await.unwrap_err();
-    assert!(!error.is_retriable(), "{error}");
+    let sink = KafkaSink::new(config);
+    let error = sink.health_check().await.unwrap_err();
+    assert!(error.is_retriable() && error.is_authentication(), "{error}");
     assert!(
         error
             .to_string()
@@ -231,4 +234,9 @@ async fn a_broker_that_refuses_the_login_gives_a_clear_error_that_is_not_retried
         !error.to_string().contains("wrong"),
         "the password never appears: {error}"
     );
+    let refused = sink
+        .deliver(&live_migration_events("vm")[..1])
+        .await
+        .unwrap_err();
+    assert!(refused.is_retriable(), "{refused}");
 }

@@ -17,7 +17,7 @@ mod sink;
 #[cfg(feature = "client")]
 pub mod source;
 #[cfg(feature = "client")]
-pub use sink::{NatsSink, connect};
+pub use sink::{NatsSink, connect, connect_error};
 #[cfg(feature = "testing")]
 pub mod testing;
 

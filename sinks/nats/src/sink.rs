@@ -3,7 +3,7 @@
 use async_nats::jetstream;
 use async_trait::async_trait;
 use sched_relay_transport::binding::{self, expand_template};
-use sched_relay_transport::{Event, Sink, SinkError};
+use sched_relay_transport::{DeliveryError, Event, Sink, SinkError};
 use tokio::sync::Mutex;
 
 use crate::NatsSinkConfig;
@@ -60,30 +60,46 @@ impl NatsSink {
 
 #[async_trait]
 impl Sink for NatsSink {
-    async fn deliver(&self, batch: &[Event]) -> Result<(), SinkError> {
+    async fn deliver(&self, batch: &[Event]) -> Result<(), DeliveryError> {
         let client = self.client().await?;
         let timeout = self.config.timeout;
+        // Events are published in order until one fails (`stopped`); what was published before
+        // it is then confirmed, so the failure names its event and costs no other.
+        let mut stopped: Option<(usize, SinkError)> = None;
         if self.config.jetstream {
             let context = jetstream::new(client);
             let mut acks = Vec::with_capacity(batch.len());
-            for event in batch {
-                let encoded = binding::encode(event, self.config.content_mode, binding::NATS)?;
+            for (index, event) in batch.iter().enumerate() {
+                let encoded = match binding::encode(event, self.config.content_mode, binding::NATS)
+                {
+                    Ok(encoded) => encoded,
+                    Err(error) => {
+                        stopped = Some((index, error.into()));
+                        break;
+                    }
+                };
                 let subject = expand_template(&self.config.subject, event);
-                let ack = context
+                let published = context
                     .publish_with_headers(
                         subject.clone(),
                         self.headers(event, &encoded),
                         encoded.body.into(),
                     )
-                    .await
-                    .map_err(|e| {
-                        SinkError::Retriable(format!("JetStream publish to {subject} failed: {e}"))
-                    })?;
-                acks.push((subject, ack));
+                    .await;
+                match published {
+                    Ok(ack) => acks.push((subject, ack)),
+                    Err(e) => {
+                        let message = format!("JetStream publish to {subject} failed: {e}");
+                        stopped = Some((index, SinkError::Retriable(message)));
+                        break;
+                    }
+                }
             }
-            for (subject, ack) in acks {
-                match tokio::time::timeout(timeout, ack).await {
-                    Ok(Ok(_)) => {}
+            // Acknowledgements come in publishing order: the first missing one ends the
+            // confirmed prefix.
+            for (index, (subject, ack)) in acks.into_iter().enumerate() {
+                let error = match tokio::time::timeout(timeout, ack).await {
+                    Ok(Ok(_)) => continue,
                     Ok(Err(error)) => {
                         let hint = match error.kind() {
                             jetstream::context::PublishErrorKind::StreamNotFound => {
@@ -91,39 +107,55 @@ impl Sink for NatsSink {
                             }
                             _ => "",
                         };
-                        return Err(SinkError::Retriable(format!(
-                            "JetStream did not store {subject}: {error}{hint}"
-                        )));
+                        format!("JetStream did not store {subject}: {error}{hint}")
                     }
                     Err(_) => {
-                        return Err(SinkError::Retriable(format!(
-                            "no JetStream acknowledgement for {subject} within {timeout:?}"
-                        )));
+                        format!("no JetStream acknowledgement for {subject} within {timeout:?}")
                     }
-                }
+                };
+                return Err(DeliveryError::at(index, SinkError::Retriable(error)));
             }
-            return Ok(());
+            return match stopped {
+                Some((index, error)) => Err(DeliveryError::at(index, error)),
+                None => Ok(()),
+            };
         }
-        for event in batch {
-            let encoded = binding::encode(event, self.config.content_mode, binding::NATS)?;
+        for (index, event) in batch.iter().enumerate() {
+            let encoded = match binding::encode(event, self.config.content_mode, binding::NATS) {
+                Ok(encoded) => encoded,
+                Err(error) => {
+                    stopped = Some((index, error.into()));
+                    break;
+                }
+            };
             let subject = expand_template(&self.config.subject, event);
-            client
+            if let Err(e) = client
                 .publish_with_headers(
                     subject.clone(),
                     self.headers(event, &encoded),
                     encoded.body.into(),
                 )
                 .await
-                .map_err(|e| SinkError::Retriable(format!("publish to {subject} failed: {e}")))?;
+            {
+                let message = format!("publish to {subject} failed: {e}");
+                stopped = Some((index, SinkError::Retriable(message)));
+                break;
+            }
         }
         // Core NATS has no acknowledgement: the most it can confirm is that the server has
-        // the bytes.
+        // the bytes, all of them or none.
         match tokio::time::timeout(timeout, client.flush()).await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(error)) => Err(SinkError::Retriable(format!("NATS flush failed: {error}"))),
+            Ok(Ok(())) => match stopped {
+                Some((index, error)) => Err(DeliveryError::at(index, error)),
+                None => Ok(()),
+            },
+            Ok(Err(error)) => {
+                Err(SinkError::Retriable(format!("NATS flush failed: {error}")).into())
+            }
             Err(_) => Err(SinkError::Retriable(format!(
                 "NATS flush not done within {timeout:?} (server down?)"
-            ))),
+            ))
+            .into()),
         }
     }
 
@@ -145,7 +177,7 @@ impl Sink for NatsSink {
 }
 
 /// Connects with the sink's URL, credentials and TLS settings (also used by the approval
-/// source). Authentication and TLS problems are permanent; an unreachable server is not.
+/// source). See [`connect_error`] for what retrying can fix.
 pub async fn connect(config: &NatsSinkConfig) -> Result<async_nats::Client, SinkError> {
     let mut options = async_nats::ConnectOptions::new()
         .name("sched-relay")
@@ -186,15 +218,59 @@ pub async fn connect(config: &NatsSinkConfig) -> Result<async_nats::Client, Sink
     }
     let servers: Vec<String> = config.url.split(',').map(|s| s.trim().to_owned()).collect();
     options.connect(servers).await.map_err(|error| {
-        use async_nats::ConnectErrorKind::*;
         let message = format!("cannot connect to NATS at {}: {error}", config.url);
-        match error.kind() {
-            AuthorizationViolation | Authentication => SinkError::Permanent(format!(
-                "{message} (check user/password, token or credentials_file)"
-            )),
-            Tls => SinkError::Permanent(format!("{message} (check tls and ca_file)")),
-            ServerParse => SinkError::Permanent(message),
-            _ => SinkError::Retriable(message),
-        }
+        connect_error(error.kind(), message)
     })
+}
+
+/// Classifies a failed connection by async-nats's error kind. A refused login is retried
+/// (loudly): credentials are rotated on the server without touching the agent. A TLS set-up
+/// or server list that cannot work is not.
+pub fn connect_error(kind: async_nats::ConnectErrorKind, message: String) -> SinkError {
+    use async_nats::ConnectErrorKind::*;
+    match kind {
+        AuthorizationViolation | Authentication => SinkError::Authentication(format!(
+            "{message} (check user/password, token or credentials_file)"
+        )),
+        Tls => SinkError::Permanent(format!("{message} (check tls and ca_file)")),
+        ServerParse => SinkError::Permanent(message),
+        Dns | TimedOut | Io | MaxReconnects => SinkError::Retriable(message),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use async_nats::ConnectErrorKind;
+
+    #[test]
+    fn a_refused_login_is_retried_as_an_authentication_failure() {
+        for kind in [
+            ConnectErrorKind::AuthorizationViolation,
+            ConnectErrorKind::Authentication,
+        ] {
+            let error = connect_error(kind, "refused".into());
+            assert!(
+                error.is_retriable() && error.is_authentication(),
+                "{kind:?}: {error}"
+            );
+        }
+    }
+
+    #[test]
+    fn only_a_configuration_that_cannot_work_is_permanent() {
+        assert!(!connect_error(ConnectErrorKind::Tls, "tls".into()).is_retriable());
+        assert!(!connect_error(ConnectErrorKind::ServerParse, "url".into()).is_retriable());
+        for kind in [
+            ConnectErrorKind::Io,
+            ConnectErrorKind::TimedOut,
+            ConnectErrorKind::Dns,
+        ] {
+            let error = connect_error(kind, "down".into());
+            assert!(
+                error.is_retriable() && !error.is_authentication(),
+                "{kind:?}"
+            );
+        }
+    }
 }

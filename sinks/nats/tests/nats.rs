@@ -243,7 +243,7 @@ async fn delivery_resumes_after_the_server_restarts_and_nothing_is_lost_or_doubl
 }
 
 #[tokio::test]
-async fn a_refused_login_is_a_clear_error_that_retrying_cannot_fix() {
+async fn a_refused_login_is_a_clear_error_retried_as_an_authentication_failure() {
     let Some(server) = PrivateNats::start(&["--user", "relay", "--pass", "right"]) else {
         return;
     };
@@ -257,7 +257,7 @@ async fn a_refused_login_is_a_clear_error_that_retrying_cannot_fix() {
     config.password = Some(sched_relay_transport::secret::Secret::new("wrong"));
     let sink = NatsSink::new(config);
     let error = sink.health_check().await.unwrap_err();
-    assert!(!error.is_retriable(), "{error}");
+    assert!(error.is_retriable() && error.is_authentication(), "{error}");
     assert!(error.to_string().contains("check user/password"), "{error}");
 
     let mut good = self::config(
@@ -269,4 +269,77 @@ async fn a_refused_login_is_a_clear_error_that_retrying_cannot_fix() {
     good.user = Some("relay".into());
     good.password = Some(sched_relay_transport::secret::Secret::new("right"));
     NatsSink::new(good).health_check().await.unwrap();
+}
+
+/// A credential rotation: the server's password changes, and the sink must deliver again as
+/// soon as its own password is accepted, not dead-letter everything meanwhile.
+#[tokio::test]
+async fn a_refused_password_is_retried_and_delivery_resumes_once_the_server_accepts_it() {
+    let Some(mut server) = PrivateNats::start(&["--user", "relay", "--pass", "rotated"]) else {
+        return;
+    };
+    let mut config = config(
+        &server.url(),
+        "rotation.{transition}",
+        false,
+        ContentMode::Binary,
+    );
+    config.user = Some("relay".into());
+    config.password = Some(sched_relay_transport::secret::Secret::new("current"));
+    let sink = NatsSink::new(config);
+    let events = live_migration_events("WestNO_0");
+    let error = sink.deliver(&events).await.unwrap_err();
+    assert!(
+        error.is_retriable() && error.error.is_authentication(),
+        "{error}"
+    );
+    assert!(
+        !error.to_string().contains("current"),
+        "the password never appears: {error}"
+    );
+
+    let port = server.url().rsplit(':').next().unwrap().parse().unwrap();
+    server.stop();
+    let Some(server) = PrivateNats::start_on(port, &["--user", "relay", "--pass", "current"])
+    else {
+        panic!("the private nats-server did not start again");
+    };
+    let client =
+        async_nats::ConnectOptions::with_user_and_password("relay".into(), "current".into())
+            .connect(server.url())
+            .await
+            .unwrap();
+    let mut subscriber = client.subscribe("rotation.>").await.unwrap();
+    client.flush().await.unwrap();
+    deliver_until_accepted(&sink, &events, 20).await;
+    for _ in &events {
+        tokio::time::timeout(Duration::from_secs(5), subscriber.next())
+            .await
+            .expect("every event arrives")
+            .unwrap();
+    }
+}
+
+/// JetStream acknowledges each message: a failure in the middle of a batch names its event
+/// and the events before it count as confirmed, so a retry never sends them again.
+#[tokio::test]
+async fn a_jetstream_failure_mid_batch_names_its_event_and_keeps_the_confirmed_prefix() {
+    let url = shared_url();
+    if !broker_available("NATS", &address(&url), HOW) {
+        return;
+    }
+    let prefix = unique("midbatch");
+    let mut stream = create_stream(&url, &prefix, &format!("{prefix}.scheduled")).await;
+    let sink = NatsSink::new(config(
+        &url,
+        &format!("{prefix}.{{transition}}"),
+        true,
+        ContentMode::Binary,
+    ));
+    // scheduled (captured by the stream), then document (no stream).
+    let events = live_migration_events("vm");
+    let error = sink.deliver(&events[1..3]).await.unwrap_err();
+    assert!(error.is_retriable(), "{error}");
+    assert_eq!((error.confirmed, error.names_event), (1, true), "{error}");
+    assert_eq!(stream.info().await.unwrap().state.messages, 1);
 }

@@ -1,5 +1,6 @@
 //! What every sched-relay connection shares, both ways. Outbound: the [`Sink`] trait, the
-//! [`SinkError`] that tells the fan-out whether retrying can help, and a [`RecordingSink`]
+//! [`SinkError`] that tells the fan-out whether retrying can help, the [`DeliveryError`] that
+//! says how far a batch got (so one refused event costs only itself), and a [`RecordingSink`]
 //! that tests use to see exactly what reached a sink. Inbound ([`inbound`]): how approval
 //! sources hand messages to the agent and learn when to acknowledge them. And [`secret`]:
 //! credentials in configurations, never printed.
@@ -14,6 +15,7 @@ pub mod testing;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
+use cloudevents::AttributesReader;
 /// The protocol bindings are pure and live in the core; sinks reach them from here.
 pub use sched_relay_core::binding;
 /// A relayed CloudEvent with its typed kind.
@@ -24,8 +26,10 @@ pub use sched_relay_core::{Event, EventKind};
 #[async_trait]
 pub trait Sink: Send + Sync {
     /// Delivers a batch, in order. `Ok` means every event of the batch is confirmed by the
-    /// destination (written and fsync'd, acknowledged by the broker, answered 2xx).
-    async fn deliver(&self, batch: &[Event]) -> Result<(), SinkError>;
+    /// destination (written and fsync'd, acknowledged by the broker, answered 2xx). An error
+    /// says how far the delivery got ([`DeliveryError`]), so that one event the destination
+    /// refuses costs only that event, never the events around it.
+    async fn deliver(&self, batch: &[Event]) -> Result<(), DeliveryError>;
 
     /// Checks, once at start-up and on demand, that the destination can be reached and used.
     async fn health_check(&self) -> Result<(), SinkError> {
@@ -45,10 +49,69 @@ pub enum SinkError {
         message: String,
         after: std::time::Duration,
     },
+    /// The destination refused our credentials or permissions. Retried (loudly: an ERROR log
+    /// and `sched_relay_sink_authentication_failed_total`), because credentials are rotated
+    /// and permissions granted on the destination's side without touching the agent: a
+    /// rotation must not dead-letter every event meanwhile.
+    #[error("{0} (will retry: credentials and permissions can change on the server)")]
+    Authentication(String),
     /// The destination refused the batch for a reason retrying cannot change (bad
     /// configuration, message rejected); the batch goes to the dead-letter file.
     #[error("{0} (not retriable)")]
     Permanent(String),
+}
+
+/// How far a failed delivery got: the first `confirmed` events of the batch are confirmed by
+/// the destination; `error` is why the rest is not. With `names_event`, the error belongs to
+/// the event right after the confirmed prefix (`batch[confirmed]`) and says nothing about the
+/// events after it; without, the destination refused the rest as a whole and cannot tell which
+/// event it objected to (one HTTP request for a batch), so the fan-out retries it event by
+/// event before it dead-letters anything.
+#[derive(Debug, thiserror::Error)]
+#[error("{error}")]
+pub struct DeliveryError {
+    pub confirmed: usize,
+    pub names_event: bool,
+    #[source]
+    pub error: SinkError,
+}
+
+impl DeliveryError {
+    /// The event `batch[confirmed]` failed; every event before it is confirmed.
+    pub fn at(confirmed: usize, error: SinkError) -> DeliveryError {
+        DeliveryError {
+            confirmed,
+            names_event: true,
+            error,
+        }
+    }
+
+    /// Whether retrying the unconfirmed rest can help.
+    pub fn is_retriable(&self) -> bool {
+        self.error.is_retriable()
+    }
+
+    /// How long the destination asked us to wait, if it said.
+    pub fn retry_after(&self) -> Option<std::time::Duration> {
+        self.error.retry_after()
+    }
+}
+
+impl From<SinkError> for DeliveryError {
+    /// A failure of the batch as a whole: nothing confirmed, no event named.
+    fn from(error: SinkError) -> DeliveryError {
+        DeliveryError {
+            confirmed: 0,
+            names_event: false,
+            error,
+        }
+    }
+}
+
+impl From<binding::EncodeError> for DeliveryError {
+    fn from(error: binding::EncodeError) -> DeliveryError {
+        SinkError::from(error).into()
+    }
 }
 
 /// An error with every cause behind it, `outer: inner: root`: clients such as reqwest put the
@@ -84,7 +147,15 @@ impl From<binding::EncodeError> for SinkError {
 impl SinkError {
     /// Whether retrying the same batch can help.
     pub fn is_retriable(&self) -> bool {
-        matches!(self, SinkError::Retriable(_) | SinkError::RetryAfter { .. })
+        matches!(
+            self,
+            SinkError::Retriable(_) | SinkError::RetryAfter { .. } | SinkError::Authentication(_)
+        )
+    }
+
+    /// Whether the destination refused our credentials or permissions.
+    pub fn is_authentication(&self) -> bool {
+        matches!(self, SinkError::Authentication(_))
     }
 
     /// How long the destination asked us to wait before the next try, if it said.
@@ -121,7 +192,11 @@ struct Recording {
     delivered: Vec<Event>,
     attempts: usize,
     scripted_failures: std::collections::VecDeque<SinkError>,
+    refused: Option<Refusal>,
 }
+
+/// Events a [`RecordingSink`] refuses for good, as a destination refuses a poison event.
+type Refusal = Box<dyn Fn(&Event) -> bool + Send>;
 
 impl RecordingSink {
     pub fn new() -> Self {
@@ -131,6 +206,13 @@ impl RecordingSink {
     /// The next deliveries fail with these errors, one per attempt, before succeeding again.
     pub fn fail_next(&self, errors: impl IntoIterator<Item = SinkError>) {
         self.lock().scripted_failures.extend(errors);
+    }
+
+    /// From now on, every event that `refuse` picks is refused permanently (and named), like
+    /// a webhook answering 400 to one kind of event; the events before it in its batch are
+    /// delivered.
+    pub fn refuse(&self, refuse: impl Fn(&Event) -> bool + Send + 'static) {
+        self.lock().refused = Some(Box::new(refuse));
     }
 
     /// Every event delivered so far, in delivery order.
@@ -153,13 +235,23 @@ impl RecordingSink {
 
 #[async_trait]
 impl Sink for RecordingSink {
-    async fn deliver(&self, batch: &[Event]) -> Result<(), SinkError> {
+    async fn deliver(&self, batch: &[Event]) -> Result<(), DeliveryError> {
         let mut recording = self.lock();
         recording.attempts += 1;
         if let Some(error) = recording.scripted_failures.pop_front() {
-            return Err(error);
+            return Err(error.into());
         }
-        recording.delivered.extend_from_slice(batch);
+        for (index, event) in batch.iter().enumerate() {
+            if recording
+                .refused
+                .as_ref()
+                .is_some_and(|refuse| refuse(event))
+            {
+                let refused = format!("{} refused", event.id());
+                return Err(DeliveryError::at(index, SinkError::Permanent(refused)));
+            }
+            recording.delivered.push(event.clone());
+        }
         Ok(())
     }
 }

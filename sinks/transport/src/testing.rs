@@ -108,14 +108,19 @@ pub fn assert_same_events(received: &[cloudevents::Event], sent: &[Event]) {
     }
 }
 
-/// What the fan-out does after a failure, for sink tests: retries the batch every 200 ms,
-/// up to `attempts` times, until the sink accepts it. Panics if it never does.
+/// What the fan-out does after a failure, for sink tests: retries the unconfirmed rest of
+/// the batch every 200 ms, up to `attempts` times, until the sink accepts it. Panics if it
+/// never does.
 pub async fn deliver_until_accepted(sink: &dyn crate::Sink, batch: &[Event], attempts: usize) {
     let mut last = None;
+    let mut confirmed = 0;
     for _ in 0..attempts {
-        match sink.deliver(batch).await {
+        match sink.deliver(&batch[confirmed..]).await {
             Ok(()) => return,
-            Err(error) => last = Some(error),
+            Err(error) => {
+                confirmed = (confirmed + error.confirmed).min(batch.len());
+                last = Some(error);
+            }
         }
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }

@@ -8,7 +8,7 @@ use reqwest::header::{
 };
 use reqwest::{StatusCode, redirect};
 use sched_relay_transport::binding::{self, BATCH_CONTENT_TYPE};
-use sched_relay_transport::{Event, Sink, SinkError, parse_retry_after};
+use sched_relay_transport::{DeliveryError, Event, Sink, SinkError, parse_retry_after};
 use sha2::Sha256;
 
 use crate::WebhookSinkConfig;
@@ -256,21 +256,25 @@ fn header_map(pairs: &[(String, String)], content_type: &str) -> Result<HeaderMa
 
 #[async_trait]
 impl Sink for WebhookSink {
-    async fn deliver(&self, batch: &[Event]) -> Result<(), SinkError> {
+    async fn deliver(&self, batch: &[Event]) -> Result<(), DeliveryError> {
         if let Some(problem) = &self.broken {
-            return Err(SinkError::Permanent(problem.clone()));
+            return Err(SinkError::Permanent(problem.clone()).into());
         }
         if self.config.batch {
+            // One answer for the whole batch: a refusal cannot say which event it is about.
             let body = binding::batch_json(batch)?;
             let what = format!("batch of {}", batch.len());
-            return self
+            return Ok(self
                 .post(header_map(&[], BATCH_CONTENT_TYPE)?, body, &what)
-                .await;
+                .await?);
         }
-        for event in batch {
-            let encoded = binding::encode(event, self.config.content_mode, binding::HTTP)?;
-            let headers = header_map(&encoded.headers, &encoded.content_type)?;
-            self.post(headers, encoded.body, event.id()).await?;
+        for (index, event) in batch.iter().enumerate() {
+            let post = async {
+                let encoded = binding::encode(event, self.config.content_mode, binding::HTTP)?;
+                let headers = header_map(&encoded.headers, &encoded.content_type)?;
+                self.post(headers, encoded.body, event.id()).await
+            };
+            post.await.map_err(|e| DeliveryError::at(index, e))?;
         }
         Ok(())
     }
