@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::Utc;
-use sched_relay_transport::inbound::{Delivery, Reply};
+use sched_relay_transport::inbound::{Answer, Delivery, Reply};
 use tokio::sync::{mpsc, watch};
 
 use crate::fanout::Publisher;
@@ -271,13 +271,18 @@ impl Approver {
             ));
         }
         if let Err(error) = self.publisher.publish(&outcomes, None).await {
-            // The outcomes are not stored: leave the messages unacknowledged so the brokers
-            // deliver them again (they will then be refused as replays, which is safe).
-            tracing::error!(error = %error, "Cannot store approval outcome events; the messages stay unacknowledged");
+            // The outcomes are not stored: each source offers its message again after a
+            // pause (or tells its requester to retry) and keeps consuming.
+            tracing::error!(error = %error, "Cannot store approval outcome events; the messages will be offered again");
+            let why = format!("the outcome cannot be stored: {error}");
+            for (handled, _) in replies {
+                metrics::counter!("sched_relay_approvals_not_handled_total").increment(1);
+                let _ = handled.send(Answer::NotHandled(why.clone()));
+            }
             return;
         }
         for (handled, reply) in replies {
-            let _ = handled.send(reply);
+            let _ = handled.send(Answer::Handled(reply));
         }
     }
 
