@@ -330,3 +330,173 @@ async fn a_core_nats_requester_gets_a_retriable_error_and_the_source_keeps_answe
     agent.await.unwrap().unwrap();
     sim.stop().await;
 }
+
+/// The agent binary with a RabbitMQ source and the fault injector armed at `point`; a
+/// signed request for FIRST is published, and the agent aborts there. Returns the agent
+/// (not running), the request's id and the simulator.
+fn killed_at(point: &str) -> Killed {
+    let dir = tempfile::tempdir().unwrap();
+    let scenario = dir.path().join("scenario.toml");
+    std::fs::write(&scenario, SCENARIO).unwrap();
+    let sim = common::SimProcess::start(scenario.to_str().unwrap(), 1.0);
+    let exchange = unique("approvals_kill");
+    let sources = format!(
+        "[identity]\nvm_name = \"WestNO_0\"\n\n[[approvals.keys]]\nid = \"orchestrator\"\n\
+         algorithm = \"hmac-sha256\"\nsecret = \"{SECRET}\"\n\n\
+         [approvals.amqp]\nconnection = {{ url = \"{AMQP_URL}\" }}\nexchange = \"{exchange}\"\n\
+         queue = \"{exchange}.{{vmname}}\"\n"
+    );
+    let mut agent = common::AgentProcess::start_with_env(
+        &sim.url,
+        &sources,
+        &[(sched_relay::approval::fault::ENV, point)],
+    );
+    agent.wait_for_id(&format!("{FIRST}:scheduled"), Duration::from_secs(20));
+    let to = format!("{AMQP_URL}?exchange={exchange}&routing_key=approvals.WestNO_0");
+    let (draft, event) = signed(FIRST);
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    // Routed only once the agent has bound its queue.
+    while runtime.block_on(publish_to(&to, &event, None)).is_err() {
+        assert!(Instant::now() < deadline, "the AMQP queue was never bound");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let status = agent.wait(Duration::from_secs(20));
+    assert!(!status.success(), "the injector aborts the agent");
+    assert!(
+        agent.log().contains(&format!(
+            "aborting at {}",
+            match point {
+                "approval_after_post" => "AfterPost",
+                _ => "AfterOutcome",
+            }
+        )),
+        "{}",
+        agent.log()
+    );
+    Killed {
+        _dir: dir,
+        sim,
+        agent,
+        request_id: draft.id,
+        to,
+        event,
+    }
+}
+
+struct Killed {
+    _dir: tempfile::TempDir,
+    sim: common::SimProcess,
+    agent: common::AgentProcess,
+    request_id: String,
+    to: String,
+    event: sched_relay_core::Event,
+}
+
+fn sim_posts(sim: &common::SimProcess) -> usize {
+    sim.requests()
+        .into_iter()
+        .filter(|r| r["method"] == "POST")
+        .count()
+}
+
+fn outcomes_of(agent: &common::AgentProcess, request_id: &str) -> Vec<Value> {
+    agent
+        .events()
+        .into_iter()
+        .filter(|e| e["requestid"] == request_id)
+        .collect()
+}
+
+#[test]
+fn an_agent_killed_after_the_post_approves_the_redelivered_request_instead_of_calling_it_a_replay()
+{
+    if !broker_available("RabbitMQ", RABBITMQ, "rabbitmq-server -detached") {
+        return;
+    }
+    let Killed {
+        sim,
+        mut agent,
+        request_id,
+        ..
+    } = killed_at("approval_after_post");
+    assert_eq!(sim_posts(&sim), 1, "the POST went out before the abort");
+    assert!(outcomes_of(&agent, &request_id).is_empty());
+
+    agent.set_env(&[]);
+    agent.spawn(&[]);
+    // RabbitMQ delivers the unacknowledged message again; the agent forwards it again
+    // (harmless: the event may have Started meanwhile) and accepts it.
+    let id = format!("{request_id}:accepted");
+    let found = agent.wait_for_id(&id, Duration::from_secs(30));
+    std::thread::sleep(Duration::from_secs(2));
+    let mine = outcomes_of(&agent, &request_id);
+    assert_eq!(
+        mine.len(),
+        1,
+        "exactly one outcome: {mine:?}\n{}",
+        agent.log()
+    );
+    assert_eq!(
+        mine[0]["type"],
+        format!("{TYPE}.approval.accepted"),
+        "{found:?}"
+    );
+    assert_eq!(mine[0]["data"]["reason"], "imds_accepted");
+    assert_eq!(sim_posts(&sim), 2, "forwarded again after the restart");
+    agent.wait_for_id(&format!("{FIRST}:started"), Duration::from_secs(10));
+    assert!(agent.stop().success());
+}
+
+#[test]
+fn an_agent_killed_after_the_outcome_answers_the_redelivery_with_the_stored_outcome() {
+    if !broker_available("RabbitMQ", RABBITMQ, "rabbitmq-server -detached") {
+        return;
+    }
+    let Killed {
+        sim,
+        mut agent,
+        request_id,
+        to,
+        event,
+        ..
+    } = killed_at("approval_after_outcome");
+    assert_eq!(sim_posts(&sim), 1);
+
+    agent.set_env(&[]);
+    agent.spawn(&[]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !agent.log().contains("answered with its stored outcome") {
+        assert!(Instant::now() < deadline, "no redelivery:\n{}", agent.log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    agent.wait_for_id(&format!("{request_id}:accepted"), Duration::from_secs(10));
+    // A replay of the same signed request later: the same answer, nothing sent.
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(publish_to(&to, &event, None)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while agent
+        .log()
+        .matches("answered with its stored outcome")
+        .count()
+        < 2
+    {
+        assert!(
+            Instant::now() < deadline,
+            "replay not answered:\n{}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    let mine = outcomes_of(&agent, &request_id);
+    assert_eq!(
+        mine.len(),
+        1,
+        "exactly one outcome: {mine:?}\n{}",
+        agent.log()
+    );
+    assert_eq!(mine[0]["type"], format!("{TYPE}.approval.accepted"));
+    assert_eq!(sim_posts(&sim), 1, "never forwarded again");
+    assert!(agent.stop().success());
+}
