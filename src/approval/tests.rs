@@ -126,3 +126,27 @@ async fn a_request_that_cannot_be_recorded_fails_retriably_and_is_not_called_a_r
         "a replay of a handled request is answered with its outcome: {replay:?}"
     );
 }
+
+#[tokio::test]
+async fn requests_with_an_empty_id_over_each_transport_get_distinct_unidentified_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    let (approver, _fanout) = approver(dir.path(), DiskFaults::new());
+    let mut ids = std::collections::HashSet::new();
+    for transport in ["http", "nats", "amqp", "http"] {
+        let mut message = request();
+        message.transport = transport;
+        let mut body: serde_json::Value = serde_json::from_slice(&message.body).unwrap();
+        body["id"] = "".into();
+        message.body = serde_json::to_vec(&body).unwrap();
+        let (request_id, _, verdict, _) = approver.check(&message, &mut None).await;
+        assert!(
+            matches!(&verdict, Verdict::Reject(r) if r.reason == Reason::Malformed),
+            "{verdict:?}"
+        );
+        assert!(
+            request_id.starts_with(&format!("unidentified:{transport}:")),
+            "{request_id}"
+        );
+        assert!(ids.insert(request_id), "outcome ids must differ");
+    }
+}
