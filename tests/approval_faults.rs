@@ -1,11 +1,13 @@
 //! Remote approvals at their failure edges, against the real brokers (NATS with JetStream on
-//! 127.0.0.1:4222, RabbitMQ on 127.0.0.1:5672):
+//! 127.0.0.1:4222, RabbitMQ on 127.0.0.1:5672, and with the `kafka` feature Kafka on
+//! 127.0.0.1:9092):
 //!
 //! - an outcome that cannot be stored (the state disk is full, made so by the in-process fault
 //!   injector `store::DiskFaults`, since no broker can produce it) leaves the message "not
-//!   handled": JetStream naks it with a delay, RabbitMQ requeues it after a pause, a core NATS
-//!   requester gets a retriable error; every source keeps consuming, and once the disk frees
-//!   the same message is handled;
+//!   handled": JetStream naks it with a delay, RabbitMQ requeues it after a pause, Kafka
+//!   reads the record again without committing, a core NATS requester gets a retriable
+//!   error; every source keeps consuming, and once the disk frees the same message is
+//!   handled;
 //! - a kill -9 at each step of handling a request (after the POST, after the outcome is
 //!   stored) loses no approval: the redelivery is accepted, or answered with the stored
 //!   outcome, never refused as a replay.
@@ -499,4 +501,70 @@ fn an_agent_killed_after_the_outcome_answers_the_redelivery_with_the_stored_outc
     assert_eq!(mine[0]["type"], format!("{TYPE}.approval.accepted"));
     assert_eq!(sim_posts(&sim), 1, "never forwarded again");
     assert!(agent.stop().success());
+}
+
+#[cfg(feature = "kafka")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kafka_source_reads_a_record_again_after_its_outcome_could_not_be_stored() {
+    const KAFKA: &str = "127.0.0.1:9092";
+    if !broker_available("Kafka", KAFKA, sched_relay_kafka::testing::HOW) {
+        return;
+    }
+    let sim = Simulator::start(
+        Scenario::from_toml(SCENARIO).unwrap(),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let topic = unique("approvals_full");
+    sched_relay_kafka::testing::create_topic(KAFKA, &topic, 4).await;
+    let sources = format!(
+        "[approvals.kafka]\nconnection = {{ brokers = \"{KAFKA}\" }}\ntopic = \"{topic}\"\n"
+    );
+    let (faults, stop, agent) = start_agent(&sim, dir.path(), &sources).await;
+    let (draft, event) = signed(FIRST);
+    faults.fill();
+    publish_to(&format!("kafka://{KAFKA}/{topic}"), &event, None)
+        .await
+        .unwrap();
+    // The source reads from `max_age` ago, so the record is read however soon it started.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert!(faults.refused() > 0, "the agent hit the full disk");
+    assert!(outcomes(dir.path()).is_empty(), "nothing could be stored");
+
+    faults.free();
+    let path = dir.path().to_owned();
+    wait_until(
+        "the request accepted after the disk freed",
+        Duration::from_secs(30),
+        || !outcomes(&path).is_empty(),
+    )
+    .await;
+    // And the source is still consuming: a second request is handled too.
+    let (second, event) = signed(SECOND);
+    publish_to(&format!("kafka://{KAFKA}/{topic}"), &event, None)
+        .await
+        .unwrap();
+    wait_until("the second request", Duration::from_secs(30), || {
+        outcomes(&path).len() >= 2
+    })
+    .await;
+    let found = outcomes(dir.path());
+    for id in [&draft.id, &second.id] {
+        let mine: Vec<&Value> = found
+            .iter()
+            .filter(|e| e["requestid"] == id.as_str())
+            .collect();
+        assert_eq!(mine.len(), 1, "{found:?}");
+        assert_eq!(
+            mine[0]["type"],
+            format!("{TYPE}.approval.accepted"),
+            "{found:?}"
+        );
+    }
+
+    let _ = stop.send(());
+    agent.await.unwrap().unwrap();
+    sim.stop().await;
 }
