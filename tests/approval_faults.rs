@@ -402,11 +402,15 @@ fn sim_posts(sim: &common::SimProcess) -> usize {
         .count()
 }
 
+/// The outcome events of `request_id`, one per CloudEvents id: delivery is at least once,
+/// so an event the sink took just before a kill may arrive again, with the same id.
 fn outcomes_of(agent: &common::AgentProcess, request_id: &str) -> Vec<Value> {
+    let mut seen = std::collections::HashSet::new();
     agent
         .events()
         .into_iter()
         .filter(|e| e["requestid"] == request_id)
+        .filter(|e| seen.insert(e["id"].to_string()))
         .collect()
 }
 
