@@ -12,7 +12,7 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use sched_relay_transport::inbound::{Deliveries, Inbound, hand_over};
+use sched_relay_transport::inbound::{Deliveries, Handover, Inbound, hand_over};
 use subtle::ConstantTimeEq;
 
 use crate::telemetry::Telemetry;
@@ -135,12 +135,22 @@ async fn approve(
         body: body.to_vec(),
         shared: false,
     };
-    let Some(reply) = hand_over(&endpoint.deliveries, message).await else {
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "no outcome: the agent is stopping, or cannot write its state store; send the request again\n",
-        )
-            .into_response();
+    let reply = match hand_over(&endpoint.deliveries, message).await {
+        Handover::Handled(reply) => reply,
+        Handover::NotHandled(why) => {
+            return (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("no outcome: it could not be stored; send the request again: {why}\n"),
+            )
+                .into_response();
+        }
+        Handover::Stopping => {
+            return (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no outcome: the agent is stopping; send the request again\n",
+            )
+                .into_response();
+        }
     };
     let status = match (reply.outcome, reply.body["reason"].as_str()) {
         ("accepted", _) => StatusCode::OK,

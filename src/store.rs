@@ -20,8 +20,9 @@
 //!   file with backoff (`recovery`), inside the running process; `/readyz` and
 //!   `sched_relay_state_store_writable` say it cannot be written meanwhile. Callers keep
 //!   what they could not store and retry: the poller keeps the transitions it derived, a
-//!   sink's task retries removing what it delivered, an approval fails retriably. Proved with
-//!   the in-process fault injector ([`DiskFaults`]):
+//!   sink's task retries removing what it delivered, an approval fails retriably (its
+//!   source offers the message again). Proved with the in-process fault injector
+//!   ([`DiskFaults`]):
 //!   `a_full_disk_fails_commits_and_once_freed_the_same_process_commits_again_losing_nothing`,
 //!   `a_delivered_batch_that_cannot_be_removed_is_not_delivered_again_while_the_disk_is_full`
 //!   (fanout), `a_request_that_cannot_be_recorded_fails_retriably_and_is_not_called_a_replay`
@@ -37,12 +38,14 @@ mod config;
 mod error;
 mod faults;
 mod recovery;
+mod requests;
 mod sinks;
 
 pub use config::{StateConfig, check_state_dir};
 pub use error::StoreError;
 pub use faults::DiskFaults;
 use recovery::open_database;
+pub use requests::{Seen, StoredOutcome};
 
 mod meta;
 
@@ -63,8 +66,9 @@ const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const LAST_DOCUMENT: &str = "last_document";
 /// The incarnation epoch of the last document (u64, big-endian); see [`epoch`].
 const EPOCH: &str = "epoch";
-/// Approval request ids already handled -> Unix seconds after which the id may be forgotten
-/// (its request is then too old to pass the freshness check anyway).
+/// Approval request ids handled by versions before `approval_requests` ([`requests`]) -> Unix
+/// seconds after which the id may be forgotten (its request is then too old to pass the
+/// freshness check anyway). Only read, as replays, until they expire.
 const SEEN_REQUESTS: TableDefinition<&str, i64> = TableDefinition::new("seen_requests");
 
 mod epoch;
@@ -173,6 +177,8 @@ impl Outbox {
             txn.open_table(EVENTS).map_err(|e| outbox.io(e))?;
             txn.open_table(META).map_err(|e| outbox.io(e))?;
             txn.open_table(SEEN_REQUESTS).map_err(|e| outbox.io(e))?;
+            txn.open_table(requests::APPROVAL_REQUESTS)
+                .map_err(|e| outbox.io(e))?;
             txn.commit().map_err(|e| outbox.io(e))
         })?;
         outbox.last_document()?;
@@ -415,36 +421,6 @@ impl Outbox {
             .map_err(|e| self.io(e))?
             .count();
         Ok(Counter { next, depth })
-    }
-
-    /// Records an approval request id as seen, durably, until `keep_until` (Unix seconds).
-    /// Returns false when the id was already seen (a replay). Ids whose time has passed are
-    /// forgotten in the same transaction, so the table stays as small as the window allows.
-    /// An error means the id could not be recorded: the request must fail (retriably), not
-    /// be called a replay.
-    pub fn remember_request(
-        &self,
-        id: &str,
-        keep_until: i64,
-        now: i64,
-    ) -> Result<bool, StoreError> {
-        self.reopen_if_due();
-        self.with_db(Access::Write, |db| {
-            let txn = self.write(db)?;
-            let new = {
-                let mut table = txn.open_table(SEEN_REQUESTS).map_err(|e| self.io(e))?;
-                let seen = table.get(id).map_err(|e| self.io(e))?.is_some();
-                if !seen {
-                    table.insert(id, keep_until).map_err(|e| self.io(e))?;
-                }
-                table
-                    .retain(|_, until| until >= now)
-                    .map_err(|e| self.io(e))?;
-                !seen
-            };
-            txn.commit().map_err(|e| self.io(e))?;
-            Ok(new)
-        })
     }
 
     /// How many undelivered events each sink may hold.

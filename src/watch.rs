@@ -7,7 +7,7 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use sched_relay_transport::inbound::{Delivery, Inbound, Reply};
+use sched_relay_transport::inbound::{Answer, Delivery, Inbound, Reply};
 use serde_json::Value;
 use tokio::sync::{mpsc, watch};
 
@@ -213,7 +213,7 @@ pub async fn run(
                 if let Some(event) = decode(&delivery.message) {
                     fleet.apply(&event);
                 }
-                let _ = delivery.handled.send(Reply { outcome: "skipped", body: Value::Null });
+                let _ = delivery.handled.send(Answer::Handled(Reply { outcome: "skipped", body: Value::Null }));
                 continue;
             }
             _ = tick.tick() => {}
@@ -274,9 +274,8 @@ async fn follow_file(
                     body: line.to_vec(),
                     shared: true,
                 };
-                if sched_relay_transport::inbound::hand_over(&tx, message)
-                    .await
-                    .is_none()
+                if sched_relay_transport::inbound::hand_over(&tx, message).await
+                    == sched_relay_transport::inbound::Handover::Stopping
                 {
                     return;
                 }

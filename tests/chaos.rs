@@ -5,9 +5,14 @@
 //! scenario's ground truth: every transition present, in order per Azure event, none
 //! invented, repeats only as identical ids.
 //!
+//! Approvals go through the same faults (`chaos_approvals`): signed requests over core NATS
+//! for events that wait for approval, IMDS 503s for some of their POSTs; each must end with
+//! exactly one accepted outcome, in every sink.
+//!
 //! CI runs one round with a fixed seed; `scripts/chaos --minutes N --seed S` runs rounds until
 //! the time is up and prints the totals. CHAOS_SEED and CHAOS_MINUTES set both.
 
+mod chaos_approvals;
 mod common;
 
 use std::collections::{BTreeMap, HashSet};
@@ -44,6 +49,9 @@ struct Edges {
     /// seconds at a time (never across a kill: a restart while it is full loses what was only
     /// in memory, as README says).
     full_disk: bool,
+    /// Events only an approval starts, and the 503s planned for their POSTs.
+    approvals: Vec<chaos_approvals::Planned>,
+    post_faults: usize,
 }
 
 /// A random scenario (TOML) whose phase changes for one event are at least `GAP` apart, so
@@ -159,10 +167,20 @@ fn random_scenario(rng: &mut fastrand::Rng, round: u64) -> (String, Vec<Planned>
         end = end.max(last);
         planned.push(Planned { id, expected });
     }
+    let (approvals, post_faults) = chaos_approvals::plan(rng, round, offset, &mut toml);
+    for approval in &approvals {
+        planned.push(Planned {
+            id: approval.event_id.clone(),
+            expected: vec!["scheduled", "started", "completed"],
+        });
+        end = end.max(approval.at.as_secs_f64() + GAP);
+    }
     let mut edges = Edges {
         compute_failures: compute_failure,
         long_outage_end_ms,
         full_disk: rng.u8(0..3) == 0,
+        approvals,
+        post_faults,
         ..Edges::default()
     };
     // One round in three: Azure's numbering starts again from 1 part-way through.
@@ -234,6 +252,13 @@ struct Totals {
     incarnation_resets: usize,
     compute_failures: usize,
     disk_fills: usize,
+    /// Events approved over NATS, the requests (ids) and sends it took, the IMDS 503s
+    /// planned for their POSTs, and the events that ended with one accepted outcome.
+    approval_events: usize,
+    approval_requests: usize,
+    approval_sends: usize,
+    approval_post_faults: usize,
+    approvals_accepted: usize,
     /// The longest time from a long outage's end to the agent's first good poll.
     worst_detection_ms: u64,
     lost: usize,
@@ -241,7 +266,7 @@ struct Totals {
 }
 
 async fn round(rng: &mut fastrand::Rng, number: u64, totals: &mut Totals) {
-    let (scenario_text, planned, faults, edges) = random_scenario(rng, number);
+    let (scenario_text, planned, faults, mut edges) = random_scenario(rng, number);
     let work = tempfile::tempdir().unwrap();
     let scenario = work.path().join("scenario.toml");
     std::fs::write(&scenario, &scenario_text).unwrap();
@@ -291,7 +316,9 @@ kind = "kafka"
 brokers = "{kafka}"
 topic = "chaos"
 timeout = "2s"
+{approvals}
 "#,
+        approvals = chaos_approvals::config(&format!("approvals-{prefix}")),
         nats = nats_proxy.address(),
         rabbit = rabbit_proxy.address(),
         exchange = topology.exchange,
@@ -320,12 +347,21 @@ timeout = "2s"
     if let Some(dir) = &state_dir {
         env.push(("SCHED_RELAY_STATE__DIR", dir.as_str()));
     }
+    let started = Instant::now();
     let sim = SimProcess::start(scenario.to_str().unwrap(), 1.0);
     // Fast polls, so that 2.5 s phases survive kills, but the shipped backoff ceiling, which
     // is what decides how soon a long outage's end is noticed.
     let mut agent = AgentProcess::start_with_env(&sim.url, &sinks, &env);
     let proxies = [&nats_proxy, &rabbit_proxy, &kafka_proxy];
     let deadline = Instant::now() + Duration::from_secs(120);
+    let approvals = std::mem::take(&mut edges.approvals);
+    let approval_events: Vec<String> = approvals.iter().map(|a| a.event_id.clone()).collect();
+    let orchestrator = tokio::spawn(chaos_approvals::orchestrate(
+        approvals,
+        format!("approvals-{prefix}"),
+        started,
+        deadline + Duration::from_secs(30),
+    ));
     loop {
         tokio::time::sleep(Duration::from_millis(rng.u64(300..1500))).await;
         let state = tokio::task::block_in_place(|| sim.state());
@@ -377,6 +413,7 @@ timeout = "2s"
             std::thread::sleep(Duration::from_millis(100));
         }
     });
+    let sent = orchestrator.await.unwrap();
     let file_events =
         tokio::task::block_in_place(|| agent.wait_for_document(last, Duration::from_secs(10)));
     let file_ids = common::ids(&file_events);
@@ -440,7 +477,21 @@ timeout = "2s"
         ("amqp", &amqp_ids),
         ("kafka", &kafka_ids),
     ] {
-        let got = kinds_by_event(received);
+        let (approvals_lost, approvals_invented) =
+            chaos_approvals::check(&approval_events, &sent, received);
+        totals.lost += approvals_lost;
+        totals.invented += approvals_invented;
+        assert_eq!(
+            (approvals_lost, approvals_invented),
+            (0, 0),
+            "{sink}: approvals lost or invented: {sent:?}\n{context}"
+        );
+        let received: Vec<String> = received
+            .iter()
+            .filter(|id| !chaos_approvals::is_outcome(&sent, id))
+            .cloned()
+            .collect();
+        let got = kinds_by_event(&received);
         let lost: usize = truth
             .iter()
             .map(|(id, kinds)| {
@@ -484,6 +535,11 @@ timeout = "2s"
     for event in &file_events {
         assert_eq!(event["vmname"], "WestNO_0", "{event}\n{context}");
     }
+    totals.approval_events += approval_events.len();
+    totals.approval_requests += sent.requests.values().map(Vec::len).sum::<usize>();
+    totals.approval_sends += sent.sends;
+    totals.approval_post_faults += edges.post_faults;
+    totals.approvals_accepted += sent.accepted.len();
     totals.rounds += 1;
     totals.imds_faults += faults;
     totals.documents += file_ids
@@ -526,7 +582,7 @@ async fn random_faults_kills_and_outages_lose_and_invent_nothing() {
         }
     }
     println!(
-        "chaos: seed {seed}: {} rounds, {} documents, {} transitions, {} IMDS fault bursts, {} IMDS outages over 30 s (worst detection after recovery {} ms), {} incarnation resets, {} rounds with failing compute metadata, {} state-disk fills, {} agent kills (-9), {} broker outages, lost = {}, invented = {}",
+        "chaos: seed {seed}: {} rounds, {} documents, {} transitions, {} IMDS fault bursts, {} IMDS outages over 30 s (worst detection after recovery {} ms), {} incarnation resets, {} rounds with failing compute metadata, {} state-disk fills, {} agent kills (-9), {} broker outages, approvals: {} events, {} requests, {} sends, {} IMDS POST 503s, {} accepted, lost = {}, invented = {}",
         totals.rounds,
         totals.documents,
         totals.transitions,
@@ -538,6 +594,11 @@ async fn random_faults_kills_and_outages_lose_and_invent_nothing() {
         totals.disk_fills,
         totals.agent_kills,
         totals.broker_cuts,
+        totals.approval_events,
+        totals.approval_requests,
+        totals.approval_sends,
+        totals.approval_post_faults,
+        totals.approvals_accepted,
         totals.lost,
         totals.invented
     );

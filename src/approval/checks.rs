@@ -11,6 +11,16 @@ use sched_relay_core::document::{Document, EventStatus};
 use sched_relay_transport::inbound::Inbound;
 
 use super::{Approver, Verdict};
+use crate::store::{Seen, StoredOutcome};
+
+/// What the freshness check learned from the store about a fresh request.
+struct Fresh {
+    /// Recorded in flight by this check or an earlier one: finish it with its outcome.
+    recorded: bool,
+    /// Handled before without an outcome (the agent stopped after the POST, or the POST
+    /// failed): an event that has Started since counts as approved.
+    resumed: bool,
+}
 
 /// Why the checks stopped before the end.
 enum Stop {
@@ -19,6 +29,8 @@ enum Stop {
     /// The agent could not check it (its state store cannot be written): a retriable
     /// failure, never a rejection.
     Fail(String),
+    /// The request was handled before, with this outcome (a redelivery, or a replay).
+    Answered(StoredOutcome),
 }
 
 impl From<Rejection> for Stop {
@@ -37,7 +49,7 @@ impl Approver {
         &self,
         message: &Inbound,
         document: &mut Option<Arc<Document>>,
-    ) -> (String, Vec<String>, Verdict) {
+    ) -> (String, Vec<String>, Verdict, bool) {
         let made_up = || {
             format!(
                 "unidentified:{}:{:016x}",
@@ -52,6 +64,7 @@ impl Approver {
                     id.unwrap_or_else(made_up),
                     Vec::new(),
                     Verdict::Reject(rejection),
+                    false,
                 );
             }
         };
@@ -66,33 +79,39 @@ impl Approver {
                 request_id,
                 event_ids,
                 Verdict::Skip(format!("addressed to {target}")),
+                false,
             );
         }
-        let verdict = match self.checks(&request, document).await {
+        let mut recorded = false;
+        let verdict = match self.checks(&request, document, &mut recorded).await {
             Ok(spelled) => {
                 event_ids = spelled;
                 Verdict::Valid
             }
             Err(Stop::Reject(rejection)) => Verdict::Reject(rejection),
             Err(Stop::Fail(detail)) => Verdict::Fail(detail),
+            Err(Stop::Answered(stored)) => Verdict::Answered(stored),
         };
-        (request_id, event_ids, verdict)
+        (request_id, event_ids, verdict, recorded)
     }
 
     /// The checks in order; when all pass, the EventIds as the document spells them.
+    /// `recorded` turns true once the request id is recorded in flight.
     async fn checks(
         &self,
         request: &Request,
         document: &mut Option<Arc<Document>>,
+        recorded: &mut bool,
     ) -> Result<Vec<String>, Stop> {
         self.authenticity(request)?;
-        self.freshness(request).await?;
+        let fresh = self.freshness(request).await?;
+        *recorded = fresh.recorded;
         self.targeting(request)?;
         let document = match document {
             Some(document) => document.clone(),
             None => document.insert(self.latest_document().await?).clone(),
         };
-        Ok(self.state(request, &document)?)
+        Ok(self.state(request, &document, fresh.resumed)?)
     }
 
     fn authenticity(&self, request: &Request) -> Result<(), Rejection> {
@@ -151,10 +170,13 @@ impl Approver {
         }
     }
 
-    async fn freshness(&self, request: &Request) -> Result<(), Stop> {
+    async fn freshness(&self, request: &Request) -> Result<Fresh, Stop> {
         // A bare body has neither time nor id: only allow_unsigned lets it this far.
         let Some(attributes) = &request.cloud_event else {
-            return Ok(());
+            return Ok(Fresh {
+                recorded: false,
+                resumed: false,
+            });
         };
         let now = Utc::now();
         let age = now.signed_duration_since(attributes.time);
@@ -190,14 +212,24 @@ impl Approver {
         let outbox = self.outbox.clone();
         let id = attributes.id.clone();
         let now = now.timestamp();
-        let new =
-            tokio::task::spawn_blocking(move || outbox.remember_request(&id, keep_until, now))
-                .await
-                .map_err(|e| e.to_string())
-                .and_then(|result| result.map_err(|e| e.to_string()));
-        match new {
-            Ok(true) => Ok(()),
-            Ok(false) => Err(Rejection::new(
+        let seen = tokio::task::spawn_blocking(move || outbox.begin_request(&id, keep_until, now))
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|result| result.map_err(|e| e.to_string()));
+        match seen {
+            Ok(Seen::New) => Ok(Fresh {
+                recorded: true,
+                resumed: false,
+            }),
+            Ok(Seen::InFlight) => {
+                tracing::info!(request_id = %attributes.id, "A request handled before without a recorded outcome (a restart, or a failed POST); checking and forwarding it again");
+                Ok(Fresh {
+                    recorded: true,
+                    resumed: true,
+                })
+            }
+            Ok(Seen::Finished(stored)) => Err(Stop::Answered(stored)),
+            Ok(Seen::Replayed) => Err(Rejection::new(
                 Reason::Replayed,
                 format!("request id {:?} was already handled", attributes.id),
             )
@@ -228,9 +260,15 @@ impl Approver {
         }
     }
 
-    /// Every EventId is in `document` (compared ignoring case) and Scheduled; returns them
-    /// in the document's spelling.
-    fn state(&self, request: &Request, document: &Document) -> Result<Vec<String>, Rejection> {
+    /// Every EventId is in `document` (compared ignoring case) and Scheduled (or Started,
+    /// when `resumed`: this request, handled before a crash, may have started it); returns
+    /// them in the document's spelling.
+    fn state(
+        &self,
+        request: &Request,
+        document: &Document,
+        resumed: bool,
+    ) -> Result<Vec<String>, Rejection> {
         let mut spelled = Vec::with_capacity(request.event_ids.len());
         for event_id in &request.event_ids {
             let found = document.event(event_id).or_else(|| {
@@ -250,6 +288,7 @@ impl Approver {
             };
             match &event.status {
                 EventStatus::Scheduled => {}
+                EventStatus::Started if resumed => {}
                 EventStatus::Started => {
                     return Err(Rejection::new(
                         Reason::EventStarted,

@@ -14,6 +14,7 @@
 
 mod checks;
 pub mod config;
+pub mod fault;
 pub mod keys;
 mod publish;
 pub mod sources;
@@ -26,13 +27,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::Utc;
-use sched_relay_transport::inbound::{Delivery, Reply};
+use cloudevents::AttributesReader;
+use sched_relay_transport::inbound::{Answer, Delivery, Reply};
 use tokio::sync::{mpsc, watch};
 
 use crate::fanout::Publisher;
 use crate::imds::{ImdsClient, Snapshot};
 use crate::retry::Backoff;
-use crate::store::Outbox;
+use crate::store::{Outbox, StoredOutcome};
 use config::ApprovalsConfig;
 use sched_relay_core::approval::{Key, Limits, Reason, Rejection};
 use sched_relay_core::event::{ApprovalOutcome, EventFactory, Outcome};
@@ -51,6 +53,10 @@ enum Verdict {
     Reject(Rejection),
     /// Could not be checked (the state store cannot be written): a retriable failure.
     Fail(String),
+    /// Handled before, with this outcome: answered with it; nothing sent or published.
+    Answered(StoredOutcome),
+    /// The same request id as the batch's request at this index: answered as that one is.
+    Duplicate(usize),
     Valid,
 }
 
@@ -60,6 +66,8 @@ struct Pending {
     request_id: String,
     event_ids: Vec<String>,
     verdict: Verdict,
+    /// The id is recorded in flight: finish the record with the outcome.
+    recorded: bool,
 }
 
 /// Checks requests and forwards the valid ones. One task runs it; sources feed it.
@@ -136,13 +144,22 @@ impl Approver {
         let mut document = None;
         let mut pending = Vec::with_capacity(batch.len());
         for delivery in batch {
-            let (request_id, event_ids, verdict) =
+            let (request_id, event_ids, mut verdict, recorded) =
                 self.check(&delivery.message, &mut document).await;
+            // The same request twice in one batch: the second is answered as the first.
+            if recorded
+                && let Some(first) = pending
+                    .iter()
+                    .position(|p: &Pending| p.recorded && p.request_id == request_id)
+            {
+                verdict = Verdict::Duplicate(first);
+            }
             pending.push(Pending {
                 delivery,
                 request_id,
                 event_ids,
                 verdict,
+                recorded,
             });
         }
         let valid: Vec<String> = pending
@@ -180,9 +197,15 @@ impl Approver {
                 }
             }
         }
+        if results.iter().any(|r| matches!(r, Some(Ok(())))) {
+            fault::abort_if(fault::Point::AfterPost);
+        }
         let observed = Utc::now();
         let mut outcomes = Vec::new();
-        let mut replies = Vec::new();
+        // Per request of the batch, in order: who to answer, and with what (None: as another).
+        let mut replies: Vec<(tokio::sync::oneshot::Sender<Answer>, Option<Reply>)> = Vec::new();
+        let mut duplicates = Vec::new();
+        let mut finished = Vec::new();
         for (p, result) in pending.into_iter().zip(results) {
             let channel = format!(
                 "{}:{}",
@@ -195,11 +218,33 @@ impl Approver {
                     let body = serde_json::json!({"requestId": p.request_id, "outcome": "skipped", "detail": why});
                     replies.push((
                         p.delivery.handled,
-                        Reply {
+                        Some(Reply {
                             outcome: "skipped",
                             body,
-                        },
+                        }),
                     ));
+                    continue;
+                }
+                (Verdict::Answered(stored), _) => {
+                    tracing::info!(request_id = %p.request_id, channel = %channel, outcome = %stored.outcome, outcome_id = %stored.event_id, "A request handled before: answered with its stored outcome, nothing sent");
+                    metrics::counter!("sched_relay_approvals_redelivered_total", "source" => p.delivery.message.transport).increment(1);
+                    let outcome = match stored.outcome.as_str() {
+                        "accepted" => "accepted",
+                        "failed" => "failed",
+                        _ => "rejected",
+                    };
+                    replies.push((
+                        p.delivery.handled,
+                        Some(Reply {
+                            outcome,
+                            body: stored.body.clone(),
+                        }),
+                    ));
+                    continue;
+                }
+                (Verdict::Duplicate(first), _) => {
+                    duplicates.push((replies.len(), *first));
+                    replies.push((p.delivery.handled, None));
                     continue;
                 }
                 (Verdict::Reject(rejection), _) => {
@@ -253,6 +298,7 @@ impl Approver {
                 "reason" => reason
             )
             .increment(1);
+            let event = self.factory.approval_outcome(&record, observed);
             let body = serde_json::json!({
                 "requestId": record.request_id,
                 "eventIds": record.event_ids,
@@ -260,24 +306,59 @@ impl Approver {
                 "reason": record.reason,
                 "detail": record.detail,
                 "dryRun": record.dry_run,
+                "outcomeId": event.id(),
             });
-            outcomes.push(self.factory.approval_outcome(&record, observed));
+            // A failed outcome leaves the record in flight: the request may be sent again.
+            if p.recorded && outcome != ApprovalOutcome::Failed {
+                finished.push((
+                    p.request_id.clone(),
+                    StoredOutcome {
+                        outcome: outcome.as_str().to_owned(),
+                        event_id: event.id().to_owned(),
+                        body: body.clone(),
+                    },
+                ));
+            }
+            outcomes.push(event);
             replies.push((
                 p.delivery.handled,
-                Reply {
+                Some(Reply {
                     outcome: outcome.as_str(),
                     body,
-                },
+                }),
             ));
         }
+        for (duplicate, first) in duplicates {
+            replies[duplicate].1 = replies[first].1.clone();
+        }
         if let Err(error) = self.publisher.publish(&outcomes, None).await {
-            // The outcomes are not stored: leave the messages unacknowledged so the brokers
-            // deliver them again (they will then be refused as replays, which is safe).
-            tracing::error!(error = %error, "Cannot store approval outcome events; the messages stay unacknowledged");
+            // The outcomes are not stored: each source offers its message again after a
+            // pause (or tells its requester to retry) and keeps consuming.
+            tracing::error!(error = %error, "Cannot store approval outcome events; the messages will be offered again");
+            let why = format!("the outcome cannot be stored: {error}");
+            for (handled, _) in replies {
+                metrics::counter!("sched_relay_approvals_not_handled_total").increment(1);
+                let _ = handled.send(Answer::NotHandled(why.clone()));
+            }
             return;
         }
+        // The outcomes are published: finish their records, so a redelivery is answered with
+        // them. If that fails, a redelivery is checked and forwarded again (harmless: the
+        // outcome event keeps its id, and consumers de-duplicate).
+        let outbox = self.outbox.clone();
+        let recorded =
+            match tokio::task::spawn_blocking(move || outbox.finish_requests(&finished)).await {
+                Ok(result) => result.map_err(|e| e.to_string()),
+                Err(error) => Err(error.to_string()),
+            };
+        if let Err(error) = recorded {
+            tracing::warn!(error = %error, "Cannot record approval outcomes; a redelivery will be checked and forwarded again");
+        }
+        fault::abort_if(fault::Point::AfterOutcome);
         for (handled, reply) in replies {
-            let _ = handled.send(reply);
+            if let Some(reply) = reply {
+                let _ = handled.send(Answer::Handled(reply));
+            }
         }
     }
 

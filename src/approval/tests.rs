@@ -88,7 +88,7 @@ async fn a_request_that_cannot_be_recorded_fails_retriably_and_is_not_called_a_r
     let message = request();
 
     faults.fill();
-    let (_, _, verdict) = approver.check(&message, &mut None).await;
+    let (_, _, verdict, _) = approver.check(&message, &mut None).await;
     let Verdict::Fail(detail) = verdict else {
         panic!("a store error must fail the request, not judge it: {verdict:?}");
     };
@@ -98,7 +98,7 @@ async fn a_request_that_cannot_be_recorded_fails_retriably_and_is_not_called_a_r
     faults.free();
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let (_, _, verdict) = approver.check(&message, &mut None).await;
+        let (_, _, verdict, _) = approver.check(&message, &mut None).await;
         match verdict {
             Verdict::Valid => break,
             Verdict::Fail(_) if Instant::now() < deadline => {
@@ -107,9 +107,46 @@ async fn a_request_that_cannot_be_recorded_fails_retriably_and_is_not_called_a_r
             other => panic!("after the disk was freed: {other:?}"),
         }
     }
-    let (_, _, again) = approver.check(&message, &mut None).await;
+    // Checked, but no outcome recorded (as after a crash before it): checked again.
+    let (request_id, _, again, recorded) = approver.check(&message, &mut None).await;
+    assert!(matches!(again, Verdict::Valid) && recorded, "{again:?}");
+    // Once its outcome is recorded, a second time is answered with that outcome.
+    let stored = crate::store::StoredOutcome {
+        outcome: "accepted".into(),
+        event_id: format!("{request_id}:accepted"),
+        body: serde_json::json!({"outcome": "accepted"}),
+    };
+    approver
+        .outbox
+        .finish_requests(&[(request_id, stored.clone())])
+        .unwrap();
+    let (_, _, replay, _) = approver.check(&message, &mut None).await;
     assert!(
-        matches!(&again, Verdict::Reject(r) if r.reason == Reason::Replayed),
-        "now it was handled, a second time is a replay: {again:?}"
+        matches!(&replay, Verdict::Answered(answer) if *answer == stored),
+        "a replay of a handled request is answered with its outcome: {replay:?}"
     );
+}
+
+#[tokio::test]
+async fn requests_with_an_empty_id_over_each_transport_get_distinct_unidentified_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    let (approver, _fanout) = approver(dir.path(), DiskFaults::new());
+    let mut ids = std::collections::HashSet::new();
+    for transport in ["http", "nats", "amqp", "http"] {
+        let mut message = request();
+        message.transport = transport;
+        let mut body: serde_json::Value = serde_json::from_slice(&message.body).unwrap();
+        body["id"] = "".into();
+        message.body = serde_json::to_vec(&body).unwrap();
+        let (request_id, _, verdict, _) = approver.check(&message, &mut None).await;
+        assert!(
+            matches!(&verdict, Verdict::Reject(r) if r.reason == Reason::Malformed),
+            "{verdict:?}"
+        );
+        assert!(
+            request_id.starts_with(&format!("unidentified:{transport}:")),
+            "{request_id}"
+        );
+        assert!(ids.insert(request_id), "outcome ids must differ");
+    }
 }

@@ -209,6 +209,15 @@ path = "{events}"
         self.child = Some(child);
     }
 
+    /// Replaces the environment variables the next `spawn` sets (say, to disarm a fault
+    /// injector).
+    pub fn set_env(&mut self, env: &[(&str, &str)]) {
+        self.env = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+    }
+
     /// Changes the configuration the next `spawn` reads (say, to switch local policy on).
     pub fn edit_config(&self, edit: impl FnOnce(String) -> String) {
         let config = std::fs::read_to_string(&self.config_path).unwrap();

@@ -7,7 +7,9 @@ pub mod request;
 pub mod sign;
 pub mod verify;
 
-pub use request::{Attributes, Limits, PREFIXES, Reason, Rejection, Request, parse};
+pub use request::{
+    Attributes, Limits, MAX_ID_BYTES, PREFIXES, Reason, Rejection, Request, parse, usable_id,
+};
 pub use sign::Draft;
 pub use verify::{CANONICAL_VERSION, Key, SigningKey, canonical, decode_base64};
 

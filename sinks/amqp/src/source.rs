@@ -6,12 +6,14 @@
 use futures_util::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ExchangeDeclareOptions,
-    QueueBindOptions, QueueDeclareOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
+    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, ExchangeKind};
-use sched_relay_transport::inbound::{Deliveries, Inbound, hand_over, keep_consuming};
+use sched_relay_transport::inbound::{
+    Deliveries, Handover, Inbound, hand_over, keep_consuming, pause_after_not_handled,
+};
 use tokio::sync::watch;
 
 use crate::{AmqpSink, AmqpSinkConfig};
@@ -130,11 +132,27 @@ async fn consume(
             .map_err(|e| sink.classify(e, "the consumer failed").to_string())?;
         let shared = spec.fleet_routing_key.as_deref() == Some(delivery.routing_key.as_str());
         let message = inbound(&spec.queue, &delivery, shared);
-        if hand_over(deliveries, message).await.is_none() {
-            return Ok(());
-        }
-        if let Err(error) = delivery.ack(BasicAckOptions::default()).await {
-            tracing::warn!(error = %error, "Cannot acknowledge a handled approval; the broker will deliver it again");
+        match hand_over(deliveries, message).await {
+            Handover::Handled(_) => {
+                if let Err(error) = delivery.ack(BasicAckOptions::default()).await {
+                    tracing::warn!(error = %error, "Cannot acknowledge a handled approval; the broker will deliver it again");
+                }
+            }
+            Handover::NotHandled(why) => {
+                // Requeued after a pause (RabbitMQ redelivers a requeued message at once).
+                if !pause_after_not_handled(&spec.queue, &why, stop).await {
+                    return Ok(());
+                }
+                let requeue = BasicNackOptions {
+                    requeue: true,
+                    ..Default::default()
+                };
+                delivery
+                    .nack(requeue)
+                    .await
+                    .map_err(|e| sink.classify(e, "cannot requeue an approval").to_string())?;
+            }
+            Handover::Stopping => return Ok(()),
         }
     }
 }

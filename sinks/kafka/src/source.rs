@@ -9,7 +9,9 @@ use std::time::Duration;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
-use sched_relay_transport::inbound::{Deliveries, Inbound, hand_over, keep_consuming};
+use sched_relay_transport::inbound::{
+    Deliveries, Handover, Inbound, hand_over, keep_consuming, pause_after_not_handled,
+};
 use tokio::sync::watch;
 
 use crate::KafkaSinkConfig;
@@ -173,8 +175,18 @@ async fn consume(
                 body: message.payload().unwrap_or_default().to_vec(),
                 shared: !spec.by_key,
             };
-            if hand_over(deliveries, inbound).await.is_none() {
-                return Ok(());
+            // A record not handled is handed over again after a pause, its offset
+            // uncommitted, so nothing after it is committed before it is handled.
+            loop {
+                match hand_over(deliveries, inbound.clone()).await {
+                    Handover::Handled(_) => break,
+                    Handover::NotHandled(why) => {
+                        if !pause_after_not_handled(&spec.topic, &why, stop).await {
+                            return Ok(());
+                        }
+                    }
+                    Handover::Stopping => return Ok(()),
+                }
             }
         }
         let mut done = TopicPartitionList::new();

@@ -4,9 +4,12 @@
 
 use std::time::Duration;
 
+use async_nats::jetstream::AckKind;
 use async_nats::jetstream::{self, consumer::pull};
 use futures_util::StreamExt;
-use sched_relay_transport::inbound::{Deliveries, Inbound, Reply, hand_over, keep_consuming};
+use sched_relay_transport::inbound::{
+    Deliveries, Handover, Inbound, NOT_HANDLED_RETRY, Reply, hand_over, keep_consuming,
+};
 use tokio::sync::watch;
 
 use crate::NatsSinkConfig;
@@ -91,9 +94,15 @@ async fn consume(
                 };
                 let Some(message) = message else { break };
                 let shared = is_shared(message.subject.as_str());
-                let Some(reply) = hand_over(deliveries, inbound("nats", &message, shared)).await
-                else {
-                    return Ok(());
+                // Core NATS never delivers a message again: a requester that is not answered
+                // with an outcome is told to retry; one that did not ask for a reply cannot be.
+                let reply = match hand_over(deliveries, inbound("nats", &message, shared)).await {
+                    Handover::Handled(reply) => reply,
+                    Handover::NotHandled(why) => {
+                        tracing::warn!(error = %why, subject = %message.subject, requester = message.reply.is_some(), "An approval could not be handled; the requester is told to retry");
+                        Reply::not_handled(&why)
+                    }
+                    Handover::Stopping => return Ok(()),
                 };
                 if let Some(reply_to) = message.reply.clone() {
                     answer(&client, reply_to, &reply).await;
@@ -142,13 +151,22 @@ async fn consume(
                 let Some(message) = message else { break };
                 let message = message.map_err(|e| e.to_string())?;
                 let shared = is_shared(message.subject.as_str());
-                let Some(reply) =
-                    hand_over(deliveries, inbound("jetstream", &message, shared)).await
-                else {
-                    return Ok(());
-                };
-                if let Err(error) = message.ack().await {
-                    tracing::warn!(error = %error, reply = reply.outcome, "Cannot acknowledge a handled approval; JetStream will deliver it again");
+                match hand_over(deliveries, inbound("jetstream", &message, shared)).await {
+                    Handover::Handled(reply) => {
+                        if let Err(error) = message.ack().await {
+                            tracing::warn!(error = %error, reply = reply.outcome, "Cannot acknowledge a handled approval; JetStream will deliver it again");
+                        }
+                    }
+                    Handover::NotHandled(why) => {
+                        tracing::warn!(error = %why, retry_in = ?NOT_HANDLED_RETRY, "An approval could not be handled; JetStream will deliver it again");
+                        if let Err(error) = message
+                            .ack_with(AckKind::Nak(Some(NOT_HANDLED_RETRY)))
+                            .await
+                        {
+                            tracing::warn!(error = %error, "Cannot nak an approval; JetStream will deliver it again after ack_wait");
+                        }
+                    }
+                    Handover::Stopping => return Ok(()),
                 }
             }
             Err("the consumer's message stream ended".into())

@@ -2,7 +2,9 @@
 //! each message to the agent as an [`Inbound`] and waits for the agent's [`Reply`] before it
 //! acknowledges the message to its broker (JetStream ack, AMQP basic.ack, Kafka offset commit).
 //! So a message the agent has not fully handled (checked, forwarded, outcome stored) is
-//! delivered again after a crash, never lost.
+//! delivered again after a crash, never lost. A message the agent could not handle (its
+//! outcome could not be stored) is offered again after a pause while the source keeps
+//! consuming: only the stop signal stops a source.
 
 use std::future::Future;
 use std::time::Duration;
@@ -19,24 +21,88 @@ pub struct Reply {
     pub body: serde_json::Value,
 }
 
+/// The agent's answer to a message.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Answer {
+    /// Fully handled: the outcome is stored (and published). Acknowledge the message.
+    Handled(Reply),
+    /// Not handled, for a reason that may pass (the outcome could not be stored: the state
+    /// disk is full, say). Offer the message again after [`NOT_HANDLED_RETRY`] (JetStream nak
+    /// with a delay, AMQP requeue after a pause, Kafka: read it again), or tell the requester
+    /// to retry, and keep consuming. Never a reason to stop.
+    NotHandled(String),
+}
+
+impl Reply {
+    /// The answer to a synchronous requester whose request could not be handled: no
+    /// outcome, send the same request again.
+    pub fn not_handled(why: &str) -> Reply {
+        Reply {
+            outcome: "not_handled",
+            body: serde_json::json!({
+                "outcome": "not_handled",
+                "retriable": true,
+                "detail": format!("no outcome yet, send the same request again: {why}"),
+            }),
+        }
+    }
+}
+
 /// A message with the means to answer it.
 #[derive(Debug)]
 pub struct Delivery {
     pub message: Inbound,
-    /// Answered once the request is fully handled; dropped if the agent stops first (the
-    /// source must then not acknowledge the message).
-    pub handled: oneshot::Sender<Reply>,
+    /// Answered once the request is handled, or could not be; dropped only if the agent
+    /// stops first (the source must then not acknowledge the message).
+    pub handled: oneshot::Sender<Answer>,
 }
 
 /// Where sources send what they receive.
 pub type Deliveries = mpsc::Sender<Delivery>;
 
-/// Hands `message` to the agent and waits until it is fully handled. `None` means the agent
-/// is stopping: leave the message unacknowledged so the broker delivers it again.
-pub async fn hand_over(deliveries: &Deliveries, message: Inbound) -> Option<Reply> {
+/// What became of a message handed over.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Handover {
+    Handled(Reply),
+    /// See [`Answer::NotHandled`]: offer it again later and keep consuming.
+    NotHandled(String),
+    /// The agent is stopping: leave the message unacknowledged so the broker delivers it
+    /// again, and stop.
+    Stopping,
+}
+
+/// Hands `message` to the agent and waits until it is handled, or could not be.
+pub async fn hand_over(deliveries: &Deliveries, message: Inbound) -> Handover {
     let (handled, reply) = oneshot::channel();
-    deliveries.send(Delivery { message, handled }).await.ok()?;
-    reply.await.ok()
+    if deliveries
+        .send(Delivery { message, handled })
+        .await
+        .is_err()
+    {
+        return Handover::Stopping;
+    }
+    match reply.await {
+        Ok(Answer::Handled(reply)) => Handover::Handled(reply),
+        Ok(Answer::NotHandled(why)) => Handover::NotHandled(why),
+        Err(_) => Handover::Stopping,
+    }
+}
+
+/// How long a message that could not be handled waits before it is offered again.
+pub const NOT_HANDLED_RETRY: Duration = Duration::from_secs(2);
+
+/// Waits [`NOT_HANDLED_RETRY`] after a message was not handled (logged with `what`).
+/// Returns false when `stop` turned true meanwhile: leave the message unacknowledged and stop.
+pub async fn pause_after_not_handled(
+    what: &str,
+    why: &str,
+    stop: &mut watch::Receiver<bool>,
+) -> bool {
+    tracing::warn!(source = what, error = %why, retry_in = ?NOT_HANDLED_RETRY, "An approval could not be handled; it will be offered again");
+    tokio::select! {
+        _ = stop.wait_for(|stop| *stop) => false,
+        _ = tokio::time::sleep(NOT_HANDLED_RETRY) => true,
+    }
 }
 
 /// How long a source waits before connecting again after a failure.

@@ -110,6 +110,18 @@ impl Request {
     }
 }
 
+/// The longest request id kept, in bytes. Ids are stored, logged and put into outcome event ids;
+/// a real one (a UUID, a ULID, an orchestrator's job key) is far shorter.
+pub const MAX_ID_BYTES: usize = 256;
+
+/// Whether `id` can name a request: not empty, not only whitespace, at most [`MAX_ID_BYTES`]
+/// bytes, and free of control characters (line breaks, NUL, C1 controls), which would make
+/// logs and outcome ids ambiguous. A request whose id is not usable is `malformed`, and its
+/// outcome gets a made-up `unidentified:<transport>:<random>` id, as one without an id does.
+pub fn usable_id(id: &str) -> bool {
+    !id.trim().is_empty() && id.len() <= MAX_ID_BYTES && !id.contains(char::is_control)
+}
+
 /// What the parser needs to know from the configuration.
 #[derive(Debug, Clone)]
 pub struct Limits {
@@ -126,6 +138,12 @@ pub const PREFIXES: [&str; 4] = ["ce-", "ce_", "cloudevents_", "cloudevents:"];
 /// Reads a message. On failure, also returns the request id when one could be read, so the
 /// rejection can name it.
 pub fn parse(message: &Inbound, limits: &Limits) -> Result<Request, (Rejection, Option<String>)> {
+    // An unusable id never names a rejection: three requests with `"id": ""` would share the
+    // outcome id `:rejected`, and consumers that de-duplicate would keep one.
+    read(message, limits).map_err(|(rejection, id)| (rejection, id.filter(|id| usable_id(id))))
+}
+
+fn read(message: &Inbound, limits: &Limits) -> Result<Request, (Rejection, Option<String>)> {
     let fail = |reason, detail: String| Err((Rejection::new(reason, detail), None));
     if message.body.len() > limits.max_message_bytes {
         return fail(
@@ -324,6 +342,13 @@ fn attributes_from(
         )));
     }
     let id = required("id")?;
+    if !usable_id(&id) {
+        return Err(malformed(format!(
+            "the attribute \"id\" must be 1 to {MAX_ID_BYTES} bytes, not only whitespace, \
+             without control characters; got {} bytes",
+            id.len()
+        )));
+    }
     let source = required("source")?;
     let time_text = required("time")?;
     let time = DateTime::parse_from_rfc3339(&time_text)

@@ -137,3 +137,57 @@ proptest! {
         prop_assert!(!key.verify(changed.canonical().as_bytes(), &signature));
     }
 }
+
+/// A structured request whose `id` is `id`, otherwise well formed.
+fn structured_with_id(id: &str) -> Inbound {
+    let body = serde_json::json!({
+        "specversion": "1.0",
+        "type": "com.azure.scheduledevents.approval.requested",
+        "id": id,
+        "source": "orchestrator",
+        "time": "2026-01-01T00:00:00Z",
+        "data": {"StartRequests": [{"EventId": "A"}]},
+    });
+    Inbound {
+        transport: "http",
+        channel: "t".into(),
+        headers: Vec::new(),
+        content_type: Some("application/cloudevents+json".into()),
+        body: serde_json::to_vec(&body).unwrap(),
+        shared: false,
+    }
+}
+
+#[test]
+fn a_request_without_a_usable_id_is_malformed_and_names_no_id() {
+    let long = "x".repeat(MAX_ID_BYTES + 1);
+    for id in [
+        "",
+        " ",
+        "\t \u{3000}",
+        "a\u{0}b",
+        "a\u{7f}",
+        "a\u{85}b",
+        long.as_str(),
+    ] {
+        let (rejection, named) = parse(&structured_with_id(id), &limits()).unwrap_err();
+        assert_eq!(rejection.reason, Reason::Malformed, "id {id:?}");
+        assert!(rejection.detail.contains("\"id\""), "{}", rejection.detail);
+        assert_eq!(named, None, "id {id:?} must not name the rejection");
+    }
+    let longest = "x".repeat(MAX_ID_BYTES);
+    for id in ["r-1", " padded ", longest.as_str(), "ünïcode"] {
+        let request = parse(&structured_with_id(id), &limits()).unwrap();
+        assert_eq!(request.id(), Some(id));
+    }
+}
+
+proptest! {
+    #[test]
+    fn a_rejection_never_names_an_unusable_id(id in ".{0,300}") {
+        match parse(&structured_with_id(&id), &limits()) {
+            Ok(request) => prop_assert!(usable_id(request.id().unwrap())),
+            Err((_, named)) => prop_assert!(named.as_deref().is_none_or(usable_id)),
+        }
+    }
+}
