@@ -154,6 +154,11 @@ pub const METRICS: &[(&str, &str, &str)] = &[
         "Approval requests handled, by source, outcome and reason.",
     ),
     (
+        "sched_relay_approvals_not_handled_total",
+        "counter",
+        "Approval messages whose outcome could not be stored; each is offered again (or its requester told to retry).",
+    ),
+    (
         "sched_relay_approvals_skipped_total",
         "counter",
         "Requests on a shared approval channel that were for another VM.",
