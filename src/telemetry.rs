@@ -159,6 +159,11 @@ pub const METRICS: &[(&str, &str, &str)] = &[
         "Approval messages whose outcome could not be stored; each is offered again (or its requester told to retry).",
     ),
     (
+        "sched_relay_approvals_redelivered_total",
+        "counter",
+        "Approval requests handled before (redelivered or replayed), answered with their stored outcome.",
+    ),
+    (
         "sched_relay_approvals_skipped_total",
         "counter",
         "Requests on a shared approval channel that were for another VM.",
