@@ -53,17 +53,44 @@ impl LogConfig {
     }
 }
 
+/// How many log lines the writer may hold while stderr does not take them; past that,
+/// lines are dropped (and counted) rather than blocking the agent.
+const BUFFERED_LINES: usize = 4096;
+
+static DROPPED: std::sync::OnceLock<tracing_appender::non_blocking::ErrorCounter> =
+    std::sync::OnceLock::new();
+
+/// Log lines dropped because stderr did not take them (a stalled pipe or log driver).
+pub fn dropped_lines() -> usize {
+    DROPPED.get().map(|c| c.dropped_lines()).unwrap_or(0)
+}
+
+/// Flushes the log writer when dropped, waiting at most a second for a stalled stderr; hold
+/// it until the program ends.
+#[must_use = "dropping the guard stops the log writer"]
+pub struct LogGuard(#[allow(dead_code)] tracing_appender::non_blocking::WorkerGuard);
+
 /// Sets up `tracing` on stderr: `filter` unless `RUST_LOG` is set, colour only for a person
-/// at a terminal (journald and log files get plain text).
-pub fn init(filter: &str, format: LogFormat) {
+/// at a terminal (journald and log files get plain text). Lines are written by a thread of
+/// their own, so a stderr that blocks (a full pipe, a stalled log driver) never blocks the
+/// agent: up to 4096 lines wait, later ones are dropped and counted in
+/// `sched_relay_log_lines_dropped_total`.
+pub fn init(filter: &str, format: LogFormat) -> LogGuard {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(filter));
+    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .buffered_lines_limit(BUFFERED_LINES)
+        .lossy(true)
+        .thread_name("sched-relay-log")
+        .finish(std::io::stderr());
+    let _ = DROPPED.set(writer.error_counter());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
+        .with_writer(writer);
     match format {
         LogFormat::Json => builder.json().flatten_event(true).init(),
         LogFormat::Pretty => builder.init(),
     }
+    LogGuard(guard)
 }

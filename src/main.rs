@@ -187,8 +187,19 @@ fn client(endpoint: url::Url, api_version: &str) -> ImdsClient {
     .expect("an HTTP client without TLS builds")
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("the async runtime starts");
+    let code = runtime.block_on(run_command());
+    // The agent has already spent its shutdown deadline: a write still stuck on a full pipe
+    // (the stdout sink's, say) must not hold the exit, as dropping the runtime would.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    code
+}
+
+async fn run_command() -> ExitCode {
     let cli = Cli::parse();
     let format = cli.log_format.unwrap_or_default();
     match cli.command {
@@ -201,7 +212,7 @@ async fn main() -> ExitCode {
                 Ok(config) => config,
                 Err(code) => return code,
             };
-            logging::init(
+            let _log = logging::init(
                 &config.log.level,
                 cli.log_format.unwrap_or(config.log.format),
             );
@@ -256,7 +267,7 @@ async fn main() -> ExitCode {
             scenario,
             time_scale,
         } => {
-            logging::init("info", format);
+            let _log = logging::init("info", format);
             let mut scenario = match Scenario::load(&scenario) {
                 Ok(scenario) => scenario,
                 Err(error) => {
@@ -285,7 +296,7 @@ async fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Command::Watch { from, once, settle } => {
-            logging::init("warn", format);
+            let _log = logging::init("warn", format);
             match sched_relay::watch::run(from, once, settle, &mut std::io::stdout()).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(error) => {
@@ -295,7 +306,7 @@ async fn main() -> ExitCode {
             }
         }
         Command::Demo { log_level } => {
-            logging::init(&log_level, format);
+            let _log = logging::init(&log_level, format);
             match sched_relay::demo::run().await {
                 Ok(_) => ExitCode::SUCCESS,
                 Err(error) => {

@@ -164,6 +164,11 @@ pub const METRICS: &[(&str, &str, &str)] = &[
         "Approval requests handled before (redelivered or replayed), answered with their stored outcome.",
     ),
     (
+        "sched_relay_log_lines_dropped_total",
+        "counter",
+        "Log lines dropped because stderr did not take them (a stalled pipe or log driver); the agent never waits for its logs.",
+    ),
+    (
         "sched_relay_approvals_skipped_total",
         "counter",
         "Requests on a shared approval channel that were for another VM.",
@@ -287,6 +292,8 @@ impl Telemetry {
             metrics::gauge!("sched_relay_outbox_oldest_age_seconds", "sink" => sink.clone())
                 .set(self.oldest_age(sink).unwrap_or_default());
         }
+        metrics::counter!("sched_relay_log_lines_dropped_total")
+            .absolute(crate::logging::dropped_lines() as u64);
         prometheus().render()
     }
 

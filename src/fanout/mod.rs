@@ -277,27 +277,30 @@ impl Publisher {
         let names = self.names.to_vec();
         let events_owned = events.to_vec();
         let document = document.map(|processed| (processed.document.clone(), processed.epoch));
-        let overflow = tokio::task::spawn_blocking(move || {
+        let dead_letter_dir = self.dead_letter_dir.clone();
+        // The commit and the dead-letter writes of what did not fit both fsync: off the
+        // async threads.
+        tokio::task::spawn_blocking(move || {
             let document = document.as_ref().map(|(document, epoch)| Processed {
                 document,
                 epoch: *epoch,
             });
-            outbox.commit(&names, &events_owned, document)
+            let overflow = outbox.commit(&names, &events_owned, document)?;
+            for (sink, event) in overflow {
+                let reason =
+                    "outbox full for this sink (raise delivery.queue_capacity or fix the sink)";
+                tracing::error!(sink = %sink, event_id = %event.id(), reason, "Event not stored for this sink, written to its dead-letter file");
+                metrics::counter!("sched_relay_sink_dead_lettered_total", "sink" => sink.clone())
+                    .increment(1);
+                DeadLetter::new(&dead_letter_dir, &sink).write(std::slice::from_ref(&event), reason);
+            }
+            Ok::<_, StoreError>(())
         })
         .await
         .map_err(|e| StoreError::Io {
             path: "outbox".into(),
             reason: format!("store task failed: {e}"),
         })??;
-        for (sink, event) in overflow {
-            let reason =
-                "outbox full for this sink (raise delivery.queue_capacity or fix the sink)";
-            tracing::error!(sink = %sink, event_id = %event.id(), reason, "Event not stored for this sink, written to its dead-letter file");
-            metrics::counter!("sched_relay_sink_dead_lettered_total", "sink" => sink.clone())
-                .increment(1);
-            DeadLetter::new(&self.dead_letter_dir, &sink)
-                .write(std::slice::from_ref(&event), reason);
-        }
         for wake in self.wakers.iter() {
             wake.notify_one();
         }

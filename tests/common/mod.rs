@@ -148,7 +148,21 @@ max_backoff = "500ms""#
         AgentProcess::launch(&format!("[imds]\nendpoint = \"{endpoint}\""), extra, &[])
     }
 
+    /// As `start`, without starting it: for a test that starts the binary its own way.
+    pub fn configure(endpoint: &str, extra: &str) -> AgentProcess {
+        let imds = format!(
+            "[imds]\nendpoint = \"{endpoint}\"\npoll_interval = \"200ms\"\nrequest_timeout = \"1s\"\nfirst_call_timeout = \"5s\"\nmax_backoff = \"500ms\""
+        );
+        AgentProcess::prepare(&imds, extra, &[])
+    }
+
     fn launch(imds: &str, extra: &str, env: &[(&str, &str)]) -> AgentProcess {
+        let mut agent = AgentProcess::prepare(imds, extra, env);
+        agent.spawn(&[]);
+        agent
+    }
+
+    fn prepare(imds: &str, extra: &str, env: &[(&str, &str)]) -> AgentProcess {
         let dir = tempfile::tempdir().unwrap();
         let events_file = dir.path().join("events.jsonl");
         let config = format!(
@@ -173,7 +187,7 @@ path = "{events}"
         let config_path = dir.path().join("config.toml");
         std::fs::write(&config_path, config).unwrap();
         let stderr_file = dir.path().join("agent.log");
-        let mut agent = AgentProcess {
+        AgentProcess {
             child: None,
             dir,
             events_file,
@@ -183,9 +197,30 @@ path = "{events}"
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
-        };
-        agent.spawn(&[]);
-        agent
+        }
+    }
+
+    /// Starts the agent under `prefix` (say `taskset -c 0`) with stdout and stderr on pipes
+    /// that nobody reads, and logs at `trace`, so both fill up: returns the pipes' read ends,
+    /// to keep them open.
+    pub fn spawn_with_stalled_output(
+        &mut self,
+        prefix: &[&str],
+    ) -> (std::process::ChildStdout, std::process::ChildStderr) {
+        assert!(self.child.is_none(), "the agent is already running");
+        let mut child = Command::new(prefix[0])
+            .args(&prefix[1..])
+            .arg(BINARY)
+            .args(["run", "--config"])
+            .arg(&self.config_path)
+            .env("RUST_LOG", "trace")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("the sched-relay binary starts");
+        let pipes = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+        self.child = Some(child);
+        pipes
     }
 
     /// Starts the binary with this agent's configuration and state (again, after a stop).

@@ -10,6 +10,7 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use cloudevents::AttributesReader;
@@ -193,11 +194,18 @@ pub struct StdoutSinkConfig {
 /// Prints events on standard output. Logs go to standard error, so stdout stays clean.
 pub struct StdoutSink {
     config: StdoutSinkConfig,
+    /// Held by the write under way, until it returns: a stdout that blocks (a full pipe, a
+    /// stalled container log driver) holds one blocking thread, never a runtime thread, and
+    /// a retry waits for that write instead of piling up threads behind it.
+    writing: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl StdoutSink {
     pub fn new(config: StdoutSinkConfig) -> Self {
-        StdoutSink { config }
+        StdoutSink {
+            config,
+            writing: Arc::default(),
+        }
     }
 }
 
@@ -243,13 +251,19 @@ impl Sink for StdoutSink {
                 .collect::<String>()
                 .into_bytes(),
         };
-        // Blocking stdout is fine here: one task owns this sink, and a closed pipe must be
-        // reported, not retried forever.
-        let mut stdout = std::io::stdout().lock();
-        Ok(stdout
-            .write_all(&bytes)
-            .and_then(|_| stdout.flush())
-            .map_err(|e| SinkError::Permanent(format!("cannot write to stdout: {e}")))?)
+        let writing = self.writing.clone().lock_owned().await;
+        tokio::task::spawn_blocking(move || {
+            let _writing = writing;
+            // A closed pipe is reported, not retried forever.
+            let mut stdout = std::io::stdout().lock();
+            stdout
+                .write_all(&bytes)
+                .and_then(|_| stdout.flush())
+                .map_err(|e| SinkError::Permanent(format!("cannot write to stdout: {e}")))
+        })
+        .await
+        .map_err(|e| SinkError::Retriable(format!("stdout writer task failed: {e}")))??;
+        Ok(())
     }
 }
 
