@@ -370,6 +370,7 @@ fn killed_at(point: &str) -> Killed {
             "aborting at {}",
             match point {
                 "approval_after_post" => "AfterPost",
+                "approval_after_post_mark" => "AfterPostMark",
                 _ => "AfterOutcome",
             }
         )),
@@ -451,6 +452,33 @@ fn an_agent_killed_after_the_post_approves_the_redelivered_request_instead_of_ca
     assert_eq!(mine[0]["data"]["reason"], "imds_accepted");
     assert_eq!(sim_posts(&sim), 2, "forwarded again after the restart");
     agent.wait_for_id(&format!("{FIRST}:started"), Duration::from_secs(10));
+    assert!(agent.stop().success());
+}
+
+#[test]
+fn an_agent_killed_after_the_accepted_post_was_recorded_answers_accepted_without_a_second_post() {
+    if !broker_available("RabbitMQ", RABBITMQ, "rabbitmq-server -detached") {
+        return;
+    }
+    let Killed {
+        sim,
+        mut agent,
+        request_id,
+        ..
+    } = killed_at("approval_after_post_mark");
+    assert_eq!(sim_posts(&sim), 1, "the POST went out before the abort");
+    assert!(outcomes_of(&agent, &request_id).is_empty());
+
+    agent.set_env(&[]);
+    agent.spawn(&[]);
+    // The redelivery is answered from the record: accepted, whatever the event's state now
+    // (it may have run and left the document), and not forwarded again.
+    agent.wait_for_id(&format!("{request_id}:accepted"), Duration::from_secs(30));
+    std::thread::sleep(Duration::from_secs(2));
+    let mine = outcomes_of(&agent, &request_id);
+    assert_eq!(mine.len(), 1, "exactly one outcome: {mine:?}");
+    assert_eq!(mine[0]["data"]["reason"], "imds_accepted");
+    assert_eq!(sim_posts(&sim), 1, "not forwarded again");
     assert!(agent.stop().success());
 }
 

@@ -20,17 +20,28 @@ struct Fresh {
     /// Handled before without an outcome (the agent stopped after the POST, or the POST
     /// failed): an event that has Started since counts as approved.
     resumed: bool,
+    /// Handled before, and the metadata service accepted its POST: the outcome is
+    /// `accepted`, whatever the event's state now.
+    posted: bool,
 }
+
+/// How long a handled request's record outlives its freshness window: a redelivery after a
+/// long restart (a VM that rebooted for the very event it approved) is still answered with its
+/// outcome, not refused as expired.
+const RECORD_RETENTION: chrono::Duration = chrono::Duration::days(1);
 
 /// Why the checks stopped before the end.
 enum Stop {
     /// The request is refused for what it is.
     Reject(Rejection),
-    /// The agent could not check it (its state store cannot be written): a retriable
-    /// failure, never a rejection.
-    Fail(String),
+    /// The agent could not check it (its state store cannot be written, or the metadata
+    /// service has not answered yet): a retriable failure (reason code, detail), never a
+    /// rejection.
+    Fail(&'static str, String),
     /// The request was handled before, with this outcome (a redelivery, or a replay).
     Answered(StoredOutcome),
+    /// The request was forwarded and accepted before a restart, its outcome never published.
+    Posted,
 }
 
 impl From<Rejection> for Stop {
@@ -89,8 +100,9 @@ impl Approver {
                 Verdict::Valid
             }
             Err(Stop::Reject(rejection)) => Verdict::Reject(rejection),
-            Err(Stop::Fail(detail)) => Verdict::Fail(detail),
+            Err(Stop::Fail(reason, detail)) => Verdict::Fail(reason, detail),
             Err(Stop::Answered(stored)) => Verdict::Answered(stored),
+            Err(Stop::Posted) => Verdict::Posted,
         };
         (request_id, event_ids, verdict, recorded)
     }
@@ -106,6 +118,9 @@ impl Approver {
         self.authenticity(request)?;
         let fresh = self.freshness(request).await?;
         *recorded = fresh.recorded;
+        if fresh.posted {
+            return Err(Stop::Posted);
+        }
         self.targeting(request)?;
         let document = match document {
             Some(document) => document.clone(),
@@ -176,70 +191,103 @@ impl Approver {
             return Ok(Fresh {
                 recorded: false,
                 resumed: false,
+                posted: false,
             });
         };
+        let store_error = |error: String| {
+            // Without a durable record a replay could not be recognised later, so nothing is
+            // sent; but the request was not replayed: it fails, and may be sent again.
+            Stop::Fail(
+                "state_store_error",
+                format!(
+                    "cannot record the request id in the state store, so nothing was sent; send \
+                     the request again once the store is writable: {error}"
+                ),
+            )
+        };
+        // A request handled before is answered from its record whatever its age: the age
+        // limit keeps out replays of requests never seen, and a redelivery after a long
+        // restart is no replay.
+        let outbox = self.outbox.clone();
+        let id = attributes.id.clone();
+        let known = tokio::task::spawn_blocking(move || outbox.peek_request(&id))
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|result| result.map_err(|e| e.to_string()))
+            .map_err(store_error)?;
         let now = Utc::now();
-        let age = now.signed_duration_since(attributes.time);
         let max_age =
             chrono::Duration::from_std(self.config.max_age).unwrap_or(chrono::Duration::MAX);
-        let skew =
-            chrono::Duration::from_std(self.config.clock_skew).unwrap_or(chrono::Duration::MAX);
-        if age > max_age {
-            return Err(Rejection::new(
-                Reason::Expired,
-                format!(
-                    "time {} is {}s old; at most {}s (approvals.max_age)",
-                    attributes.time,
-                    age.num_seconds(),
-                    max_age.num_seconds()
-                ),
-            )
-            .into());
+        if known.is_none() {
+            let age = now.signed_duration_since(attributes.time);
+            let skew =
+                chrono::Duration::from_std(self.config.clock_skew).unwrap_or(chrono::Duration::MAX);
+            if age > max_age {
+                return Err(Rejection::new(
+                    Reason::Expired,
+                    format!(
+                        "time {} is {}s old; at most {}s (approvals.max_age)",
+                        attributes.time,
+                        age.num_seconds(),
+                        max_age.num_seconds()
+                    ),
+                )
+                .into());
+            }
+            if -age > skew {
+                return Err(Rejection::new(
+                    Reason::FromTheFuture,
+                    format!(
+                        "time {} is {}s ahead of this VM's clock; at most {}s (approvals.clock_skew)",
+                        attributes.time,
+                        (-age).num_seconds(),
+                        skew.num_seconds()
+                    ),
+                )
+                .into());
+            }
         }
-        if -age > skew {
-            return Err(Rejection::new(
-                Reason::FromTheFuture,
-                format!(
-                    "time {} is {}s ahead of this VM's clock; at most {}s (approvals.clock_skew)",
-                    attributes.time,
-                    (-age).num_seconds(),
-                    skew.num_seconds()
-                ),
-            )
-            .into());
-        }
-        let keep_until = (attributes.time + max_age).timestamp() + 1;
+        let keep_until = attributes
+            .time
+            .checked_add_signed(max_age)
+            .and_then(|t| t.checked_add_signed(RECORD_RETENTION))
+            .map_or(i64::MAX, |t| t.timestamp() + 1);
         let outbox = self.outbox.clone();
         let id = attributes.id.clone();
         let now = now.timestamp();
         let seen = tokio::task::spawn_blocking(move || outbox.begin_request(&id, keep_until, now))
             .await
             .map_err(|e| e.to_string())
-            .and_then(|result| result.map_err(|e| e.to_string()));
+            .and_then(|result| result.map_err(|e| e.to_string()))
+            .map_err(store_error)?;
         match seen {
-            Ok(Seen::New) => Ok(Fresh {
+            Seen::New => Ok(Fresh {
                 recorded: true,
                 resumed: false,
+                posted: false,
             }),
-            Ok(Seen::InFlight) => {
+            Seen::InFlight { posted: true } => {
+                tracing::info!(request_id = %attributes.id, "A request the metadata service accepted before a restart, its outcome never published: answering accepted, nothing sent again");
+                Ok(Fresh {
+                    recorded: true,
+                    resumed: true,
+                    posted: true,
+                })
+            }
+            Seen::InFlight { posted: false } => {
                 tracing::info!(request_id = %attributes.id, "A request handled before without a recorded outcome (a restart, or a failed POST); checking and forwarding it again");
                 Ok(Fresh {
                     recorded: true,
                     resumed: true,
+                    posted: false,
                 })
             }
-            Ok(Seen::Finished(stored)) => Err(Stop::Answered(stored)),
-            Ok(Seen::Replayed) => Err(Rejection::new(
+            Seen::Finished(stored) => Err(Stop::Answered(stored)),
+            Seen::Replayed => Err(Rejection::new(
                 Reason::Replayed,
                 format!("request id {:?} was already handled", attributes.id),
             )
             .into()),
-            // Without a durable record a replay could not be recognised later, so nothing is
-            // sent; but the request was not replayed: it fails, and may be sent again.
-            Err(error) => Err(Stop::Fail(format!(
-                "cannot record the request id in the state store, so nothing was sent; send \
-                 the request again once the store is writable: {error}"
-            ))),
         }
     }
 
@@ -316,7 +364,9 @@ impl Approver {
     }
 
     /// The poller's document when it is fresher than one poll interval; else a new fetch.
-    async fn latest_document(&self) -> Result<Arc<Document>, Rejection> {
+    /// Without any document (the metadata service has not answered since the start), the
+    /// request fails retriably: nothing is known yet that could refuse it.
+    async fn latest_document(&self) -> Result<Arc<Document>, Stop> {
         let cached = self.latest.borrow().clone();
         if let Some(snapshot) = &cached
             && snapshot.fetched.elapsed() <= self.poll_interval
@@ -330,9 +380,11 @@ impl Approver {
                     tracing::warn!(error = %error, "Cannot fetch a fresh document for an approval; checking against the last one");
                     Ok(snapshot.document)
                 }
-                None => Err(Rejection::new(
-                    Reason::UnknownEvent,
-                    format!("no document from the metadata service yet: {error}"),
+                None => Err(Stop::Fail(
+                    "imds_error",
+                    format!(
+                        "no document from the metadata service yet, so the request cannot be checked; nothing was sent, send it again: {error}"
+                    ),
                 )),
             },
         }

@@ -1,6 +1,7 @@
 //! A fault injector for tests, never set in production: with the environment variable
-//! `SCHEDRELAY_FAULT_ABORT` set to `approval_after_post` or `approval_after_outcome`, the
-//! agent aborts (as a kill -9 would end it) right after a StartRequests POST succeeded and
+//! `SCHEDRELAY_FAULT_ABORT` set to `approval_after_post`, `approval_after_post_mark` or
+//! `approval_after_outcome`, the agent aborts (as a kill -9 would end it) right after a
+//! StartRequests POST succeeded and before it is marked posted, right after that mark and
 //! before its outcome is stored, or right after the outcome is stored and recorded and before
 //! the message is acknowledged. `tests/approval_faults.rs` uses it to prove that no approval is
 //! lost at either step. (Not `SCHED_RELAY_*`: those are configuration keys.)
@@ -14,6 +15,7 @@ pub const ENV: &str = "SCHEDRELAY_FAULT_ABORT";
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Point {
     AfterPost,
+    AfterPostMark,
     AfterOutcome,
 }
 
@@ -21,6 +23,7 @@ fn armed() -> Option<Point> {
     static ARMED: OnceLock<Option<Point>> = OnceLock::new();
     *ARMED.get_or_init(|| match std::env::var(ENV).ok()?.as_str() {
         "approval_after_post" => Some(Point::AfterPost),
+        "approval_after_post_mark" => Some(Point::AfterPostMark),
         "approval_after_outcome" => Some(Point::AfterOutcome),
         other => {
             tracing::error!(value = other, "{ENV} is set to an unknown point; ignored");

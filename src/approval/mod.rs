@@ -51,8 +51,11 @@ enum Verdict {
     /// On a shared channel, for another VM: no outcome.
     Skip(String),
     Reject(Rejection),
-    /// Could not be checked (the state store cannot be written): a retriable failure.
-    Fail(String),
+    /// Could not be checked (the state store cannot be written, no document yet): a
+    /// retriable failure, with its reason code.
+    Fail(&'static str, String),
+    /// Forwarded and accepted before a restart; the outcome was never published.
+    Posted,
     /// Handled before, with this outcome: answered with it; nothing sent or published.
     Answered(StoredOutcome),
     /// The same request id as the batch's request at this index: answered as that one is.
@@ -199,6 +202,23 @@ impl Approver {
         }
         if results.iter().any(|r| matches!(r, Some(Ok(())))) {
             fault::abort_if(fault::Point::AfterPost);
+            // Before the outcome is published: a redelivery after a crash from here on is
+            // answered `accepted`, even once its event has run and left the document.
+            let posted: Vec<String> = pending
+                .iter()
+                .zip(&results)
+                .filter(|(p, r)| p.recorded && matches!(r, Some(Ok(()))))
+                .map(|(p, _)| p.request_id.clone())
+                .collect();
+            let outbox = self.outbox.clone();
+            let marked = tokio::task::spawn_blocking(move || outbox.mark_posted(&posted))
+                .await
+                .map_err(|e| e.to_string())
+                .and_then(|result| result.map_err(|e| e.to_string()));
+            if let Err(error) = marked {
+                tracing::warn!(error = %error, "Cannot mark forwarded approvals in the state store; a redelivery after a crash is checked and forwarded again");
+            }
+            fault::abort_if(fault::Point::AfterPostMark);
         }
         let observed = Utc::now();
         let mut outcomes = Vec::new();
@@ -248,7 +268,11 @@ impl Approver {
                     continue;
                 }
                 (Verdict::Reject(rejection), _) => {
-                    let nonce = (rejection.reason == Reason::Replayed)
+                    // Only a recorded request's outcome keeps a deterministic id (a redelivery
+                    // is answered with it). Anything refused before (a bad signature, an expired
+                    // or replayed request) gets a unique one: whoever knows a request id must
+                    // not be able to take its outcome's id first.
+                    let nonce = (!p.recorded || rejection.reason == Reason::Replayed)
                         .then(|| format!("{:016x}", fastrand::u64(..)));
                     (
                         ApprovalOutcome::Rejected,
@@ -257,10 +281,19 @@ impl Approver {
                         nonce,
                     )
                 }
-                (Verdict::Fail(detail), _) => (
+                // A failure is not final (the request may come again): each one is an
+                // outcome of its own, with an id of its own.
+                (Verdict::Fail(reason, detail), _) => (
                     ApprovalOutcome::Failed,
-                    "state_store_error",
+                    *reason,
                     detail.clone(),
+                    Some(format!("{:016x}", fastrand::u64(..))),
+                ),
+                (Verdict::Posted, _) => (
+                    ApprovalOutcome::Accepted,
+                    "imds_accepted",
+                    "the metadata service accepted the StartRequests before the agent restarted"
+                        .to_owned(),
                     None,
                 ),
                 (Verdict::Valid, None) => (
@@ -276,9 +309,12 @@ impl Approver {
                     "the metadata service accepted the StartRequests".to_owned(),
                     None,
                 ),
-                (Verdict::Valid, Some(Err(error))) => {
-                    (ApprovalOutcome::Failed, "imds_error", error, None)
-                }
+                (Verdict::Valid, Some(Err(error))) => (
+                    ApprovalOutcome::Failed,
+                    "imds_error",
+                    error,
+                    Some(format!("{:016x}", fastrand::u64(..))),
+                ),
             };
             let record = Outcome {
                 outcome,
@@ -308,8 +344,11 @@ impl Approver {
                 "dryRun": record.dry_run,
                 "outcomeId": event.id(),
             });
-            // A failed outcome leaves the record in flight: the request may be sent again.
-            if p.recorded && outcome != ApprovalOutcome::Failed {
+            // A failed outcome leaves the record in flight: the request may be sent again. So
+            // does a dry run's: once dry run is turned off, the same request is forwarded.
+            let final_outcome = outcome != ApprovalOutcome::Failed
+                && !(self.dry_run && matches!(p.verdict, Verdict::Valid));
+            if p.recorded && final_outcome {
                 finished.push((
                     p.request_id.clone(),
                     StoredOutcome {

@@ -15,9 +15,28 @@ use crate::store::DiskFaults;
 const EVENT: &str = "C7061BAC-AFDC-4513-B24B-AA5F13A16123";
 
 fn approver(dir: &std::path::Path, faults: Arc<DiskFaults>) -> (Approver, Fanout) {
+    approver_seeing(dir, faults, Some(true))
+}
+
+/// An approver whose poller has a document (`Some(with_event)`: with or without the Freeze)
+/// or none yet (`None`), and whose metadata service is unreachable.
+fn approver_seeing(
+    dir: &std::path::Path,
+    faults: Arc<DiskFaults>,
+    document: Option<bool>,
+) -> (Approver, Fanout) {
+    approver_configured(dir, faults, document, false)
+}
+
+fn approver_configured(
+    dir: &std::path::Path,
+    faults: Arc<DiskFaults>,
+    document: Option<bool>,
+    dry_run: bool,
+) -> (Approver, Fanout) {
     let outbox = Arc::new(Outbox::open_with_faults(dir, 100, faults).unwrap());
     let fanout = Fanout::start(Vec::new(), &DeliveryConfig::default(), dir, outbox);
-    let document = Document::from_value(serde_json::json!({
+    let with = Document::from_value(serde_json::json!({
         "DocumentIncarnation": 2,
         "Events": [{
             "EventId": EVENT, "EventType": "Freeze", "ResourceType": "VirtualMachine",
@@ -27,8 +46,15 @@ fn approver(dir: &std::path::Path, faults: Arc<DiskFaults>) -> (Approver, Fanout
     }))
     .unwrap()
     .document;
-    let (_, latest) = watch::channel(Some(Snapshot {
-        document: Arc::new(document),
+    let over = Document::from_value(serde_json::json!({"DocumentIncarnation": 3, "Events": []}))
+        .unwrap()
+        .document;
+    let (_, latest) = watch::channel(document.map(|with_event| Snapshot {
+        document: Arc::new(if with_event {
+            with.clone()
+        } else {
+            over.clone()
+        }),
         fetched: Instant::now(),
     }));
     let factory = EventFactory::new(
@@ -43,6 +69,7 @@ fn approver(dir: &std::path::Path, faults: Arc<DiskFaults>) -> (Approver, Fanout
     );
     let config = ApprovalsConfig {
         allow_unsigned: true,
+        dry_run,
         ..Default::default()
     };
     let client = ImdsClient::new(
@@ -89,7 +116,7 @@ async fn a_request_that_cannot_be_recorded_fails_retriably_and_is_not_called_a_r
 
     faults.fill();
     let (_, _, verdict, _) = approver.check(&message, &mut None).await;
-    let Verdict::Fail(detail) = verdict else {
+    let Verdict::Fail(_, detail) = verdict else {
         panic!("a store error must fail the request, not judge it: {verdict:?}");
     };
     assert!(detail.contains("send the request again"), "{detail}");
@@ -101,7 +128,7 @@ async fn a_request_that_cannot_be_recorded_fails_retriably_and_is_not_called_a_r
         let (_, _, verdict, _) = approver.check(&message, &mut None).await;
         match verdict {
             Verdict::Valid => break,
-            Verdict::Fail(_) if Instant::now() < deadline => {
+            Verdict::Fail(..) if Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(50)).await
             }
             other => panic!("after the disk was freed: {other:?}"),
@@ -149,4 +176,182 @@ async fn requests_with_an_empty_id_over_each_transport_get_distinct_unidentified
         );
         assert!(ids.insert(request_id), "outcome ids must differ");
     }
+}
+
+/// Runs one request through the approver as a source would; returns the answer.
+async fn handle(approver: &Approver, message: &Inbound) -> Answer {
+    let (handled, answer) = tokio::sync::oneshot::channel();
+    approver
+        .handle(vec![Delivery {
+            message: message.clone(),
+            handled,
+        }])
+        .await;
+    answer.await.unwrap()
+}
+
+fn outcome(answer: &Answer) -> &'static str {
+    match answer {
+        Answer::Handled(reply) => reply.outcome,
+        Answer::NotHandled(_) => "not handled",
+    }
+}
+
+#[tokio::test]
+async fn a_request_before_the_first_document_fails_retriably_and_is_forwarded_once_one_comes() {
+    let dir = tempfile::tempdir().unwrap();
+    // A fresh start while the metadata service is down: no document yet.
+    let (approver, fanout) = approver_seeing(dir.path(), DiskFaults::new(), None);
+    let message = request();
+    let answer = handle(&approver, &message).await;
+    assert_eq!(outcome(&answer), "failed", "{answer:?}");
+    drop(approver);
+    fanout.shutdown(Duration::from_secs(1)).await;
+    // The service is back: the same request is checked again, not answered with a stored
+    // rejection.
+    let (approver, _fanout) = self::approver(dir.path(), DiskFaults::new());
+    let (_, _, verdict, recorded) = approver.check(&message, &mut None).await;
+    assert!(
+        matches!(verdict, Verdict::Valid) && recorded,
+        "a transient failure became the request's final outcome: {verdict:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_request_accepted_before_a_crash_is_answered_accepted_after_its_event_has_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let (before, fanout) = approver(dir.path(), DiskFaults::new());
+    let message = request();
+    let (request_id, _, verdict, recorded) = before.check(&message, &mut None).await;
+    assert!(matches!(verdict, Verdict::Valid) && recorded);
+    // The metadata service accepted the POST, then the agent was killed before the outcome.
+    before
+        .outbox
+        .mark_posted(std::slice::from_ref(&request_id))
+        .unwrap();
+    drop(before);
+    fanout.shutdown(Duration::from_secs(1)).await;
+    // After the restart the Freeze has run and left the document.
+    let (after, _fanout) = approver_seeing(dir.path(), DiskFaults::new(), Some(false));
+    let (again, _, verdict, recorded) = after.check(&message, &mut None).await;
+    assert_eq!(again, request_id);
+    assert!(
+        matches!(verdict, Verdict::Posted) && recorded,
+        "an approval the metadata service accepted is not reported accepted: {verdict:?}"
+    );
+    let answer = handle(&after, &message).await;
+    assert_eq!(outcome(&answer), "accepted", "{answer:?}");
+}
+
+#[tokio::test]
+async fn a_request_not_yet_posted_before_a_crash_is_refused_once_its_event_is_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let (before, fanout) = approver(dir.path(), DiskFaults::new());
+    let message = request();
+    let (_, _, verdict, _) = before.check(&message, &mut None).await;
+    assert!(matches!(verdict, Verdict::Valid));
+    drop(before);
+    fanout.shutdown(Duration::from_secs(1)).await;
+    let (after, _fanout) = approver_seeing(dir.path(), DiskFaults::new(), Some(false));
+    let (_, _, verdict, _) = after.check(&message, &mut None).await;
+    assert!(
+        matches!(&verdict, Verdict::Reject(r) if r.reason == Reason::UnknownEvent),
+        "{verdict:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_handled_request_redelivered_after_max_age_gets_its_stored_outcome_not_a_second_one() {
+    let dir = tempfile::tempdir().unwrap();
+    // Handled with a final outcome (here: refused, its event being over).
+    let (approver, _fanout) = approver_seeing(dir.path(), DiskFaults::new(), Some(false));
+    let message = request();
+    let first = handle(&approver, &message).await;
+    let Answer::Handled(first) = first else {
+        panic!("{first:?}")
+    };
+    assert_eq!(first.outcome, "rejected");
+    // Killed before the ack; the VM (rebooting for the approved event) is back after
+    // approvals.max_age (5 minutes): the broker delivers the same message, now too old.
+    let mut body: serde_json::Value = serde_json::from_slice(&message.body).unwrap();
+    body["time"] = (chrono::Utc::now() - chrono::Duration::minutes(6))
+        .to_rfc3339()
+        .into();
+    let late = Inbound {
+        body: serde_json::to_vec(&body).unwrap(),
+        ..message.clone()
+    };
+    let (_, _, verdict, _) = approver.check(&late, &mut None).await;
+    let Verdict::Answered(stored) = verdict else {
+        panic!("a redelivery after max_age got a new verdict: {verdict:?}")
+    };
+    assert_eq!(stored.body, first.body);
+    // A request never seen that old is still refused.
+    let mut other = body.clone();
+    other["id"] = "never-seen-before".into();
+    let old = Inbound {
+        body: serde_json::to_vec(&other).unwrap(),
+        ..message
+    };
+    let (_, _, verdict, _) = approver.check(&old, &mut None).await;
+    assert!(
+        matches!(&verdict, Verdict::Reject(r) if r.reason == Reason::Expired),
+        "{verdict:?}"
+    );
+}
+
+#[tokio::test]
+async fn refusals_before_the_request_is_recorded_and_failures_get_outcome_ids_of_their_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let (approver, _fanout) = approver_seeing(dir.path(), DiskFaults::new(), None);
+    let message = request();
+    let mut ids = std::collections::HashSet::new();
+    for _ in 0..2 {
+        let Answer::Handled(reply) = handle(&approver, &message).await else {
+            panic!("not handled")
+        };
+        assert_eq!(reply.outcome, "failed");
+        assert!(ids.insert(reply.body["outcomeId"].to_string()), "{ids:?}");
+    }
+    let mut body: serde_json::Value = serde_json::from_slice(&message.body).unwrap();
+    body["id"] = "too-old".into();
+    body["time"] = (chrono::Utc::now() - chrono::Duration::hours(1))
+        .to_rfc3339()
+        .into();
+    let old = Inbound {
+        body: serde_json::to_vec(&body).unwrap(),
+        ..message
+    };
+    for _ in 0..2 {
+        let Answer::Handled(reply) = handle(&approver, &old).await else {
+            panic!("not handled")
+        };
+        assert_eq!(reply.outcome, "rejected");
+        let id = reply.body["outcomeId"].as_str().unwrap().to_owned();
+        assert_ne!(id, "too-old:rejected");
+        assert!(ids.insert(id), "{ids:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_request_accepted_in_dry_run_is_forwarded_once_dry_run_is_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let (dry, fanout) = approver_configured(dir.path(), DiskFaults::new(), Some(true), true);
+    let message = request();
+    let Answer::Handled(reply) = handle(&dry, &message).await else {
+        panic!("not handled")
+    };
+    assert_eq!(
+        (reply.outcome, &reply.body["reason"]),
+        ("accepted", &"dry_run".into())
+    );
+    drop(dry);
+    fanout.shutdown(Duration::from_secs(1)).await;
+    // The operator turns dry run off; the orchestrator sends the same request again.
+    let (live, _fanout) = approver(dir.path(), DiskFaults::new());
+    let (_, _, verdict, _) = live.check(&message, &mut None).await;
+    assert!(
+        matches!(verdict, Verdict::Valid),
+        "a dry run's answer became the request's final outcome: {verdict:?}"
+    );
 }

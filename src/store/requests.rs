@@ -5,17 +5,23 @@
 //! to keep it) before anything is sent; once its outcome is published, the record is
 //! *finished* with that outcome. IMDS approval is idempotent (a second StartRequests POST of
 //! the same EventId is harmless), so:
-//! - a redelivery of an in-flight id (the agent was killed after the POST, before the
-//!   outcome) is checked and forwarded again, and an event that has Started meanwhile counts
-//!   as approved (this request may have started it);
+//! - once the metadata service accepted a request's POST, its record is marked *posted*
+//!   before the outcome is published: a redelivery of a posted id (the agent was killed
+//!   after the POST, before the outcome) is answered `accepted` without a second POST, even
+//!   when its event has run and left the document since;
+//! - a redelivery of an in-flight id that was not posted (killed before the POST, or in the
+//!   milliseconds between the POST and its mark) is checked and forwarded again, and an event
+//!   that has Started meanwhile counts as approved (this request may have started it);
 //! - a redelivery of a finished id is answered with its stored outcome (the same outcome
 //!   event id, so consumers de-duplicate), never forwarded again: replay protection;
 //! - an id recorded by an older version in `seen_requests` (no outcome kept) is a replay.
 //!
 //! A failed outcome (`imds_error`) leaves the record in flight: the same request may be sent
-//! again. Records are forgotten once their request is too old to pass the freshness check.
+//! again. Records are kept a day past the point where their request is too old to pass the
+//! freshness check, so that a redelivery after a long restart (a VM rebooting for the very
+//! event it approved) is still answered with its outcome rather than refused as expired.
 
-use redb::{ReadableTable, TableDefinition};
+use redb::{ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 
 use super::{Access, Outbox, SEEN_REQUESTS, StoreError};
@@ -41,6 +47,9 @@ struct Record {
     keep_until: i64,
     /// None while in flight.
     outcome: Option<StoredOutcome>,
+    /// The metadata service accepted this request's StartRequests POST.
+    #[serde(default)]
+    posted: bool,
 }
 
 /// What the store knew of a request id when it was recorded.
@@ -49,8 +58,9 @@ pub enum Seen {
     /// Never seen: now recorded in flight.
     New,
     /// In flight already: handled before, but its outcome was never recorded (a crash, or
-    /// a failed POST). Check and forward it again.
-    InFlight,
+    /// a failed POST). With `posted`, the metadata service accepted it: answer `accepted`;
+    /// else check and forward it again.
+    InFlight { posted: bool },
     /// Handled, with this outcome: answer with it, send nothing.
     Finished(StoredOutcome),
     /// Recorded by an older version, without its outcome: a replay.
@@ -78,7 +88,9 @@ impl Outbox {
                         outcome: Some(outcome),
                         ..
                     })) => Seen::Finished(outcome),
-                    Some(Ok(_)) => Seen::InFlight,
+                    Some(Ok(record)) => Seen::InFlight {
+                        posted: record.posted,
+                    },
                     // Unreadable: safest is to treat it as handled without an answer.
                     Some(Err(_)) => Seen::Replayed,
                     None if legacy.get(id).map_err(|e| self.io(e))?.is_some() => Seen::Replayed,
@@ -86,6 +98,7 @@ impl Outbox {
                         let record = Record {
                             keep_until,
                             outcome: None,
+                            posted: false,
                         };
                         let bytes = serde_json::to_vec(&record).map_err(|e| self.io(e))?;
                         table.insert(id, bytes.as_slice()).map_err(|e| self.io(e))?;
@@ -120,18 +133,76 @@ impl Outbox {
             {
                 let mut table = txn.open_table(APPROVAL_REQUESTS).map_err(|e| self.io(e))?;
                 for (id, outcome) in finished {
-                    let keep_until = table
+                    let known = table
                         .get(id.as_str())
                         .map_err(|e| self.io(e))?
-                        .and_then(|bytes| serde_json::from_slice::<Record>(bytes.value()).ok())
-                        .map(|record| record.keep_until);
+                        .and_then(|bytes| serde_json::from_slice::<Record>(bytes.value()).ok());
                     // Forgotten meanwhile (too old): nothing left to protect.
-                    let Some(keep_until) = keep_until else {
+                    let Some(known) = known else {
                         continue;
                     };
                     let record = Record {
-                        keep_until,
                         outcome: Some(outcome.clone()),
+                        ..known
+                    };
+                    let bytes = serde_json::to_vec(&record).map_err(|e| self.io(e))?;
+                    table
+                        .insert(id.as_str(), bytes.as_slice())
+                        .map_err(|e| self.io(e))?;
+                }
+            }
+            txn.commit().map_err(|e| self.io(e))
+        })
+    }
+
+    /// What the store knows of request `id`, without recording anything: None when nothing.
+    pub fn peek_request(&self, id: &str) -> Result<Option<Seen>, StoreError> {
+        self.reopen_if_due();
+        self.with_db(Access::Read, |db| {
+            let txn = db.begin_read().map_err(|e| self.io(e))?;
+            let table = match txn.open_table(APPROVAL_REQUESTS) {
+                Ok(table) => table,
+                Err(redb::TableError::TableDoesNotExist(_)) => return Ok(None),
+                Err(error) => return Err(self.io(error)),
+            };
+            let known = table
+                .get(id)
+                .map_err(|e| self.io(e))?
+                .map(|bytes| serde_json::from_slice::<Record>(bytes.value()));
+            Ok(match known {
+                Some(Ok(Record {
+                    outcome: Some(outcome),
+                    ..
+                })) => Some(Seen::Finished(outcome)),
+                Some(Ok(record)) => Some(Seen::InFlight {
+                    posted: record.posted,
+                }),
+                Some(Err(_)) => Some(Seen::Replayed),
+                None => None,
+            })
+        })
+    }
+
+    /// Marks in-flight records as posted (the metadata service accepted them), durably,
+    /// before their outcome is published.
+    pub fn mark_posted(&self, ids: &[String]) -> Result<(), StoreError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        self.reopen_if_due();
+        self.with_db(Access::Write, |db| {
+            let txn = self.write(db)?;
+            {
+                let mut table = txn.open_table(APPROVAL_REQUESTS).map_err(|e| self.io(e))?;
+                for id in ids {
+                    let known = table
+                        .get(id.as_str())
+                        .map_err(|e| self.io(e))?
+                        .and_then(|bytes| serde_json::from_slice::<Record>(bytes.value()).ok());
+                    let Some(known) = known else { continue };
+                    let record = Record {
+                        posted: true,
+                        ..known
                     };
                     let bytes = serde_json::to_vec(&record).map_err(|e| self.io(e))?;
                     table
