@@ -600,3 +600,48 @@ async fn the_kafka_source_reads_a_record_again_after_its_outcome_could_not_be_st
     agent.await.unwrap().unwrap();
     sim.stop().await;
 }
+
+#[test]
+fn an_agent_whose_approval_checker_dies_stops_with_an_error_instead_of_running_without_approvals() {
+    let dir = tempfile::tempdir().unwrap();
+    let scenario = dir.path().join("scenario.toml");
+    std::fs::write(&scenario, SCENARIO).unwrap();
+    let key = dir.path().join("orchestrator.key");
+    std::fs::write(&key, format!("hmac-sha256:{SECRET}")).unwrap();
+    let sim = common::SimProcess::start(scenario.to_str().unwrap(), 1.0);
+    let port = sched_relay_transport::testing::free_port();
+    let mut agent = common::AgentProcess::start_with_env(
+        &sim.url,
+        &format!(
+            "[telemetry]\nlisten = \"127.0.0.1:{port}\"\n[identity]\nvm_name = \"WestNO_0\"\n[approvals.http]\n[[approvals.keys]]\nid = \"orchestrator\"\nalgorithm = \"hmac-sha256\"\nsecret = \"{SECRET}\"\n"
+        ),
+        &[(sched_relay::approval::fault::ENV, "approval_checker_panic")],
+    );
+    agent.wait_for_id(&format!("{FIRST}:scheduled"), Duration::from_secs(20));
+    // The request reaches the checker, which panics (the in-process fault injector).
+    let _ = std::process::Command::new(common::BINARY)
+        .args(["sign-approval", "--key"])
+        .arg(&key)
+        .args([
+            "--key-id",
+            "orchestrator",
+            "--vm",
+            "WestNO_0",
+            "--event-id",
+            FIRST,
+        ])
+        .args(["--to", &format!("http://127.0.0.1:{port}/approvals")])
+        .output()
+        .unwrap();
+    let status = agent.wait(Duration::from_secs(20));
+    assert!(
+        !status.success(),
+        "the agent must exit non-zero, so that systemd or Kubernetes restarts it:\n{}",
+        agent.log()
+    );
+    assert!(
+        agent.log().contains("approval checker died"),
+        "{}",
+        agent.log()
+    );
+}

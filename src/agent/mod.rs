@@ -48,6 +48,10 @@ pub enum AgentError {
     Sources(#[from] approval::sources::StartError),
     #[error("approvals: {0}")]
     Approvals(String),
+    #[error(
+        "the approval checker died ({0}); stopping, so that the supervisor starts the agent afresh with remote approvals working"
+    )]
+    CheckerDied(String),
 }
 
 /// How `run` starts, beyond the configuration.
@@ -199,7 +203,7 @@ pub async fn run(
         fanout.publisher(),
     )
     .map_err(AgentError::Approvals)?;
-    let remote = approval::sources::start_listener_and_sources(
+    let mut remote = approval::sources::start_listener_and_sources(
         &config.approvals,
         &config.sinks,
         config.telemetry.listen,
@@ -227,13 +231,25 @@ pub async fn run(
     let shutdown_timeout = config.delivery.shutdown_timeout;
     let mut poller = Poller::new(config, client, factory, fanout, telemetry, latest, previous)
         .with_policy(policy);
-    poller.poll_until(shutdown).await;
+    let checker_failed = remote.checker_failed();
+    let mut checker_died = None;
+    poller
+        .poll_until(async {
+            tokio::select! {
+                () = shutdown => {}
+                why = checker_failed => {
+                    tracing::error!(why = %why, "The approval checker died; stopping the agent so that its supervisor restarts it");
+                    checker_died = Some(why);
+                }
+            }
+        })
+        .await;
     // Transitions seen while the store could not be written live only in memory: one last
     // try, then name each one, so a restart to "fix" a full disk never loses them silently.
-    poller.store_unstored_at_exit().await;
-    // One deadline for everything that stops, so the agent exits within
-    // delivery.shutdown_timeout (systemd's stop timeout must only be longer).
+    // One deadline for everything that stops, taken when the stop begins, so the agent exits
+    // within delivery.shutdown_timeout (systemd's stop timeout must only be longer).
     let deadline = tokio::time::Instant::now() + shutdown_timeout;
+    poller.store_unstored_at_exit(deadline).await;
     tracing::info!(timeout = ?shutdown_timeout, "Shutting down: stopping approvals, draining sinks");
     let _ = stop.send(true);
     poller.policy = None;
@@ -245,8 +261,14 @@ pub async fn run(
             task.abort();
         }
     }
-    remote.stop(deadline).await;
+    // Approvals get at most half the time: a POST that hangs must leave the sinks time to
+    // deliver what is left (the last events before a Spot eviction).
+    let half = deadline.min(tokio::time::Instant::now() + shutdown_timeout / 2);
+    remote.stop(half).await;
     poller.fanout.shutdown_by(deadline).await;
     tracing::info!("Agent stopped");
-    Ok(())
+    match checker_died {
+        Some(why) => Err(AgentError::CheckerDied(why)),
+        None => Ok(()),
+    }
 }

@@ -215,7 +215,7 @@ impl Poller {
     /// At exit: stores what is still held in memory if the store takes it now, else logs every
     /// such event whole at ERROR (the next start diffs against the last stored document, so
     /// their net effect is reported again, but not each step).
-    pub(super) async fn store_unstored_at_exit(&mut self) {
+    pub(super) async fn store_unstored_at_exit(&mut self, deadline: tokio::time::Instant) {
         if self.unstored.is_empty() {
             return;
         }
@@ -226,7 +226,16 @@ impl Poller {
                 document: &document.raw,
                 epoch: self.epoch,
             });
-        match self.fanout.publish(&self.unstored, processed).await {
+        let stored =
+            tokio::time::timeout_at(deadline, self.fanout.publish(&self.unstored, processed))
+                .await
+                .unwrap_or_else(|_| {
+                    Err(crate::store::StoreError::Io {
+                        path: "outbox".into(),
+                        reason: "the state store did not answer by the shutdown deadline".into(),
+                    })
+                });
+        match stored {
             Ok(()) => self.unstored.clear(),
             Err(error) => {
                 for event in self.unstored.drain(..) {

@@ -17,6 +17,8 @@ pub enum Point {
     AfterPost,
     AfterPostMark,
     AfterOutcome,
+    /// The checker panics on its next batch (not an abort).
+    CheckerPanic,
 }
 
 fn armed() -> Option<Point> {
@@ -24,12 +26,20 @@ fn armed() -> Option<Point> {
     *ARMED.get_or_init(|| match std::env::var(ENV).ok()?.as_str() {
         "approval_after_post" => Some(Point::AfterPost),
         "approval_after_post_mark" => Some(Point::AfterPostMark),
+        "approval_checker_panic" => Some(Point::CheckerPanic),
         "approval_after_outcome" => Some(Point::AfterOutcome),
         other => {
             tracing::error!(value = other, "{ENV} is set to an unknown point; ignored");
             None
         }
     })
+}
+
+/// Panics at `point` when the injector is armed there.
+pub fn panic_if(point: Point) {
+    if armed() == Some(point) {
+        panic!("fault injector {ENV}: panicking at {point:?}");
+    }
 }
 
 /// Aborts the process at `point` when the injector is armed there.

@@ -144,6 +144,7 @@ impl Approver {
     }
 
     async fn handle(&self, batch: Vec<Delivery>) {
+        fault::panic_if(fault::Point::CheckerPanic);
         let mut document = None;
         let mut pending = Vec::with_capacity(batch.len());
         for delivery in batch {

@@ -27,9 +27,28 @@ pub enum StartError {
 pub struct RemoteApprovals {
     approver: Option<tokio::task::JoinHandle<()>>,
     sources: Vec<tokio::task::JoinHandle<()>>,
+    /// Says why, should the checker ever end by a panic.
+    checker_died: Option<tokio::sync::oneshot::Receiver<String>>,
 }
 
 impl RemoteApprovals {
+    /// Completes if the approval checker dies (a panic): every source would then read its
+    /// closed channel as the agent stopping, and remote approvals would be silently dead.
+    /// The agent stops with an error instead, so its supervisor restarts it. Never completes
+    /// otherwise.
+    pub fn checker_failed(&mut self) -> impl std::future::Future<Output = String> + use<> {
+        let died = self.checker_died.take();
+        async move {
+            match died {
+                Some(died) => match died.await {
+                    Ok(why) => why,
+                    Err(_) => std::future::pending().await,
+                },
+                None => std::future::pending().await,
+            }
+        }
+    }
+
     /// Lets every source finish the message it is handling, all at once, then lets the
     /// checker finish; whatever is still running at `deadline` is aborted (a source stuck on
     /// a broker, a POST that hangs). An aborted source's message was not acknowledged, so its
@@ -186,6 +205,7 @@ pub async fn start_listener_and_sources(
         started = true;
     }
     drop(deliveries);
+    let (died, checker_died) = tokio::sync::oneshot::channel();
     let approver = started.then(|| {
         tracing::info!(
             dry_run,
@@ -194,7 +214,24 @@ pub async fn start_listener_and_sources(
             allow_fleet = approvals.allow_fleet,
             "Remote approvals enabled"
         );
-        tokio::spawn(approver.run(inbox))
+        tokio::spawn(async move {
+            use futures_util::FutureExt;
+            if let Err(panic) = std::panic::AssertUnwindSafe(approver.run(inbox))
+                .catch_unwind()
+                .await
+            {
+                let why = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic".to_owned());
+                let _ = died.send(why);
+            }
+        })
     });
-    Ok(RemoteApprovals { approver, sources })
+    Ok(RemoteApprovals {
+        approver,
+        sources,
+        checker_died: Some(checker_died),
+    })
 }
