@@ -7,6 +7,14 @@
 //! `VM_NAME`, `AFFECTS_VM` and `INCARNATION` in its environment. Exit 0 is delivered; an exit
 //! status listed in `retry_exit_codes` (default 75, EX_TEMPFAIL) or a timeout is retried; any
 //! other status sends the event to the dead-letter file with the command's stderr.
+//!
+//! The command gets only what it needs: the agent's environment holds broker passwords,
+//! tokens and `SCHED_RELAY_*` overrides, so the command starts from an empty environment with
+//! `PATH`, the event's variables, the names listed in `pass_env` and the `env` table. It runs
+//! in its own process group, and the timeout covers writing the event to its stdin as well as
+//! its run: a command that never reads stdin, or that leaves children behind, cannot hold the
+//! sink. At the timeout the whole group is killed (`tests`: a grandchild `sleep` does not
+//! survive, a command that never reads a large event is killed on time).
 
 use std::collections::BTreeMap;
 use std::process::Stdio;
@@ -14,6 +22,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use cloudevents::{AttributesReader, Data};
+use sched_relay_transport::secret::Secret;
 use sched_relay_transport::{DeliveryError, Event, EventKind, Sink, SinkError};
 use serde::{Deserialize, Serialize};
 use tokio::io::AsyncWriteExt;
@@ -34,10 +43,18 @@ pub struct ExecSinkConfig {
     /// Exit statuses that mean "try again later".
     #[serde(default = "default_retry_exit_codes")]
     pub retry_exit_codes: Vec<i32>,
-    /// Extra environment variables.
+    /// Variables set for the command, besides `PATH` and the event's. Values are secrets
+    /// (never printed; `${ENV_VAR}` takes the agent's variable).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub env: BTreeMap<String, String>,
+    pub env: BTreeMap<String, Secret>,
+    /// Names of the agent's environment variables the command may see too (when set). Nothing
+    /// else of the agent's environment reaches it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pass_env: Vec<String>,
 }
+
+/// `PATH` for the command when the agent has none (a bare systemd unit has one).
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 fn default_timeout() -> Duration {
     Duration::from_secs(60)
@@ -62,6 +79,17 @@ impl ExecSinkConfig {
         }
         if self.timeout.is_zero() {
             problems.push(("timeout", "must be more than 0s".to_owned()));
+        }
+        let names = self.env.keys().map(|name| ("env", name));
+        for (key, name) in names.chain(self.pass_env.iter().map(|name| ("pass_env", name))) {
+            if name.is_empty() || name.contains(['=', '\0']) {
+                problems.push((
+                    key,
+                    format!(
+                        "{name:?} is not an environment variable name (empty, or with = or NUL)"
+                    ),
+                ));
+            }
         }
         // An unknown name would never match, and its events would be confirmed unrun.
         let known: Vec<&str> = EventKind::ALL.iter().filter_map(|k| k.suffix()).collect();
@@ -125,28 +153,58 @@ impl ExecSink {
         {
             return Ok(());
         }
-        let environment = Self::environment(event);
         let program = &self.config.command[0];
+        let mut env: Vec<(String, String)> = vec![(
+            "PATH".to_owned(),
+            std::env::var("PATH").unwrap_or_else(|_| DEFAULT_PATH.to_owned()),
+        )];
+        env.extend(
+            self.config
+                .pass_env
+                .iter()
+                .filter_map(|name| Some((name.clone(), std::env::var(name).ok()?))),
+        );
+        env.extend(
+            Self::environment(event)
+                .into_iter()
+                .map(|(name, value)| (name.to_owned(), value)),
+        );
+        for (name, value) in &self.config.env {
+            let value = value
+                .expose()
+                .map_err(|e| SinkError::Permanent(format!("env.{name}: {e}")))?;
+            env.push((name.clone(), value));
+        }
         let mut child = tokio::process::Command::new(program)
             .args(&self.config.command[1..])
-            .envs(environment)
-            .envs(&self.config.env)
+            .env_clear()
+            .envs(env)
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
+            // Its own group, so that a timeout reaches what the command started too.
+            .process_group(0)
             .kill_on_drop(true)
             .spawn()
             .map_err(|e| SinkError::Permanent(format!("cannot run {program}: {e}")))?;
+        let group = child.id();
         let body = sched_relay_transport::binding::structured_json(event)?;
-        if let Some(mut stdin) = child.stdin.take() {
-            // A command that does not read stdin closes it early; that is its right.
-            let _ = stdin.write_all(&body).await;
-        }
+        let stdin = child.stdin.take();
+        let run = async move {
+            if let Some(mut stdin) = stdin {
+                // A command that does not read stdin closes it early; that is its right.
+                let _ = stdin.write_all(&body).await;
+            }
+            child.wait_with_output().await
+        };
         let timeout = self.config.timeout;
-        let output = match tokio::time::timeout(timeout, child.wait_with_output()).await {
+        let output = match tokio::time::timeout(timeout, run).await {
             Err(_) => {
+                if let Some(group) = group {
+                    kill_group(group);
+                }
                 return Err(SinkError::Retriable(format!(
-                    "{program} did not finish within {timeout:?} for {} (killed)",
+                    "{program} did not finish within {timeout:?} for {} (killed with its process group)",
                     event.id()
                 )));
             }
@@ -176,6 +234,17 @@ impl ExecSink {
             None => Err(SinkError::Retriable(message)),
             Some(_) => Err(SinkError::Permanent(message)),
         }
+    }
+}
+
+/// SIGKILL to every process of the group the command leads (its pid is the group id).
+fn kill_group(group: u32) {
+    let Ok(group) = libc::pid_t::try_from(group) else {
+        return;
+    };
+    // SAFETY: killpg has no memory effects; a group that is gone answers ESRCH, ignored.
+    unsafe {
+        libc::killpg(group, libc::SIGKILL);
     }
 }
 
@@ -276,6 +345,131 @@ mod tests {
         assert!(
             slow.is_retriable() && slow.to_string().contains("killed"),
             "{slow}"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_command_sees_only_path_its_event_and_the_allowed_variables() {
+        // SAFETY: set once before any command runs; no other test reads these names.
+        unsafe {
+            std::env::set_var("SCHED_RELAY_SINKS__0__PASSWORD", "agent-S3CRET");
+            std::env::set_var("EXEC_TEST_BROKER_TOKEN", "agent-T0KEN");
+            std::env::set_var("EXEC_TEST_PASSED", "passed-on");
+            std::env::set_var("EXEC_TEST_FROM_ENV", "from-agent-env");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("env");
+        let extra = r#"
+            pass_env = ["EXEC_TEST_PASSED", "EXEC_TEST_UNSET"]
+            env = { DRAIN_GRACE = "30", DRAIN_TOKEN = "${EXEC_TEST_FROM_ENV}" }
+        "#;
+        sink(&format!("env > {}", out.display()), extra)
+            .deliver(&live_migration_events("vm")[..1])
+            .await
+            .unwrap();
+        let seen = std::fs::read_to_string(&out).unwrap();
+        let mut names: Vec<&str> = seen.lines().filter_map(|l| l.split('=').next()).collect();
+        names.sort();
+        // sh adds PWD, SHLVL and `_` of its own; nothing else may come from the agent.
+        names.retain(|name| !matches!(*name, "PWD" | "SHLVL" | "_" | "OLDPWD"));
+        assert_eq!(
+            names,
+            [
+                "AFFECTS_VM",
+                "CE_ID",
+                "CE_TYPE",
+                "DRAIN_GRACE",
+                "DRAIN_TOKEN",
+                "EVENT_ID",
+                "EVENT_STATUS",
+                "EVENT_TYPE",
+                "EXEC_TEST_PASSED",
+                "INCARNATION",
+                "NOT_BEFORE",
+                "PATH",
+                "TRANSITION",
+                "VM_NAME",
+            ],
+            "{seen}"
+        );
+        assert!(seen.contains("EXEC_TEST_PASSED=passed-on"), "{seen}");
+        assert!(seen.contains("DRAIN_TOKEN=from-agent-env"), "{seen}");
+        assert!(
+            !seen.contains("S3CRET") && !seen.contains("T0KEN"),
+            "{seen}"
+        );
+    }
+
+    #[test]
+    fn env_values_never_print() {
+        let config: ExecSinkConfig =
+            toml::from_str("command = [\"/bin/true\"]\nenv = { API_TOKEN = \"T0KEN\" }").unwrap();
+        assert!(!format!("{config:?}").contains("T0KEN"));
+        assert!(!toml::to_string(&config).unwrap().contains("T0KEN"));
+    }
+
+    /// Whether a process is still running (a zombie waiting for init to reap it is not).
+    fn running(pid: &str) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+            !stat
+                .rsplit(')')
+                .next()
+                .unwrap_or("")
+                .trim_start()
+                .starts_with('Z')
+        })
+    }
+
+    #[tokio::test]
+    async fn a_timeout_kills_what_the_command_started_too() {
+        let dir = tempfile::tempdir().unwrap();
+        let pid_file = dir.path().join("grandchild");
+        let script = format!("sleep 30 & echo $! > {}; wait", pid_file.display());
+        let error = sink(&script, "timeout = \"500ms\"")
+            .deliver(&live_migration_events("vm")[..1])
+            .await
+            .unwrap_err();
+        assert!(error.is_retriable(), "{error}");
+        let pid = std::fs::read_to_string(&pid_file).unwrap();
+        let pid = pid.trim();
+        let deadline = std::time::Instant::now() + Duration::from_secs(3);
+        while running(pid) && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(
+            !running(pid),
+            "the grandchild sleep {pid} outlived the timeout"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_command_that_never_reads_a_large_event_is_killed_on_time() {
+        use cloudevents::EventBuilder;
+        let big = "x".repeat(4 << 20); // far more than a pipe holds
+        let event: Event = cloudevents::EventBuilderV10::new()
+            .id("big:scheduled")
+            .source("urn:x")
+            .ty("com.azure.scheduledevents.scheduled")
+            .data("application/json", serde_json::json!({ "padding": big }))
+            .build()
+            .unwrap()
+            .into();
+        let started = std::time::Instant::now();
+        let error = tokio::time::timeout(
+            Duration::from_secs(10),
+            sink("sleep 30", "timeout = \"500ms\"").deliver(std::slice::from_ref(&event)),
+        )
+        .await
+        .expect("the stdin write is bounded by the sink's timeout")
+        .unwrap_err();
+        assert!(
+            error.is_retriable() && error.to_string().contains("killed"),
+            "{error}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            started.elapsed()
         );
     }
 
