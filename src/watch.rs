@@ -1,6 +1,11 @@
 //! `sched-relay watch`: a live table of the fleet's maintenance, built from the event stream
 //! the agents publish (a file sink, NATS, RabbitMQ or Kafka): one row per VM and event, with
 //! its type, status, a NotBefore countdown and the approval state.
+//!
+//! Every string in the table comes from the fleet (VM names, EventIds, types, rejection
+//! reasons), and any agent or broker publisher can write them: before they reach the terminal,
+//! control characters (ANSI escapes, `\r`, C1 controls) and bidirectional overrides are shown
+//! escaped (`\u{1b}`), never interpreted ([`printable`]).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -86,6 +91,7 @@ impl Fleet {
             "LAST",
         ];
         let mut lines: Vec<[String; 7]> = vec![header.map(str::to_owned)];
+        let text = |cell: &str| printable(cell).into_owned();
         for ((vm, event_id), row) in &self.rows {
             let countdown = match row.not_before {
                 None => "-".to_owned(),
@@ -103,17 +109,17 @@ impl Fleet {
                 ),
             };
             lines.push([
-                vm.clone(),
-                event_id.clone(),
-                row.event_type.clone(),
-                row.status.clone(),
+                text(vm),
+                text(event_id),
+                text(&row.event_type),
+                text(&row.status),
                 countdown,
                 if row.approval.is_empty() {
                     "-".into()
                 } else {
-                    row.approval.clone()
+                    text(&row.approval)
                 },
-                row.last.clone(),
+                text(&row.last),
             ]);
         }
         let widths: Vec<usize> = (0..7)
@@ -148,6 +154,30 @@ impl Fleet {
         vms.dedup();
         vms.len()
     }
+}
+
+/// `text` safe for a terminal: every control character (C0 such as ESC and `\r`, DEL, C1
+/// such as CSI U+009B) and every character that reorders or hides text (bidi embeddings,
+/// overrides and isolates, directional marks, zero-width characters) is shown as `\u{..}`.
+pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+    let hostile = |c: char| {
+        c.is_control()
+            || matches!(c,
+                '\u{061C}' | '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}'
+                | '\u{2060}'..='\u{2069}' | '\u{FEFF}')
+    };
+    if !text.contains(hostile) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        if hostile(c) {
+            out.extend(c.escape_unicode());
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 /// A message in binary or structured mode as one structured-mode JSON object.
@@ -439,6 +469,35 @@ mod tests {
             "{table}"
         );
         assert_eq!(lines[3], "2 event(s) on 2 VM(s)");
+    }
+
+    #[test]
+    fn hostile_fleet_strings_reach_the_terminal_escaped() {
+        let mut fleet = Fleet::default();
+        let hostile_vm = "vm\u{1b}]0;pwned\u{7}\u{1b}[2J\r\u{9b}31m\u{202e}gpj.exe";
+        fleet.apply(&event(
+            "scheduled",
+            hostile_vm,
+            "E1\u{1b}[1A\u{2067}",
+            json!({"eventtype": "Reboot\u{85}\u{200f}", "eventstatus": "Scheduled\n\u{7f}"}),
+        ));
+        fleet.apply(&event(
+            "approval.rejected",
+            hostile_vm,
+            "E1\u{1b}[1A\u{2067}",
+            json!({"data": {"reason": "bad\u{1b}[31m\u{2066}"}}),
+        ));
+        let table = fleet.render(Utc::now());
+        let hostile = |c: char| {
+            (c.is_control() && c != '\n')
+                || matches!(c, '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}' | '\u{200E}' | '\u{200F}')
+        };
+        assert!(!table.contains(hostile), "{table:?}");
+        // Escaped, not dropped: an operator sees that a name carries control characters.
+        assert!(table.contains("vm\\u{1b}]0;pwned\\u{7}"), "{table}");
+        assert!(table.contains("\\u{202e}gpj.exe"), "{table}");
+        assert_eq!(table.lines().count(), 3, "one line per row: {table}");
+        assert_eq!(printable("WestNO_0 ünïcode"), "WestNO_0 ünïcode");
     }
 
     #[test]
