@@ -2,7 +2,8 @@
 //! (URL passwords and tokens, webhook `?sig=` query tokens, Kafka SASL passwords, exec
 //! variables, the listener's bearer token, an approval key) appear nowhere an operator or a
 //! log shipper can read: not in the log, `/readyz`, `/events`, `/metrics`, the dead-letter
-//! files, nor `check-config` (its output and its error lines). The sinks fail in the ways
+//! files, nor `check-config` (its output and its error lines); nor does a password in the
+//! metadata endpoint's URL. The sinks fail in the ways
 //! that produce messages (unreachable ports, refused credentials on the real RabbitMQ, a
 //! webhook answering 500 and 400) and succeed (a private NATS server with a password, a
 //! webhook answering 204), against real servers.
@@ -51,6 +52,7 @@ const SECRETS: &[&str] = &[
     "HTTP-BEARER-T0KEN",
     "APPROVAL-HMAC-S3CRET",
     "CONFIG-ERROR-S3CRET",
+    "IMDS-S3CRET",
 ];
 
 /// A webhook receiver on a free port: `/ok` answers 204, `/500` 500 and `/400` 400, each
@@ -260,7 +262,9 @@ topic = "{prefix}.approvals"
 "#,
         nats_url = nats.url(),
     );
-    let mut agent = AgentProcess::start(&sim.url, &sinks);
+    // Even the metadata endpoint: the agent logs it at start, and no sink redacts that line.
+    let endpoint = sim.url.replace("http://", "http://imds:IMDS-S3CRET@");
+    let mut agent = AgentProcess::start(&endpoint, &sinks);
     let dead_letters = agent.dir.path().join("state/dead-letter");
 
     // Let every sink fail (and the good ones succeed) and the dead letters be written.
