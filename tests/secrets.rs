@@ -336,6 +336,8 @@ topic = "{prefix}.approvals"
     assert_eq!(refused.status.code(), Some(2), "{refused:?}");
     let config_error = String::from_utf8_lossy(&refused.stderr).into_owned();
     let log = agent.log();
+    // What the sinks were given (approval outcomes included), as the file sink wrote it.
+    let published = std::fs::read_to_string(&agent.events_file).unwrap_or_default();
     if std::env::var_os("SECRETS_TEST_DUMP").is_some() {
         eprintln!("{log}\n{readyz}\n{events}\n{dead_letter_text}\n{check_config}\n{config_error}");
     }
@@ -365,6 +367,7 @@ topic = "{prefix}.approvals"
         ("/events", &events),
         ("/metrics", &metrics),
         ("the dead-letter files", &dead_letter_text),
+        ("the published events", &published),
         ("check-config", &check_config),
         ("check-config's errors", &config_error),
     ] {
