@@ -71,10 +71,12 @@ pub fn dropped_lines() -> usize {
 pub struct LogGuard(#[allow(dead_code)] tracing_appender::non_blocking::WorkerGuard);
 
 /// Sets up `tracing` on stderr: `filter` unless `RUST_LOG` is set, colour only for a person
-/// at a terminal (journald and log files get plain text). Lines are written by a thread of
-/// their own, so a stderr that blocks (a full pipe, a stalled log driver) never blocks the
-/// agent: up to 4096 lines wait, later ones are dropped and counted in
-/// `sched_relay_log_lines_dropped_total`.
+/// at a terminal (journald and log files get plain text). Every line passes through
+/// [`sched_relay_transport::redact`] on its way out, so a credential in a URL never reaches
+/// the log, whichever crate (ours or a client library's error) put it in the message. Lines
+/// are written by a thread of their own, so a stderr that blocks (a full pipe, a stalled log
+/// driver) never blocks the agent: up to 4096 lines wait, later ones are dropped and counted
+/// in `sched_relay_log_lines_dropped_total`.
 pub fn init(filter: &str, format: LogFormat) -> LogGuard {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(filter));
@@ -87,10 +89,46 @@ pub fn init(filter: &str, format: LogFormat) -> LogGuard {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(writer);
+        .with_writer(Redacted(writer));
     match format {
         LogFormat::Json => builder.json().flatten_event(true).init(),
         LogFormat::Pretty => builder.init(),
     }
     LogGuard(guard)
+}
+
+/// The log writer, with the credentials of every URL masked: each log event is formatted
+/// whole into one buffer, redacted, then handed to the writer thread at once.
+struct Redacted(tracing_appender::non_blocking::NonBlocking);
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Redacted {
+    type Writer = RedactedLine;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        RedactedLine(Vec::new(), self.0.clone())
+    }
+}
+
+/// One log event on its way to stderr; written, redacted, when dropped.
+struct RedactedLine(Vec<u8>, tracing_appender::non_blocking::NonBlocking);
+
+impl std::io::Write for RedactedLine {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for RedactedLine {
+    fn drop(&mut self) {
+        let line = String::from_utf8_lossy(&self.0);
+        let line = sched_relay_transport::redact::text(&line);
+        // One message to the writer thread; when its queue is full the line is dropped (and
+        // counted), never waited for.
+        let _ = std::io::Write::write_all(&mut self.1, line.as_bytes());
+    }
 }

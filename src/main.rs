@@ -170,7 +170,12 @@ async fn shutdown_signal() {
 fn load_config(path: Option<&std::path::Path>) -> Result<Config, ExitCode> {
     Config::load(path).map_err(|errors| {
         for problem in &errors.0 {
-            eprintln!("config error: {problem}");
+            // A problem quotes the value it refuses, which may be a URL with credentials.
+            let problem = problem.to_string();
+            eprintln!(
+                "config error: {}",
+                sched_relay_transport::redact::text(&problem)
+            );
         }
         ExitCode::from(2)
     })
@@ -395,7 +400,8 @@ async fn sign_approval(
             ExitCode::SUCCESS
         }
         Err(error) => {
-            eprintln!("error: {error}");
+            // --to may carry credentials (amqp://user:password@...).
+            eprintln!("error: {}", sched_relay_transport::redact::text(&error));
             ExitCode::FAILURE
         }
     }

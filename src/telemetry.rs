@@ -222,6 +222,7 @@ impl ImdsHealth {
             crate::imds::ImdsError::Malformed { .. } => "its documents are refused",
             _ => "it fails",
         };
+        let error = sched_relay_transport::redact::text(&error.to_string()).into_owned();
         *self.lock() = Some((since, format!("{what}: {error}")));
     }
 

@@ -1,6 +1,11 @@
 //! `sched-relay watch`: a live table of the fleet's maintenance, built from the event stream
 //! the agents publish (a file sink, NATS, RabbitMQ or Kafka): one row per VM and event, with
 //! its type, status, a NotBefore countdown and the approval state.
+//!
+//! Every string in the table comes from the fleet (VM names, EventIds, types, rejection
+//! reasons), and any agent or broker publisher can write them: before they reach the terminal,
+//! control characters (ANSI escapes, `\r`, C1 controls) and bidirectional overrides are shown
+//! escaped (`\u{1b}`), never interpreted ([`printable`]).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -86,6 +91,7 @@ impl Fleet {
             "LAST",
         ];
         let mut lines: Vec<[String; 7]> = vec![header.map(str::to_owned)];
+        let text = |cell: &str| printable(cell).into_owned();
         for ((vm, event_id), row) in &self.rows {
             let countdown = match row.not_before {
                 None => "-".to_owned(),
@@ -103,17 +109,17 @@ impl Fleet {
                 ),
             };
             lines.push([
-                vm.clone(),
-                event_id.clone(),
-                row.event_type.clone(),
-                row.status.clone(),
+                text(vm),
+                text(event_id),
+                text(&row.event_type),
+                text(&row.status),
                 countdown,
                 if row.approval.is_empty() {
                     "-".into()
                 } else {
-                    row.approval.clone()
+                    text(&row.approval)
                 },
-                row.last.clone(),
+                text(&row.last),
             ]);
         }
         let widths: Vec<usize> = (0..7)
@@ -148,6 +154,30 @@ impl Fleet {
         vms.dedup();
         vms.len()
     }
+}
+
+/// `text` safe for a terminal: every control character (C0 such as ESC and `\r`, DEL, C1
+/// such as CSI U+009B) and every character that reorders or hides text (bidi embeddings,
+/// overrides and isolates, directional marks, zero-width characters) is shown as `\u{..}`.
+pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+    let hostile = |c: char| {
+        c.is_control()
+            || matches!(c,
+                '\u{061C}' | '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}'
+                | '\u{2060}'..='\u{2069}' | '\u{FEFF}')
+    };
+    if !text.contains(hostile) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        if hostile(c) {
+            out.extend(c.escape_unicode());
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 /// A message in binary or structured mode as one structured-mode JSON object.
@@ -367,102 +397,4 @@ fn broker(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    fn event(ty: &str, vm: &str, id: &str, extra: Value) -> Value {
-        let mut event = json!({
-            "specversion": "1.0", "type": format!("com.azure.scheduledevents.{ty}"),
-            "vmname": vm, "subject": id, "time": "2026-11-21T10:00:00Z",
-        });
-        for (k, v) in extra.as_object().unwrap() {
-            event[k] = v.clone();
-        }
-        event
-    }
-
-    #[test]
-    fn the_table_follows_each_events_transitions_and_approval() {
-        let mut fleet = Fleet::default();
-        fleet.apply(&event(
-            "scheduled",
-            "vm1",
-            "E1",
-            json!({
-                "eventtype": "Reboot", "eventstatus": "Scheduled",
-                "data": {"event": {"NotBefore": "Sat, 21 Nov 2026 10:15:00 GMT"}},
-            }),
-        ));
-        fleet.apply(&event(
-            "approval.rejected",
-            "vm1",
-            "E1",
-            json!({"data": {"reason": "expired"}}),
-        ));
-        fleet.apply(&event(
-            "scheduled",
-            "vm2",
-            "E2",
-            json!({"eventtype": "Freeze", "eventstatus": "Scheduled"}),
-        ));
-        fleet.apply(&event(
-            "approval.accepted",
-            "vm2",
-            "E2",
-            json!({"data": {"reason": "policy"}}),
-        ));
-        fleet.apply(&event(
-            "started",
-            "vm2",
-            "E2",
-            json!({"eventtype": "Freeze", "eventstatus": "Started"}),
-        ));
-        fleet.apply(&event("document", "vm2", "3", json!({})));
-        let now = DateTime::parse_from_rfc3339("2026-11-21T10:10:00Z")
-            .unwrap()
-            .with_timezone(&Utc);
-        let table = fleet.render(now);
-        let lines: Vec<&str> = table.lines().collect();
-        assert!(lines[0].starts_with("VM"));
-        assert!(
-            lines[1].contains("vm1")
-                && lines[1].contains("Reboot")
-                && lines[1].contains("in 5m")
-                && lines[1].contains("rejected: expired"),
-            "{table}"
-        );
-        assert!(
-            lines[2].contains("vm2")
-                && lines[2].contains("Started")
-                && lines[2].contains("accepted"),
-            "{table}"
-        );
-        assert_eq!(lines[3], "2 event(s) on 2 VM(s)");
-    }
-
-    #[test]
-    fn binary_mode_headers_and_structured_bodies_decode_alike() {
-        let structured = json!({"specversion": "1.0", "type": "t", "subject": "E"});
-        let from_body = Inbound {
-            transport: "nats",
-            channel: "c".into(),
-            headers: Vec::new(),
-            content_type: None,
-            body: structured.to_string().into_bytes(),
-            shared: true,
-        };
-        assert_eq!(decode(&from_body).unwrap()["subject"], "E");
-        let binary = Inbound {
-            headers: vec![
-                ("ce_specversion".into(), "1.0".into()),
-                ("ce_subject".into(), "E".into()),
-            ],
-            body: b"{\"x\":1}".to_vec(),
-            ..from_body
-        };
-        let decoded = decode(&binary).unwrap();
-        assert_eq!(decoded["subject"], "E");
-        assert_eq!(decoded["data"]["x"], 1);
-    }
-}
+mod tests;

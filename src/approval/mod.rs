@@ -322,7 +322,9 @@ impl Approver {
                 request_id: p.request_id.clone(),
                 event_ids: p.event_ids.clone(),
                 reason: reason.to_owned(),
-                detail,
+                // Published to every sink and answered to the caller: a metadata service
+                // error quotes its URL, which must not carry credentials out.
+                detail: sched_relay_transport::redact::text(&detail).into_owned(),
                 channel: channel.clone(),
                 dry_run: self.dry_run,
                 nonce,

@@ -171,6 +171,9 @@ fn secrets_never_appear_in_the_printed_configuration() {
     let mut value: toml::Value = toml::from_str(
         r#"
         url = "amqp://guest:hunter2@127.0.0.1:5672/%2f"
+        webhook = "https://h/hook?sig=hunter2"
+        nats = "nats://hunter2@h:4222"
+        headers = { "X-Api-Key" = "hunter2" }
         [auth]
         password = "hunter2"
         bearer_token = "hunter2"

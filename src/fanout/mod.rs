@@ -119,7 +119,10 @@ impl SinkHealth {
         let healthy = result.is_ok();
         self.healthy
             .store(healthy, std::sync::atomic::Ordering::Relaxed);
-        *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = result.err();
+        // Shown on /readyz and /events: credentials in a URL of the error are masked.
+        *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = result
+            .err()
+            .map(|error| sched_relay_transport::redact::text(&error).into_owned());
         metrics::gauge!("sched_relay_sink_up", "sink" => sink.to_owned()).set(if healthy {
             1.0
         } else {

@@ -349,6 +349,8 @@ impl DeadLetter {
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_default();
         let at = chrono::Utc::now().to_rfc3339();
+        // Dead-letter files are read by people and shipped to log stores: no credentials.
+        let reason = sched_relay_transport::redact::text(reason);
         let mut lines = Vec::new();
         for entry in entries {
             let record = match entry {

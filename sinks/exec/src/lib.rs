@@ -7,6 +7,14 @@
 //! `VM_NAME`, `AFFECTS_VM` and `INCARNATION` in its environment. Exit 0 is delivered; an exit
 //! status listed in `retry_exit_codes` (default 75, EX_TEMPFAIL) or a timeout is retried; any
 //! other status sends the event to the dead-letter file with the command's stderr.
+//!
+//! The command gets only what it needs: the agent's environment holds broker passwords,
+//! tokens and `SCHED_RELAY_*` overrides, so the command starts from an empty environment with
+//! `PATH`, the event's variables, the names listed in `pass_env` and the `env` table. It runs
+//! in its own process group, and the timeout covers writing the event to its stdin as well as
+//! its run: a command that never reads stdin, or that leaves children behind, cannot hold the
+//! sink. At the timeout the whole group is killed (`tests`: a grandchild `sleep` does not
+//! survive, a command that never reads a large event is killed on time).
 
 use std::collections::BTreeMap;
 use std::process::Stdio;
@@ -14,6 +22,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use cloudevents::{AttributesReader, Data};
+use sched_relay_transport::secret::Secret;
 use sched_relay_transport::{DeliveryError, Event, EventKind, Sink, SinkError};
 use serde::{Deserialize, Serialize};
 use tokio::io::AsyncWriteExt;
@@ -34,10 +43,18 @@ pub struct ExecSinkConfig {
     /// Exit statuses that mean "try again later".
     #[serde(default = "default_retry_exit_codes")]
     pub retry_exit_codes: Vec<i32>,
-    /// Extra environment variables.
+    /// Variables set for the command, besides `PATH` and the event's. Values are secrets
+    /// (never printed; `${ENV_VAR}` takes the agent's variable).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub env: BTreeMap<String, String>,
+    pub env: BTreeMap<String, Secret>,
+    /// Names of the agent's environment variables the command may see too (when set). Nothing
+    /// else of the agent's environment reaches it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pass_env: Vec<String>,
 }
+
+/// `PATH` for the command when the agent has none (a bare systemd unit has one).
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 fn default_timeout() -> Duration {
     Duration::from_secs(60)
@@ -62,6 +79,17 @@ impl ExecSinkConfig {
         }
         if self.timeout.is_zero() {
             problems.push(("timeout", "must be more than 0s".to_owned()));
+        }
+        let names = self.env.keys().map(|name| ("env", name));
+        for (key, name) in names.chain(self.pass_env.iter().map(|name| ("pass_env", name))) {
+            if name.is_empty() || name.contains(['=', '\0']) {
+                problems.push((
+                    key,
+                    format!(
+                        "{name:?} is not an environment variable name (empty, or with = or NUL)"
+                    ),
+                ));
+            }
         }
         // An unknown name would never match, and its events would be confirmed unrun.
         let known: Vec<&str> = EventKind::ALL.iter().filter_map(|k| k.suffix()).collect();
@@ -125,28 +153,58 @@ impl ExecSink {
         {
             return Ok(());
         }
-        let environment = Self::environment(event);
         let program = &self.config.command[0];
+        let mut env: Vec<(String, String)> = vec![(
+            "PATH".to_owned(),
+            std::env::var("PATH").unwrap_or_else(|_| DEFAULT_PATH.to_owned()),
+        )];
+        env.extend(
+            self.config
+                .pass_env
+                .iter()
+                .filter_map(|name| Some((name.clone(), std::env::var(name).ok()?))),
+        );
+        env.extend(
+            Self::environment(event)
+                .into_iter()
+                .map(|(name, value)| (name.to_owned(), value)),
+        );
+        for (name, value) in &self.config.env {
+            let value = value
+                .expose()
+                .map_err(|e| SinkError::Permanent(format!("env.{name}: {e}")))?;
+            env.push((name.clone(), value));
+        }
         let mut child = tokio::process::Command::new(program)
             .args(&self.config.command[1..])
-            .envs(environment)
-            .envs(&self.config.env)
+            .env_clear()
+            .envs(env)
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
+            // Its own group, so that a timeout reaches what the command started too.
+            .process_group(0)
             .kill_on_drop(true)
             .spawn()
             .map_err(|e| SinkError::Permanent(format!("cannot run {program}: {e}")))?;
+        let group = child.id();
         let body = sched_relay_transport::binding::structured_json(event)?;
-        if let Some(mut stdin) = child.stdin.take() {
-            // A command that does not read stdin closes it early; that is its right.
-            let _ = stdin.write_all(&body).await;
-        }
+        let stdin = child.stdin.take();
+        let run = async move {
+            if let Some(mut stdin) = stdin {
+                // A command that does not read stdin closes it early; that is its right.
+                let _ = stdin.write_all(&body).await;
+            }
+            child.wait_with_output().await
+        };
         let timeout = self.config.timeout;
-        let output = match tokio::time::timeout(timeout, child.wait_with_output()).await {
+        let output = match tokio::time::timeout(timeout, run).await {
             Err(_) => {
+                if let Some(group) = group {
+                    kill_group(group);
+                }
                 return Err(SinkError::Retriable(format!(
-                    "{program} did not finish within {timeout:?} for {} (killed)",
+                    "{program} did not finish within {timeout:?} for {} (killed with its process group)",
                     event.id()
                 )));
             }
@@ -179,6 +237,17 @@ impl ExecSink {
     }
 }
 
+/// SIGKILL to every process of the group the command leads (its pid is the group id).
+fn kill_group(group: u32) {
+    let Ok(group) = libc::pid_t::try_from(group) else {
+        return;
+    };
+    // SAFETY: killpg has no memory effects; a group that is gone answers ESRCH, ignored.
+    unsafe {
+        libc::killpg(group, libc::SIGKILL);
+    }
+}
+
 #[async_trait]
 impl Sink for ExecSink {
     async fn deliver(&self, batch: &[Event]) -> Result<(), DeliveryError> {
@@ -204,131 +273,4 @@ impl Sink for ExecSink {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use sched_relay_transport::testing::live_migration_events;
-
-    fn sink(script: &str, extra: &str) -> ExecSink {
-        let timeout = if extra.contains("timeout") {
-            ""
-        } else {
-            "timeout = \"2s\""
-        };
-        let config: ExecSinkConfig = toml::from_str(&format!(
-            "command = [\"/bin/sh\", \"-c\", {script:?}]\n{timeout}\n{extra}"
-        ))
-        .unwrap();
-        assert!(config.validate().is_empty());
-        ExecSink::new(config)
-    }
-
-    #[tokio::test]
-    async fn the_command_sees_the_event_on_stdin_and_its_facts_in_the_environment() {
-        let dir = tempfile::tempdir().unwrap();
-        let out = dir.path().join("out");
-        let script = format!(
-            "printf '%s|%s|%s|%s|%s|%s\\n' \"$EVENT_ID\" \"$EVENT_TYPE\" \"$EVENT_STATUS\" \"$NOT_BEFORE\" \"$TRANSITION\" \"$(cat | head -c 20)\" >> {}",
-            out.display()
-        );
-        let events = live_migration_events("WestNO_0");
-        sink(&script, "transitions = [\"scheduled\", \"completed\"]")
-            .deliver(&events)
-            .await
-            .unwrap();
-        let lines: Vec<String> = std::fs::read_to_string(&out)
-            .unwrap()
-            .lines()
-            .map(str::to_owned)
-            .collect();
-        assert_eq!(
-            lines,
-            [
-                "C7061BAC-AFDC-4513-B24B-AA5F13A16123|Freeze|Scheduled|Mon, 11 Apr 2022 22:26:58 GMT|scheduled|{\"specversion\":\"1.0\"",
-                "C7061BAC-AFDC-4513-B24B-AA5F13A16123|Freeze|Started||completed|{\"specversion\":\"1.0\"",
-            ]
-        );
-    }
-
-    #[tokio::test]
-    async fn exit_statuses_decide_delivered_retry_or_dead_letter() {
-        let one = &live_migration_events("vm")[1..2];
-        sink("exit 0", "").deliver(one).await.unwrap();
-        let retry = sink("echo busy >&2; exit 75", "")
-            .deliver(one)
-            .await
-            .unwrap_err();
-        assert!(
-            retry.is_retriable() && retry.to_string().contains("busy"),
-            "{retry}"
-        );
-        let refused = sink("echo broken >&2; exit 3", "")
-            .deliver(one)
-            .await
-            .unwrap_err();
-        assert!(
-            !refused.is_retriable() && refused.to_string().contains("broken"),
-            "{refused}"
-        );
-        let slow = sink("sleep 10", "timeout = \"200ms\"")
-            .deliver(one)
-            .await
-            .unwrap_err();
-        assert!(
-            slow.is_retriable() && slow.to_string().contains("killed"),
-            "{slow}"
-        );
-    }
-
-    #[tokio::test]
-    async fn a_missing_program_is_reported_and_not_retried() {
-        let config: ExecSinkConfig = toml::from_str("command = [\"/nonexistent/drain\"]").unwrap();
-        let sink = ExecSink::new(config);
-        assert!(
-            sink.health_check()
-                .await
-                .unwrap_err()
-                .to_string()
-                .contains("does not exist")
-        );
-        assert!(
-            !sink
-                .deliver(&live_migration_events("vm")[..1])
-                .await
-                .unwrap_err()
-                .is_retriable()
-        );
-    }
-
-    #[test]
-    fn a_transition_filter_that_can_never_match_is_refused() {
-        let config: ExecSinkConfig = toml::from_str(
-            "command = [\"/bin/true\"]\ntransitions = [\"scheduled\", \"accepted\", \"approval.failed\"]",
-        )
-        .unwrap();
-        let problems = config.validate();
-        assert_eq!(problems.len(), 1, "{problems:?}");
-        assert_eq!(problems[0].0, "transitions");
-        assert!(problems[0].1.contains("\"accepted\""), "{problems:?}");
-        assert!(problems[0].1.contains("approval.accepted"), "{problems:?}");
-    }
-
-    #[test]
-    fn the_transition_is_the_same_whatever_the_type_prefix() {
-        for prefix in ["com.azure.scheduledevents", "com.contoso.maintenance"] {
-            use cloudevents::EventBuilder;
-            let event: Event = cloudevents::EventBuilderV10::new()
-                .id("r:accepted")
-                .source("urn:x")
-                .ty(format!("{prefix}.approval.accepted"))
-                .build()
-                .unwrap()
-                .into();
-            let environment = ExecSink::environment(&event);
-            let transition = environment
-                .iter()
-                .find(|(k, _)| *k == "TRANSITION")
-                .unwrap();
-            assert_eq!(transition.1, "approval.accepted", "{prefix}");
-        }
-    }
-}
+mod tests;

@@ -218,7 +218,11 @@ pub async fn connect(config: &NatsSinkConfig) -> Result<async_nats::Client, Sink
     }
     let servers: Vec<String> = config.url.split(',').map(|s| s.trim().to_owned()).collect();
     options.connect(servers).await.map_err(|error| {
-        let message = format!("cannot connect to NATS at {}: {error}", config.url);
+        let message = sched_relay_transport::redact::text(&format!(
+            "cannot connect to NATS at {}: {error}",
+            config.url
+        ))
+        .into_owned();
         connect_error(error.kind(), message)
     })
 }

@@ -3,12 +3,14 @@
 //! says how far a batch got (so one refused event costs only itself), and a [`RecordingSink`]
 //! that tests use to see exactly what reached a sink. Inbound ([`inbound`]): how approval
 //! sources hand messages to the agent and learn when to acknowledge them. And [`secret`]:
-//! credentials in configurations, never printed.
+//! credentials in configurations, never printed, with [`redact`], the one helper that masks
+//! credentials in URLs wherever a text leaves the agent.
 //!
 //! Retry policy lives in one place (the agent's fan-out), so a sink never retries on its own:
 //! it reports each failure once, classified, and the fan-out decides.
 
 pub mod inbound;
+pub mod redact;
 pub mod secret;
 pub mod testing;
 

@@ -123,7 +123,9 @@ impl WebhookSink {
         if let Some(key) = &self.hmac_key {
             request = request.header(self.config.hmac_header.as_str(), signature(key, &body));
         }
-        let url = &self.config.url;
+        // The URL itself can be the credential (`?sig=` of Logic Apps, Slack, Teams): every
+        // message names it redacted, and reqwest's errors, which quote it, are redacted too.
+        let url = sched_relay_transport::redact::text(&self.config.url);
         let response = request.body(body).send().await.map_err(|error| {
             if error.is_timeout() {
                 SinkError::Retriable(format!(
@@ -133,7 +135,9 @@ impl WebhookSink {
             } else {
                 SinkError::Retriable(format!(
                     "POST {url} ({what}) failed: {}",
-                    sched_relay_transport::error_chain(&error)
+                    sched_relay_transport::redact::text(&sched_relay_transport::error_chain(
+                        &error.without_url()
+                    ))
                 ))
             }
         })?;
@@ -148,7 +152,11 @@ impl WebhookSink {
             .and_then(parse_retry_after);
         let text = response.text().await.unwrap_or_default();
         let excerpt: String = text.chars().take(BODY_EXCERPT).collect();
-        let message = format!("POST {url} ({what}) answered {status}: {excerpt}");
+        // A receiver's error page may quote the URL it was called with, or only its query.
+        let message = sched_relay_transport::redact::known(
+            &format!("POST {url} ({what}) answered {status}: {excerpt}"),
+            &sched_relay_transport::redact::url_secrets(&self.config.url),
+        );
         if status == StatusCode::TOO_MANY_REQUESTS || status.is_server_error() {
             return Err(match retry_after {
                 Some(after) => SinkError::RetryAfter { message, after },
