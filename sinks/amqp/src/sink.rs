@@ -175,7 +175,9 @@ impl AmqpSink {
             AmqpFault::Authentication => SinkError::Authentication(format!(
                 "{message} (check the user and password in url, and the user's permissions on the vhost and exchange)"
             )),
-            AmqpFault::NotFound => SinkError::Permanent(format!(
+            // A missing exchange is the broker's state (being recreated, say), the same for
+            // every event: they wait in the outbox rather than all go to the dead-letter file.
+            AmqpFault::NotFound => SinkError::Retriable(format!(
                 "{message} (create the exchange, or set declare = true)"
             )),
             AmqpFault::Refused => SinkError::Permanent(message),

@@ -186,7 +186,7 @@ impl ExecSink {
             .process_group(0)
             .kill_on_drop(true)
             .spawn()
-            .map_err(|e| SinkError::Permanent(format!("cannot run {program}: {e}")))?;
+            .map_err(|e| SinkError::from_io(&format!("cannot run {program}"), &e))?;
         let group = child.id();
         let body = sched_relay_transport::binding::structured_json(event)?;
         let stdin = child.stdin.take();

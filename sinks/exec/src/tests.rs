@@ -198,7 +198,7 @@ async fn a_command_that_never_reads_a_large_event_is_killed_on_time() {
 }
 
 #[tokio::test]
-async fn a_missing_program_is_reported_and_not_retried() {
+async fn a_missing_program_is_reported_by_the_health_check_and_holds_the_events() {
     let config: ExecSinkConfig = toml::from_str("command = [\"/nonexistent/drain\"]").unwrap();
     let sink = ExecSink::new(config);
     assert!(
@@ -208,9 +208,10 @@ async fn a_missing_program_is_reported_and_not_retried() {
             .to_string()
             .contains("does not exist")
     );
+    // Missing during a deploy, say: the events wait for it rather than go to the dead-letter
+    // file (the health check, /readyz and the outbox metrics say why they wait).
     assert!(
-        !sink
-            .deliver(&live_migration_events("vm")[..1])
+        sink.deliver(&live_migration_events("vm")[..1])
             .await
             .unwrap_err()
             .is_retriable()
@@ -248,4 +249,26 @@ fn the_transition_is_the_same_whatever_the_type_prefix() {
             .unwrap();
         assert_eq!(transition.1, "approval.accepted", "{prefix}");
     }
+}
+
+#[tokio::test]
+async fn a_script_being_replaced_is_retried_not_dead_lettered() {
+    use std::io::Write;
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("drain");
+    // Configuration management rewriting the script in place: still open for writing now,
+    // so starting it fails with ETXTBSY.
+    let mut file = std::fs::File::create(&path).unwrap();
+    file.write_all(b"#!/bin/sh\nexit 0\n").unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let config: ExecSinkConfig =
+        toml::from_str(&format!("command = [{:?}]", path.display().to_string())).unwrap();
+    let sink = ExecSink::new(config);
+    let one = &live_migration_events("vm")[..1];
+    let error = sink.deliver(one).await.unwrap_err();
+    assert!(error.is_retriable(), "{error}");
+    // Once written, the next attempt runs it.
+    drop(file);
+    sink.deliver(one).await.unwrap();
 }

@@ -305,14 +305,16 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn file_sink_reports_an_unwritable_path_as_not_retriable() {
+    async fn file_sink_holds_events_while_its_path_cannot_be_written() {
+        // A path that is a directory (or read-only, or owned by someone else after a
+        // logrotate): the destination's state, not the event's; retried, never dead-lettered.
         let dir = tempfile::tempdir().unwrap();
         let sink = FileSink::new(FileSinkConfig {
             path: dir.path().to_path_buf(),
             fsync: true,
         });
         let error = sink.deliver(&[event("a")]).await.unwrap_err();
-        assert!(!error.is_retriable(), "{error}");
+        assert!(error.is_retriable(), "{error}");
     }
 
     /// An in-process fault injector: a file that writes only the first half of the next

@@ -168,17 +168,15 @@ impl SinkError {
         }
     }
 
-    /// Classifies an I/O error: a full disk or an interrupted write may clear up, a missing
-    /// directory or a permission error will not.
+    /// Classifies a local I/O error (writing a file, starting a command): always retriable.
+    /// None of them is about the event: a full disk, a file system remounted read-only, a file
+    /// logrotate recreated with another owner, a script being replaced (`ETXTBSY`) or missing
+    /// during a deploy, a fork refused under memory pressure are the destination's state, and
+    /// dead-lettering every event while it lasts would empty the outbox into the dead-letter
+    /// file. The events wait in the outbox (retried with backoff, logged, and shown by
+    /// `/readyz` and the outbox metrics) until the destination is fixed.
     pub fn from_io(context: &str, error: &std::io::Error) -> SinkError {
-        use std::io::ErrorKind::*;
-        let message = format!("{context}: {error}");
-        match error.kind() {
-            NotFound | PermissionDenied | InvalidInput | IsADirectory | ReadOnlyFilesystem => {
-                SinkError::Permanent(message)
-            }
-            _ => SinkError::Retriable(message),
-        }
+        SinkError::Retriable(format!("{context}: {error}"))
     }
 }
 
@@ -263,11 +261,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn io_errors_that_can_clear_up_are_retriable() {
-        let full = std::io::Error::from(std::io::ErrorKind::StorageFull);
-        assert!(SinkError::from_io("write", &full).is_retriable());
-        let denied = std::io::Error::from(std::io::ErrorKind::PermissionDenied);
-        assert!(!SinkError::from_io("open", &denied).is_retriable());
+    fn local_io_errors_hold_events_whatever_their_kind() {
+        use std::io::ErrorKind::*;
+        for kind in [
+            StorageFull,
+            PermissionDenied,
+            ReadOnlyFilesystem,
+            NotFound,
+            ExecutableFileBusy,
+            OutOfMemory,
+        ] {
+            let error = std::io::Error::from(kind);
+            assert!(
+                SinkError::from_io("open", &error).is_retriable(),
+                "{kind:?}"
+            );
+        }
     }
 
     #[tokio::test]

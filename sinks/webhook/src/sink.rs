@@ -157,6 +157,18 @@ impl WebhookSink {
             &format!("POST {url} ({what}) answered {status}: {excerpt}"),
             &sched_relay_transport::redact::url_secrets(&self.config.url),
         );
+        // A refused credential is the receiver's state, not the event's: a token rotated on
+        // one side before the other must hold the events, not dead-letter every one of them.
+        if matches!(
+            status,
+            StatusCode::UNAUTHORIZED
+                | StatusCode::FORBIDDEN
+                | StatusCode::PROXY_AUTHENTICATION_REQUIRED
+        ) {
+            return Err(SinkError::Authentication(format!(
+                "{message} (check bearer_token or the URL's credential, and the receiver's)"
+            )));
+        }
         if status == StatusCode::TOO_MANY_REQUESTS || status.is_server_error() {
             return Err(match retry_after {
                 Some(after) => SinkError::RetryAfter { message, after },

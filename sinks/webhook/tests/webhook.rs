@@ -357,3 +357,25 @@ async fn a_ca_file_without_certificates_is_reported_as_such() {
         .to_string();
     assert!(error.contains("holds no PEM certificate"), "{error}");
 }
+
+#[tokio::test]
+async fn a_refused_token_holds_the_events_instead_of_dead_lettering_them() {
+    // The receiver's token rotated before ours: 401, 403 (and 407 from a proxy) are about the
+    // credential, the same for every event.
+    let (_server, url) = Server::start(vec![
+        Answer::Status(401),
+        Answer::Status(403),
+        Answer::Status(407),
+    ])
+    .await;
+    let sink = WebhookSink::new(config(&url));
+    let one = &live_migration_events("vm")[..1];
+    for status in ["401", "403", "407"] {
+        let error = sink.deliver(one).await.unwrap_err();
+        assert!(
+            error.is_retriable() && error.error.is_authentication(),
+            "{status}: {error}"
+        );
+        assert!(error.to_string().contains(status), "{error}");
+    }
+}
