@@ -130,9 +130,16 @@ impl KafkaSink {
         Polled::start(producer)
     }
 
+    /// The producer; one that could not be created (a secret file not written yet, a
+    /// producer replaced after a fatal error that failed to start) is created again on each
+    /// attempt, so the sink recovers without a restart. Until then the events wait in the
+    /// outbox: a failure to create the producer is the sink's state, not any event's.
     fn current_producer(&self) -> Result<RelayProducer, SinkError> {
-        let slot = self.producer.lock().unwrap_or_else(|p| p.into_inner());
-        slot.clone().map_err(SinkError::Permanent)
+        let mut slot = self.producer.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_err() {
+            *slot = Self::producer(&self.config, &self.last_error);
+        }
+        slot.clone().map_err(SinkError::Retriable)
     }
 
     /// After a fatal producer error, starts over with a new producer (a new producer id).
@@ -351,6 +358,26 @@ pub fn client_config(config: &KafkaSinkConfig) -> Result<ClientConfig, String> {
 mod tests {
     use super::*;
     use RDKafkaErrorCode::*;
+
+    #[test]
+    fn a_password_file_written_after_the_start_is_read_on_the_next_attempt() {
+        // A sidecar (or a rotation that deletes, then writes) provides the file a moment
+        // after the agent started: the events wait, and the sink needs no restart.
+        let dir = tempfile::tempdir().unwrap();
+        let password = dir.path().join("kafka-password");
+        let config: KafkaSinkConfig = toml::from_str(&format!(
+            "brokers = \"127.0.0.1:1\"\nsecurity_protocol = \"sasl_plaintext\"\n\
+             sasl_mechanism = \"PLAIN\"\nsasl_username = \"relay\"\n\
+             sasl_password_file = {:?}\n",
+            password.display().to_string()
+        ))
+        .unwrap();
+        let sink = KafkaSink::new(config);
+        let error = sink.current_producer().err().expect("no password yet");
+        assert!(error.is_retriable(), "{error}");
+        std::fs::write(&password, "s3cret\n").unwrap();
+        assert!(sink.current_producer().is_ok());
+    }
 
     #[test]
     fn a_refused_login_or_acl_is_an_authentication_fault_retried_not_permanent() {

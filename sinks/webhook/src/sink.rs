@@ -277,8 +277,14 @@ fn header_map(pairs: &[(String, String)], content_type: &str) -> Result<HeaderMa
 #[async_trait]
 impl Sink for WebhookSink {
     async fn deliver(&self, batch: &[Event]) -> Result<(), DeliveryError> {
+        // A sink that could not be set up (a token file missing at start, a header it cannot
+        // send) is the sink's state, not any event's: the events wait in the outbox, and
+        // /readyz and the health check say why, until the agent is restarted with it fixed.
         if let Some(problem) = &self.broken {
-            return Err(SinkError::Permanent(problem.clone()).into());
+            return Err(SinkError::Retriable(format!(
+                "{problem} (events wait in the outbox; fix it and restart the agent)"
+            ))
+            .into());
         }
         if self.config.batch {
             // One answer for the whole batch: a refusal cannot say which event it is about.

@@ -379,3 +379,19 @@ async fn a_refused_token_holds_the_events_instead_of_dead_lettering_them() {
         assert!(error.to_string().contains(status), "{error}");
     }
 }
+
+#[tokio::test]
+async fn a_token_file_missing_at_start_holds_the_events_instead_of_dead_lettering_them() {
+    let (_server, url) = Server::start(vec![]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(&url);
+    config.bearer_token_file = Some(dir.path().join("token"));
+    let sink = WebhookSink::new(config);
+    assert!(sink.health_check().await.is_err());
+    let error = sink
+        .deliver(&live_migration_events("vm")[..1])
+        .await
+        .unwrap_err();
+    assert!(error.is_retriable(), "{error}");
+    assert!(error.to_string().contains("bearer_token"), "{error}");
+}
