@@ -90,7 +90,17 @@ impl Sink for NatsSink {
                     Ok(ack) => acks.push((subject, ack)),
                     Err(e) => {
                         let message = format!("JetStream publish to {subject} failed: {e}");
-                        stopped = Some((index, SinkError::Retriable(message)));
+                        // Too large for the server is this event's fault, for good; the
+                        // rest (a connection lost, a timeout) may pass.
+                        let error = match e.kind() {
+                            jetstream::context::PublishErrorKind::MaxPayloadExceeded => {
+                                SinkError::Permanent(format!(
+                                    "{message} (raise the server's max_payload)"
+                                ))
+                            }
+                            _ => SinkError::Retriable(message),
+                        };
+                        stopped = Some((index, error));
                         break;
                     }
                 }
@@ -138,7 +148,16 @@ impl Sink for NatsSink {
                 .await
             {
                 let message = format!("publish to {subject} failed: {e}");
-                stopped = Some((index, SinkError::Retriable(message)));
+                // Too large for the server, or a subject this event's fields made invalid: this
+                // event's fault, for good; a send failure may pass.
+                let error = match e.kind() {
+                    async_nats::client::PublishErrorKind::MaxPayloadExceeded
+                    | async_nats::client::PublishErrorKind::InvalidSubject => {
+                        SinkError::Permanent(message)
+                    }
+                    async_nats::client::PublishErrorKind::Send => SinkError::Retriable(message),
+                };
+                stopped = Some((index, error));
                 break;
             }
         }

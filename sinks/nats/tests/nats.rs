@@ -343,3 +343,54 @@ async fn a_jetstream_failure_mid_batch_names_its_event_and_keeps_the_confirmed_p
     assert_eq!((error.confirmed, error.names_event), (1, true), "{error}");
     assert_eq!(stream.info().await.unwrap().state.messages, 1);
 }
+
+/// `events` with, second, an event whose data is larger than the server's `max_payload`
+/// (1 MiB by default).
+fn with_an_oversized_event(
+    events: &[sched_relay_transport::Event],
+) -> Vec<sched_relay_transport::Event> {
+    use cloudevents::{EventBuilder, EventBuilderV10};
+    let huge: sched_relay_transport::Event = EventBuilderV10::new()
+        .id("document:99")
+        .source("urn:sched-relay:vm:vm")
+        .ty("com.azure.scheduledevents.document")
+        .data(
+            "application/json",
+            serde_json::json!({"Padding": "x".repeat(2 << 20)}),
+        )
+        .build()
+        .unwrap()
+        .into();
+    vec![events[1].clone(), huge, events[2].clone()]
+}
+
+#[tokio::test]
+async fn an_event_larger_than_max_payload_is_refused_alone_not_retried_forever() {
+    let url = shared_url();
+    if !broker_available("NATS", &address(&url), HOW) {
+        return;
+    }
+    let events = with_an_oversized_event(&live_migration_events("vm"));
+    // Core NATS.
+    let sink = NatsSink::new(config(
+        &url,
+        &unique("oversized"),
+        false,
+        ContentMode::Binary,
+    ));
+    let error = sink.deliver(&events).await.unwrap_err();
+    assert!(!error.is_retriable(), "{error}");
+    assert_eq!((error.confirmed, error.names_event), (1, true), "{error}");
+    // JetStream.
+    let prefix = unique("oversizedjs");
+    let _stream = create_stream(&url, &prefix, &format!("{prefix}.>")).await;
+    let sink = NatsSink::new(config(
+        &url,
+        &format!("{prefix}.{{transition}}"),
+        true,
+        ContentMode::Binary,
+    ));
+    let error = sink.deliver(&events).await.unwrap_err();
+    assert!(!error.is_retriable(), "{error}");
+    assert_eq!((error.confirmed, error.names_event), (1, true), "{error}");
+}
