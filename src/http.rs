@@ -5,10 +5,10 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Router;
-use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -25,12 +25,47 @@ pub struct ApprovalEndpoint {
     pub token: Option<String>,
 }
 
+/// How much of the agent a client may hold (`[telemetry] max_connections`, `request_timeout`):
+/// once the listener is reachable from the network, anyone can open connections.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Connections served at once.
+    pub max_connections: usize,
+    /// How long a client may take to send a request's headers, and its body.
+    pub request_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits::from(&crate::telemetry::TelemetryConfig::default())
+    }
+}
+
+impl From<&crate::telemetry::TelemetryConfig> for Limits {
+    fn from(config: &crate::telemetry::TelemetryConfig) -> Self {
+        Limits {
+            max_connections: config.max_connections,
+            request_timeout: config.request_timeout,
+        }
+    }
+}
+
+/// Connections beyond the limit that are read (for `GET /healthz`) and answered at once; past
+/// these, an extra connection is closed unanswered.
+const OVERFLOW_ANSWERED: usize = 32;
+/// How long a connection beyond the limit may take to say what it wants.
+const OVERFLOW_READ: Duration = Duration::from_secs(2);
+
 /// Binds the listener (so a taken port fails the start, loudly) and returns the server task.
+/// Each connection gets `limits.request_timeout` to send its headers (and a POST its body);
+/// beyond `limits.max_connections` a connection is answered `503` (`200` for `GET /healthz`,
+/// so a liveness probe still passes) and closed.
 pub async fn serve(
     listen: SocketAddr,
     telemetry: Arc<Telemetry>,
     approvals: Option<ApprovalEndpoint>,
     max_body: usize,
+    limits: Limits,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), std::io::Error> {
     let mut router = Router::new()
@@ -40,24 +75,96 @@ pub async fn serve(
         .route("/events", get(events))
         .with_state(telemetry);
     if let Some(endpoint) = approvals {
-        router = router.route(
-            "/approvals",
-            post(approve)
-                .with_state(endpoint)
-                .layer(DefaultBodyLimit::max(max_body)),
-        );
+        let approvals = Approvals {
+            endpoint,
+            max_body,
+            body_timeout: limits.request_timeout,
+        };
+        router = router.route("/approvals", post(approve).with_state(approvals));
     }
     let listener = tokio::net::TcpListener::bind(listen).await?;
     let bound = listener.local_addr()?;
-    let task = tokio::spawn(async move {
-        if let Err(error) = axum::serve(listener, router)
-            .with_graceful_shutdown(shutdown)
-            .await
-        {
-            tracing::error!(error = %error, "The HTTP listener failed");
-        }
-    });
+    let task = tokio::spawn(accept(listener, router, limits, shutdown));
     Ok((bound, task))
+}
+
+/// Accepts connections until `shutdown`, then lets the ones under way finish their request.
+async fn accept(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    limits: Limits,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    let served = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
+    let overflow = Arc::new(tokio::sync::Semaphore::new(OVERFLOW_ANSWERED));
+    let (stop, stopping) = tokio::sync::watch::channel(false);
+    let mut connections = tokio::task::JoinSet::new();
+    tokio::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(error) => {
+                    // Out of file descriptors, say: wait rather than spin.
+                    tracing::warn!(error = %error, "The HTTP listener cannot accept a connection");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+        };
+        match served.clone().try_acquire_owned() {
+            Ok(permit) => {
+                let service = hyper_util::service::TowerToHyperService::new(router.clone());
+                let mut stopping = stopping.clone();
+                let timeout = limits.request_timeout;
+                connections.spawn(async move {
+                    let _permit = permit;
+                    let mut http = hyper::server::conn::http1::Builder::new();
+                    http.timer(hyper_util::rt::TokioTimer::new())
+                        .header_read_timeout(timeout);
+                    let connection =
+                        http.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+                    tokio::pin!(connection);
+                    tokio::select! {
+                        _ = connection.as_mut() => {}
+                        () = async { let _ = stopping.wait_for(|stop| *stop).await; } => {
+                            connection.as_mut().graceful_shutdown();
+                            let _ = connection.await;
+                        }
+                    }
+                });
+            }
+            Err(_) => {
+                metrics::counter!("sched_relay_http_connections_refused_total").increment(1);
+                if let Ok(permit) = overflow.clone().try_acquire_owned() {
+                    tokio::spawn(async move {
+                        let _permit = permit;
+                        answer_beyond_the_limit(stream).await;
+                    });
+                }
+                // Else dropped: closed unanswered.
+            }
+        }
+    }
+    let _ = stop.send(true);
+    while connections.join_next().await.is_some() {}
+}
+
+/// A connection beyond the limit: `200 ok` for `GET /healthz`, `503` for anything else, then
+/// closed.
+async fn answer_beyond_the_limit(mut stream: tokio::net::TcpStream) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut start = [0u8; 16];
+    let read = tokio::time::timeout(OVERFLOW_READ, stream.read(&mut start)).await;
+    let health = matches!(read, Ok(Ok(n)) if start[..n].starts_with(b"GET /healthz "));
+    let answer: &[u8] = if health {
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 3\r\nconnection: close\r\n\r\nok\n"
+    } else {
+        b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\nretry-after: 1\r\ncontent-length: 21\r\nconnection: close\r\n\r\ntoo many connections\n"
+    };
+    let _ = tokio::time::timeout(OVERFLOW_READ, stream.write_all(answer)).await;
 }
 
 async fn readyz(State(telemetry): State<Arc<Telemetry>>) -> Response {
@@ -96,10 +203,22 @@ async fn events(State(telemetry): State<Arc<Telemetry>>) -> Response {
     }
 }
 
+/// `POST /approvals`, with its body's limits.
+#[derive(Clone)]
+struct Approvals {
+    endpoint: ApprovalEndpoint,
+    max_body: usize,
+    body_timeout: Duration,
+}
+
 async fn approve(
-    State(endpoint): State<ApprovalEndpoint>,
+    State(Approvals {
+        endpoint,
+        max_body,
+        body_timeout,
+    }): State<Approvals>,
     headers: HeaderMap,
-    body: Bytes,
+    body: axum::body::Body,
 ) -> Response {
     if let Some(token) = &endpoint.token {
         let given = headers
@@ -118,6 +237,27 @@ async fn approve(
                 .into_response();
         }
     }
+    // A body that never comes, or comes a byte at a time, holds a connection: bounded.
+    let body = match tokio::time::timeout(body_timeout, axum::body::to_bytes(body, max_body)).await
+    {
+        Ok(Ok(body)) => body,
+        Ok(Err(error)) => {
+            return (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the request body is unreadable or over {max_body} bytes: {error}\n"),
+            )
+                .into_response();
+        }
+        Err(_) => {
+            return (
+                StatusCode::REQUEST_TIMEOUT,
+                format!(
+                    "the request body did not arrive within {body_timeout:?} (telemetry.request_timeout)\n"
+                ),
+            )
+                .into_response();
+        }
+    };
     let message = Inbound {
         transport: "http",
         channel: "POST /approvals".into(),

@@ -23,11 +23,37 @@ const LATENCY_BUCKETS: &[f64] = &[
 
 /// `[telemetry]`: the agent's own HTTP listener (`/healthz`, `POST /approvals`). Off unless
 /// `listen` is set; keep it on loopback unless something outside the VM must reach it.
-#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct TelemetryConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub listen: Option<std::net::SocketAddr>,
+    /// Connections served at once; beyond them a connection gets `503` (or `200` for
+    /// `GET /healthz`) and is closed.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// How long a client may take to send a request's headers, and its body; a connection
+    /// idle in either is closed.
+    #[serde(default = "default_request_timeout", with = "humantime_serde")]
+    pub request_timeout: std::time::Duration,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        TelemetryConfig {
+            listen: None,
+            max_connections: default_max_connections(),
+            request_timeout: default_request_timeout(),
+        }
+    }
+}
+
+fn default_max_connections() -> usize {
+    256
+}
+
+fn default_request_timeout() -> std::time::Duration {
+    std::time::Duration::from_secs(10)
 }
 
 /// Every metric the agent exports: name, kind and help text. README's metrics table, the
@@ -162,6 +188,11 @@ pub const METRICS: &[(&str, &str, &str)] = &[
         "sched_relay_approvals_redelivered_total",
         "counter",
         "Approval requests handled before (redelivered or replayed), answered with their stored outcome.",
+    ),
+    (
+        "sched_relay_http_connections_refused_total",
+        "counter",
+        "Connections to the agent's listener beyond telemetry.max_connections, answered 503 (200 for GET /healthz) and closed.",
     ),
     (
         "sched_relay_log_lines_dropped_total",

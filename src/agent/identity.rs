@@ -48,7 +48,8 @@ pub(super) async fn resolve<S: Future<Output = ()>>(
         if interim.is_none()
             && let Some(listen) = config.telemetry.listen
         {
-            interim = Some(interim_listener(listen, telemetry.clone()).await);
+            interim =
+                Some(interim_listener(listen, telemetry.clone(), (&config.telemetry).into()).await);
         }
         tokio::select! {
             _ = &mut shutdown => break None,
@@ -85,12 +86,13 @@ pub(super) async fn resolve<S: Future<Output = ()>>(
 async fn interim_listener(
     listen: std::net::SocketAddr,
     telemetry: Arc<Telemetry>,
+    limits: crate::http::Limits,
 ) -> Option<(
     tokio::sync::oneshot::Sender<()>,
     tokio::task::JoinHandle<()>,
 )> {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    match crate::http::serve(listen, telemetry, None, 0, async move {
+    match crate::http::serve(listen, telemetry, None, 0, limits, async move {
         let _ = stopped.await;
     })
     .await

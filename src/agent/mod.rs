@@ -207,6 +207,7 @@ pub async fn run(
         &config.approvals,
         &config.sinks,
         config.telemetry.listen,
+        (&config.telemetry).into(),
         telemetry.clone(),
         approver,
         stop_rx,

@@ -99,6 +99,7 @@ pub async fn start_listener_and_sources(
     approvals: &ApprovalsConfig,
     sinks: &[SinkEntry],
     listen: Option<SocketAddr>,
+    limits: crate::http::Limits,
     telemetry: Arc<crate::telemetry::Telemetry>,
     approver: Approver,
     stop: tokio::sync::watch::Receiver<bool>,
@@ -131,6 +132,7 @@ pub async fn start_listener_and_sources(
             telemetry,
             endpoint,
             approvals.max_message_bytes * 2 + 1024,
+            limits,
             async move {
                 let _ = stopped.wait_for(|stop| *stop).await;
             },

@@ -27,6 +27,7 @@ impl Config {
         section("log", self.log.validate());
         section("approvals", self.approvals.validate(&self.sinks));
         problems.extend(self.http_approvals_problems());
+        problems.extend(self.telemetry_problems());
         problems.extend(self.sinks_problems());
         problems
     }
@@ -89,6 +90,24 @@ impl Config {
                 )
             })
             .collect()
+    }
+
+    /// The listener's limits must let it serve at all.
+    fn telemetry_problems(&self) -> Vec<ConfigProblem> {
+        let mut problems = Vec::new();
+        if self.telemetry.max_connections == 0 {
+            problems.push(problem(
+                "telemetry.max_connections",
+                "0 would refuse every connection; expected at least 1 (default 256)",
+            ));
+        }
+        if self.telemetry.request_timeout.is_zero() {
+            problems.push(problem(
+                "telemetry.request_timeout",
+                "0s would close every connection before its request; expected a duration such as \"10s\"",
+            ));
+        }
+        problems
     }
 
     /// `POST /approvals` is served by the `[telemetry]` listener, and off loopback it needs a
