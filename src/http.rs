@@ -27,12 +27,15 @@ pub struct ApprovalEndpoint {
 
 /// How much of the agent a client may hold (`[telemetry] max_connections`, `request_timeout`):
 /// once the listener is reachable from the network, anyone can open connections.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone)]
 pub struct Limits {
     /// Connections served at once.
     pub max_connections: usize,
-    /// How long a client may take to send a request's headers, and its body.
+    /// How long a client may take to send a request's headers, and its body (and to
+    /// complete a TLS handshake).
     pub request_timeout: Duration,
+    /// HTTPS, when `telemetry.tls_cert_file` is set.
+    pub tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
 impl Default for Limits {
@@ -42,12 +45,100 @@ impl Default for Limits {
 }
 
 impl From<&crate::telemetry::TelemetryConfig> for Limits {
+    /// The configuration's limits; TLS as [`tls_acceptor`] builds it (a configuration that
+    /// passed validation has loadable files; should they have changed since, the error is
+    /// logged and the listener serves nothing rather than plain HTTP).
     fn from(config: &crate::telemetry::TelemetryConfig) -> Self {
+        let tls = match tls_acceptor(config) {
+            Ok(tls) => tls,
+            Err(error) => {
+                tracing::error!(error = %error, "Cannot load the listener's TLS certificate; it refuses every connection");
+                Some(tokio_rustls::TlsAcceptor::from(Arc::new(refuse_everyone())))
+            }
+        };
         Limits {
             max_connections: config.max_connections,
             request_timeout: config.request_timeout,
+            tls,
         }
     }
+}
+
+/// A TLS configuration with no certificate: every handshake fails.
+fn refuse_everyone() -> rustls::ServerConfig {
+    #[derive(Debug)]
+    struct NoCertificate;
+    impl rustls::server::ResolvesServerCert for NoCertificate {
+        fn resolve(
+            &self,
+            _: rustls::server::ClientHello<'_>,
+        ) -> Option<Arc<rustls::sign::CertifiedKey>> {
+            None
+        }
+    }
+    rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .expect("ring supports the default TLS versions")
+        .with_no_client_auth()
+        .with_cert_resolver(Arc::new(NoCertificate))
+}
+
+/// The listener's TLS from `telemetry.tls_cert_file` and `tls_key_file` (PEM; rustls with
+/// ring, the one TLS stack): None when neither is set; an error that says which file and
+/// what is wrong with it.
+pub fn tls_acceptor(
+    config: &crate::telemetry::TelemetryConfig,
+) -> Result<Option<tokio_rustls::TlsAcceptor>, String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let (cert_file, key_file) = match (&config.tls_cert_file, &config.tls_key_file) {
+        (None, None) => return Ok(None),
+        (Some(cert), Some(key)) => (cert, key),
+        _ => {
+            return Err(
+                "set both telemetry.tls_cert_file and telemetry.tls_key_file, or neither".into(),
+            );
+        }
+    };
+    let pem = std::fs::read(cert_file)
+        .map_err(|e| format!("tls_cert_file {}: {e}", cert_file.display()))?;
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&pem)
+        .collect::<Result<_, _>>()
+        .map_err(|e| {
+            format!(
+                "tls_cert_file {}: not PEM certificates: {e}",
+                cert_file.display()
+            )
+        })?;
+    if chain.is_empty() {
+        return Err(format!(
+            "tls_cert_file {}: holds no PEM certificate (expected -----BEGIN CERTIFICATE-----)",
+            cert_file.display()
+        ));
+    }
+    let pem =
+        std::fs::read(key_file).map_err(|e| format!("tls_key_file {}: {e}", key_file.display()))?;
+    let key = PrivateKeyDer::from_pem_slice(&pem).map_err(|e| {
+        format!(
+            "tls_key_file {}: no PEM private key (PKCS#8, PKCS#1 or SEC1): {e}",
+            key_file.display()
+        )
+    })?;
+    let server = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| format!("TLS: {e}"))?
+    .with_no_client_auth()
+    .with_single_cert(chain, key)
+    .map_err(|e| {
+        format!(
+            "tls_cert_file {} and tls_key_file {} do not make a usable pair: {e}",
+            cert_file.display(),
+            key_file.display()
+        )
+    })?;
+    Ok(Some(tokio_rustls::TlsAcceptor::from(Arc::new(server))))
 }
 
 /// Connections beyond the limit that are read (for `GET /healthz`) and answered at once; past
@@ -117,28 +208,35 @@ async fn accept(
         match served.clone().try_acquire_owned() {
             Ok(permit) => {
                 let service = hyper_util::service::TowerToHyperService::new(router.clone());
-                let mut stopping = stopping.clone();
+                let stopping = stopping.clone();
                 let timeout = limits.request_timeout;
+                let tls = limits.tls.clone();
                 connections.spawn(async move {
                     let _permit = permit;
-                    let mut http = hyper::server::conn::http1::Builder::new();
-                    http.timer(hyper_util::rt::TokioTimer::new())
-                        .header_read_timeout(timeout);
-                    let connection =
-                        http.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
-                    tokio::pin!(connection);
-                    tokio::select! {
-                        _ = connection.as_mut() => {}
-                        () = async { let _ = stopping.wait_for(|stop| *stop).await; } => {
-                            connection.as_mut().graceful_shutdown();
-                            let _ = connection.await;
+                    match tls {
+                        None => serve_connection(stream, service, timeout, stopping).await,
+                        Some(tls) => {
+                            // A client that never completes its handshake is held no longer
+                            // than one that never sends its headers.
+                            match tokio::time::timeout(timeout, tls.accept(stream)).await {
+                                Ok(Ok(stream)) => {
+                                    serve_connection(stream, service, timeout, stopping).await;
+                                }
+                                Ok(Err(error)) => {
+                                    tracing::debug!(error = %error, "TLS handshake with a client failed");
+                                }
+                                Err(_) => {}
+                            }
                         }
                     }
                 });
             }
             Err(_) => {
                 metrics::counter!("sched_relay_http_connections_refused_total").increment(1);
-                if let Ok(permit) = overflow.clone().try_acquire_owned() {
+                // Over TLS a plain answer would be noise: closed unanswered.
+                if limits.tls.is_none()
+                    && let Ok(permit) = overflow.clone().try_acquire_owned()
+                {
                     tokio::spawn(async move {
                         let _permit = permit;
                         answer_beyond_the_limit(stream).await;
@@ -150,6 +248,30 @@ async fn accept(
     }
     let _ = stop.send(true);
     while connections.join_next().await.is_some() {}
+}
+
+/// Serves HTTP/1.1 on one connection until it ends, its client idles past `timeout` in a
+/// request's headers, or the listener stops (then after the request under way).
+async fn serve_connection<I>(
+    io: I,
+    service: hyper_util::service::TowerToHyperService<Router>,
+    timeout: Duration,
+    mut stopping: tokio::sync::watch::Receiver<bool>,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(timeout);
+    let connection = http.serve_connection(hyper_util::rt::TokioIo::new(io), service);
+    tokio::pin!(connection);
+    tokio::select! {
+        _ = connection.as_mut() => {}
+        () = async { let _ = stopping.wait_for(|stop| *stop).await; } => {
+            connection.as_mut().graceful_shutdown();
+            let _ = connection.await;
+        }
+    }
 }
 
 /// A connection beyond the limit: `200 ok` for `GET /healthz`, `503` for anything else, then

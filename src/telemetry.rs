@@ -36,6 +36,11 @@ pub struct TelemetryConfig {
     /// idle in either is closed.
     #[serde(default = "default_request_timeout", with = "humantime_serde")]
     pub request_timeout: std::time::Duration,
+    /// Serve HTTPS with this certificate chain (PEM), and `tls_key_file`'s key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_cert_file: Option<std::path::PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_key_file: Option<std::path::PathBuf>,
 }
 
 impl Default for TelemetryConfig {
@@ -44,6 +49,8 @@ impl Default for TelemetryConfig {
             listen: None,
             max_connections: default_max_connections(),
             request_timeout: default_request_timeout(),
+            tls_cert_file: None,
+            tls_key_file: None,
         }
     }
 }

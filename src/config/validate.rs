@@ -107,6 +107,9 @@ impl Config {
                 "0s would close every connection before its request; expected a duration such as \"10s\"",
             ));
         }
+        if let Err(error) = crate::http::tls_acceptor(&self.telemetry) {
+            problems.push(problem("telemetry.tls_cert_file", error));
+        }
         problems
     }
 
