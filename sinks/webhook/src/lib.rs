@@ -27,8 +27,10 @@ pub struct WebhookSinkConfig {
     /// Where to POST: `https://orchestrator.example/events`.
     pub url: String,
     /// `binary` (ce- headers, data as body) or `structured` (the whole event as JSON).
-    #[serde(default)]
-    pub content_mode: ContentMode,
+    /// Default: `structured` when the requests are signed (`hmac_key`), so the signature
+    /// covers every attribute; else `binary`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content_mode: Option<ContentMode>,
     /// POST each batch as one `application/cloudevents-batch+json` array instead of one
     /// request per event.
     #[serde(default)]
@@ -44,7 +46,10 @@ pub struct WebhookSinkConfig {
     pub bearer_token: Option<Secret>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bearer_token_file: Option<PathBuf>,
-    /// Signs every body: `<hmac_header>: sha256=<hex HMAC-SHA256(key, body)>`.
+    /// Signs every request the Standard Webhooks way (`webhook-id`, `webhook-timestamp`,
+    /// `webhook-signature: v1,<base64 HMAC-SHA256 of "id.timestamp.body">`); a `whsec_<base64>`
+    /// key is used as its libraries expect. Also sent, for receivers of earlier versions:
+    /// `<hmac_header>: sha256=<hex HMAC-SHA256(key, body)>` (the body only: deprecated).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hmac_key: Option<Secret>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -65,6 +70,17 @@ fn default_hmac_header() -> String {
 }
 
 impl WebhookSinkConfig {
+    /// The content mode in effect: as configured, else `structured` when requests are
+    /// signed, else `binary`.
+    pub fn content_mode(&self) -> ContentMode {
+        self.content_mode
+            .unwrap_or(if self.hmac_key.is_some() || self.hmac_key_file.is_some() {
+                ContentMode::Structured
+            } else {
+                ContentMode::Binary
+            })
+    }
+
     /// Problems, as (key, message), without touching the network.
     pub fn validate(&self) -> Vec<(&'static str, String)> {
         let mut problems = Vec::new();

@@ -26,11 +26,39 @@ pub struct WebhookSink {
     /// Headers every request carries (custom headers, bearer token), built once.
     common: HeaderMap,
     hmac_key: Option<Vec<u8>>,
+    /// The Standard Webhooks signing key (from `hmac_key`).
+    standard_key: Option<Vec<u8>>,
     /// A configuration problem found while building; reported on every attempt.
     broken: Option<String>,
 }
 
 /// The signature header value for `body`: `sha256=<hex HMAC-SHA256(key, body)>`.
+/// The Standard Webhooks signature header value: `v1,<base64 HMAC-SHA256(key,
+/// "<id>.<timestamp>.<body>")>`.
+pub fn standard_signature(key: &[u8], id: &str, timestamp: i64, body: &[u8]) -> String {
+    use base64::Engine;
+    let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes keys of any length");
+    mac.update(format!("{id}.{timestamp}.").as_bytes());
+    mac.update(body);
+    let digest = mac.finalize().into_bytes();
+    format!(
+        "v1,{}",
+        base64::engine::general_purpose::STANDARD.encode(digest)
+    )
+}
+
+/// The Standard Webhooks key: a `whsec_<base64>` secret is its base64-decoded bytes (as the
+/// specification's libraries read it); any other secret is used as it is.
+pub fn standard_key(secret: &str) -> Result<Vec<u8>, String> {
+    use base64::Engine;
+    match secret.strip_prefix("whsec_") {
+        Some(encoded) => base64::engine::general_purpose::STANDARD
+            .decode(encoded)
+            .map_err(|e| format!("hmac_key: whsec_ key whose rest is not base64: {e}")),
+        None => Ok(secret.as_bytes().to_vec()),
+    }
+}
+
 pub fn signature(key: &[u8], body: &[u8]) -> String {
     let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes keys of any length");
     mac.update(body);
@@ -93,15 +121,22 @@ impl WebhookSink {
             Ok(None) => {}
             Err(error) => broken = Some(error),
         }
-        let hmac_key = match sched_relay_transport::secret::resolve(
+        let (hmac_key, standard_key) = match sched_relay_transport::secret::resolve(
             config.hmac_key.as_ref(),
             config.hmac_key_file.as_deref(),
             "hmac_key",
         ) {
-            Ok(key) => key.map(String::into_bytes),
+            Ok(Some(key)) => match standard_key(&key) {
+                Ok(standard) => (Some(key.into_bytes()), Some(standard)),
+                Err(error) => {
+                    broken = Some(error);
+                    (None, None)
+                }
+            },
+            Ok(None) => (None, None),
             Err(error) => {
                 broken = Some(error);
-                None
+                (None, None)
             }
         };
         WebhookSink {
@@ -110,6 +145,7 @@ impl WebhookSink {
             tls,
             common,
             hmac_key,
+            standard_key,
             broken,
         }
     }
@@ -122,6 +158,17 @@ impl WebhookSink {
             .headers(headers);
         if let Some(key) = &self.hmac_key {
             request = request.header(self.config.hmac_header.as_str(), signature(key, &body));
+        }
+        if let Some(key) = &self.standard_key {
+            // Signed at each attempt: a retry carries a fresh timestamp.
+            let timestamp = chrono::Utc::now().timestamp();
+            request = request
+                .header("webhook-id", what)
+                .header("webhook-timestamp", timestamp.to_string())
+                .header(
+                    "webhook-signature",
+                    standard_signature(key, what, timestamp, &body),
+                );
         }
         // The URL itself can be the credential (`?sig=` of Logic Apps, Slack, Teams): every
         // message names it redacted, and reqwest's errors, which quote it, are redacted too.
@@ -289,14 +336,18 @@ impl Sink for WebhookSink {
         if self.config.batch {
             // One answer for the whole batch: a refusal cannot say which event it is about.
             let body = binding::batch_json(batch)?;
-            let what = format!("batch of {}", batch.len());
+            // Also its `webhook-id`: the same for a retry of the same batch.
+            let what = match batch.first() {
+                Some(first) => format!("batch:{}:{}", first.id(), batch.len()),
+                None => "batch:empty".to_owned(),
+            };
             return Ok(self
                 .post(header_map(&[], BATCH_CONTENT_TYPE)?, body, &what)
                 .await?);
         }
         for (index, event) in batch.iter().enumerate() {
             let post = async {
-                let encoded = binding::encode(event, self.config.content_mode, binding::HTTP)?;
+                let encoded = binding::encode(event, self.config.content_mode(), binding::HTTP)?;
                 let headers = header_map(&encoded.headers, &encoded.content_type)?;
                 self.post(headers, encoded.body, event.id()).await
             };

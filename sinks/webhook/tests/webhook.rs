@@ -134,7 +134,7 @@ async fn structured_and_batch_modes_carry_whole_events() {
     let (server, url) = Server::start(vec![]).await;
     let events = live_migration_events("WestNO_0");
     let mut structured = config(&url);
-    structured.content_mode = ContentMode::Structured;
+    structured.content_mode = Some(ContentMode::Structured);
     WebhookSink::new(structured)
         .deliver(&events[..2])
         .await
@@ -394,4 +394,73 @@ async fn a_token_file_missing_at_start_holds_the_events_instead_of_dead_letterin
         .unwrap_err();
     assert!(error.is_retriable(), "{error}");
     assert!(error.to_string().contains("bearer_token"), "{error}");
+}
+
+/// Whether Python's `standardwebhooks` package is importable; under CI it must be
+/// (`scripts/test` installs it).
+fn standardwebhooks_available() -> bool {
+    let found = std::process::Command::new("python3")
+        .args(["-c", "import standardwebhooks"])
+        .output()
+        .is_ok_and(|output| output.status.success());
+    if !found {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "the standardwebhooks Python package is missing (python3 -m pip install standardwebhooks==1.1.0)"
+        );
+        eprintln!("SKIPPED: python3 -m pip install standardwebhooks==1.1.0 to run this test");
+    }
+    found
+}
+
+#[tokio::test]
+async fn signed_requests_verify_with_the_standard_webhooks_library_and_tampering_does_not() {
+    if !standardwebhooks_available() {
+        return;
+    }
+    let (server, url) = Server::start(vec![]).await;
+    let secret = "whsec_c2NoZWQtcmVsYXktdGVzdC1rZXktMDEyMzQ1Njc4OWFi";
+    let mut config = config(&url);
+    config.hmac_key = Some(sched_relay_transport::secret::Secret::new(secret));
+    // No content_mode: signed requests are structured, so the signature covers every
+    // attribute (type, source, time), not only data.
+    let sink = WebhookSink::new(config);
+    let events = live_migration_events("vm");
+    sink.deliver(&events[..2]).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let received = server.received();
+    assert_eq!(received.len(), 2);
+    for ((headers, body), event) in received.iter().zip(&events) {
+        assert_eq!(
+            headers["webhook-id"],
+            event.id(),
+            "webhook-id is the CloudEvents id"
+        );
+        assert!(
+            headers["content-type"]
+                .to_str()
+                .unwrap()
+                .starts_with("application/cloudevents+json")
+        );
+        let file = dir.path().join("body");
+        std::fs::write(&file, body).unwrap();
+        let output = std::process::Command::new("python3")
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/tests/verify_standard_webhook.py"
+            ))
+            .arg(secret)
+            .arg(&file)
+            .arg(headers["webhook-id"].to_str().unwrap())
+            .arg(headers["webhook-timestamp"].to_str().unwrap())
+            .arg(headers["webhook-signature"].to_str().unwrap())
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
 }
