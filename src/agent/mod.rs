@@ -264,7 +264,8 @@ pub async fn run(
     }
     // Approvals get at most half the time: a POST that hangs must leave the sinks time to
     // deliver what is left (the last events before a Spot eviction).
-    let half = deadline.min(tokio::time::Instant::now() + shutdown_timeout / 2);
+    let now = tokio::time::Instant::now();
+    let half = now + deadline.saturating_duration_since(now) / 2;
     remote.stop(half).await;
     poller.fanout.shutdown_by(deadline).await;
     tracing::info!("Agent stopped");

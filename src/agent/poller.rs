@@ -240,7 +240,7 @@ impl Poller {
             Err(error) => {
                 for event in self.unstored.drain(..) {
                     let text = serde_json::to_string(&event).unwrap_or_default();
-                    tracing::error!(id = %event.id(), event = %text, error = %error, "Stopping with a transition the state store never took; it is not delivered (the next start reports the net change)");
+                    tracing::error!(id = %event.id(), event = %text, error = %error, "Stopping with a transition the state store may not have taken; if it did not, it is not delivered (the next start reports the net change)");
                 }
             }
         }

@@ -210,7 +210,8 @@ impl Approver {
         // restart is no replay.
         let outbox = self.outbox.clone();
         let id = attributes.id.clone();
-        let known = tokio::task::spawn_blocking(move || outbox.peek_request(&id))
+        let at = Utc::now().timestamp();
+        let known = tokio::task::spawn_blocking(move || outbox.peek_request(&id, at))
             .await
             .map_err(|e| e.to_string())
             .and_then(|result| result.map_err(|e| e.to_string()))

@@ -182,6 +182,11 @@ impl Approver {
                             *slot = Some(Ok(()));
                         }
                     }
+                    let accepted: Vec<&Pending> = pending
+                        .iter()
+                        .filter(|p| matches!(p.verdict, Verdict::Valid))
+                        .collect();
+                    self.mark_posted(&accepted).await;
                 }
                 Err(error) => {
                     let several = pending
@@ -191,34 +196,23 @@ impl Approver {
                         > 1;
                     for (slot, p) in results.iter_mut().zip(&pending) {
                         if matches!(p.verdict, Verdict::Valid) {
-                            *slot = Some(if several {
+                            let result = if several {
                                 self.post(&p.event_ids).await
                             } else {
                                 Err(error.clone())
-                            });
+                            };
+                            // Marked at once, not after the batch's other POSTs: a kill or a
+                            // stop while they retry must not lose this one's acceptance.
+                            if result.is_ok() {
+                                self.mark_posted(&[p]).await;
+                            }
+                            *slot = Some(result);
                         }
                     }
                 }
             }
         }
         if results.iter().any(|r| matches!(r, Some(Ok(())))) {
-            fault::abort_if(fault::Point::AfterPost);
-            // Before the outcome is published: a redelivery after a crash from here on is
-            // answered `accepted`, even once its event has run and left the document.
-            let posted: Vec<String> = pending
-                .iter()
-                .zip(&results)
-                .filter(|(p, r)| p.recorded && matches!(r, Some(Ok(()))))
-                .map(|(p, _)| p.request_id.clone())
-                .collect();
-            let outbox = self.outbox.clone();
-            let marked = tokio::task::spawn_blocking(move || outbox.mark_posted(&posted))
-                .await
-                .map_err(|e| e.to_string())
-                .and_then(|result| result.map_err(|e| e.to_string()));
-            if let Err(error) = marked {
-                tracing::warn!(error = %error, "Cannot mark forwarded approvals in the state store; a redelivery after a crash is checked and forwarded again");
-            }
             fault::abort_if(fault::Point::AfterPostMark);
         }
         let observed = Utc::now();
@@ -297,12 +291,14 @@ impl Approver {
                         .to_owned(),
                     None,
                 ),
+                // Not final (forwarded once dry run is off): an id of its own, so the real
+                // outcome later is not taken for a duplicate of it.
                 (Verdict::Valid, None) => (
                     ApprovalOutcome::Accepted,
                     "dry_run",
                     "dry run: every check passed; nothing was sent to the metadata service"
                         .to_owned(),
-                    None,
+                    Some(format!("dryrun{:010x}", fastrand::u64(..) >> 24)),
                 ),
                 (Verdict::Valid, Some(Ok(()))) => (
                     ApprovalOutcome::Accepted,
@@ -401,6 +397,26 @@ impl Approver {
             if let Some(reply) = reply {
                 let _ = handled.send(Answer::Handled(reply));
             }
+        }
+    }
+
+    /// Marks requests posted (the metadata service accepted them), before anything else:
+    /// a redelivery after a crash from here on is answered `accepted`, even once the event
+    /// has run and left the document. The crash fault point `AfterPost` is just before.
+    async fn mark_posted(&self, accepted: &[&Pending]) {
+        fault::abort_if(fault::Point::AfterPost);
+        let posted: Vec<String> = accepted
+            .iter()
+            .filter(|p| p.recorded)
+            .map(|p| p.request_id.clone())
+            .collect();
+        let outbox = self.outbox.clone();
+        let marked = tokio::task::spawn_blocking(move || outbox.mark_posted(&posted))
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|result| result.map_err(|e| e.to_string()));
+        if let Err(error) = marked {
+            tracing::warn!(error = %error, "Cannot mark forwarded approvals in the state store; a redelivery after a crash is checked and forwarded again");
         }
     }
 

@@ -345,6 +345,12 @@ async fn a_request_accepted_in_dry_run_is_forwarded_once_dry_run_is_off() {
         (reply.outcome, &reply.body["reason"]),
         ("accepted", &"dry_run".into())
     );
+    // Its outcome id is its own: the real outcome later must not look like a duplicate.
+    let dry_id = reply.body["outcomeId"].as_str().unwrap().to_owned();
+    assert!(
+        !dry_id.ends_with(":accepted"),
+        "a dry run's outcome id {dry_id} is the real outcome's"
+    );
     drop(dry);
     fanout.shutdown(Duration::from_secs(1)).await;
     // The operator turns dry run off; the orchestrator sends the same request again.
@@ -353,5 +359,25 @@ async fn a_request_accepted_in_dry_run_is_forwarded_once_dry_run_is_off() {
     assert!(
         matches!(verdict, Verdict::Valid),
         "a dry run's answer became the request's final outcome: {verdict:?}"
+    );
+}
+
+#[test]
+fn a_record_past_its_time_counts_as_forgotten_even_before_it_is_pruned() {
+    let dir = tempfile::tempdir().unwrap();
+    let outbox = Outbox::open(dir.path(), 100, false).unwrap();
+    assert_eq!(
+        outbox.begin_request("r", 1_000, 500).unwrap(),
+        crate::store::Seen::New
+    );
+    assert_eq!(
+        outbox.peek_request("r", 900).unwrap(),
+        Some(crate::store::Seen::InFlight { posted: false })
+    );
+    // A quiet VM: nothing has pruned it, but its time is over.
+    assert_eq!(outbox.peek_request("r", 1_001).unwrap(), None);
+    assert_eq!(
+        outbox.begin_request("r", 5_000, 1_001).unwrap(),
+        crate::store::Seen::New
     );
 }

@@ -79,10 +79,12 @@ impl Outbox {
             let seen = {
                 let mut legacy = txn.open_table(SEEN_REQUESTS).map_err(|e| self.io(e))?;
                 let mut table = txn.open_table(APPROVAL_REQUESTS).map_err(|e| self.io(e))?;
+                // A record past its time counts as forgotten, pruned below or not.
                 let known = table
                     .get(id)
                     .map_err(|e| self.io(e))?
-                    .map(|bytes| serde_json::from_slice::<Record>(bytes.value()));
+                    .map(|bytes| serde_json::from_slice::<Record>(bytes.value()))
+                    .filter(|record| !matches!(record, Ok(r) if r.keep_until < now));
                 let seen = match known {
                     Some(Ok(Record {
                         outcome: Some(outcome),
@@ -155,8 +157,9 @@ impl Outbox {
         })
     }
 
-    /// What the store knows of request `id`, without recording anything: None when nothing.
-    pub fn peek_request(&self, id: &str) -> Result<Option<Seen>, StoreError> {
+    /// What the store knows of request `id` at `now` (Unix seconds), without recording
+    /// anything: None when nothing, or only a record past its time.
+    pub fn peek_request(&self, id: &str, now: i64) -> Result<Option<Seen>, StoreError> {
         self.reopen_if_due();
         self.with_db(Access::Read, |db| {
             let txn = db.begin_read().map_err(|e| self.io(e))?;
@@ -168,7 +171,8 @@ impl Outbox {
             let known = table
                 .get(id)
                 .map_err(|e| self.io(e))?
-                .map(|bytes| serde_json::from_slice::<Record>(bytes.value()));
+                .map(|bytes| serde_json::from_slice::<Record>(bytes.value()))
+                .filter(|record| !matches!(record, Ok(r) if r.keep_until < now));
             Ok(match known {
                 Some(Ok(Record {
                     outcome: Some(outcome),
