@@ -287,7 +287,7 @@ impl Approver {
                 (Verdict::Posted, _) => (
                     ApprovalOutcome::Accepted,
                     "imds_accepted",
-                    "the metadata service accepted the StartRequests before the agent restarted"
+                    "the metadata service accepted the StartRequests when this request was first handled"
                         .to_owned(),
                     None,
                 ),
