@@ -95,6 +95,50 @@ fn check_config_prints_the_effective_configuration_with_secrets_redacted() {
 }
 
 #[test]
+fn tls_files_that_cannot_work_are_check_config_errors_naming_the_sink_key_and_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let not_pem = dir.path().join("not-pem.txt");
+    std::fs::write(&not_pem, "hello").unwrap();
+    let path = dir.path().join("config.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[[sinks]]\nname = \"bus\"\nkind = \"nats\"\nurl = \"tls://127.0.0.1:4222\"\n\
+             ca_file = \"/nonexistent/ca.pem\"\nclient_cert_file = {not_pem:?}\n\n\
+             [[sinks]]\nname = \"hook\"\nkind = \"webhook\"\nurl = \"https://example.invalid/\"\n\
+             client_cert_file = {not_pem:?}\nclient_key_file = {not_pem:?}\n\n\
+             [[sinks]]\nname = \"rabbit\"\nkind = \"amqp\"\nurl = \"amqp://127.0.0.1:5672/%2f\"\n\
+             ca_file = {not_pem:?}\n"
+        ),
+    )
+    .unwrap();
+    let output = Command::new(BINARY)
+        .args(["check-config", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let expected = [
+        "sinks[0].ca_file: ca_file /nonexistent/ca.pem: No such file",
+        "sinks[0].client_key_file: client_cert_file needs client_key_file",
+        "sinks[1].client_cert_file: client_cert_file ",
+        "sinks[1].client_key_file: client_key_file ",
+        // A CA for a plain connection: nobody may believe it is verified.
+        "sinks[2].ca_file: is set, but the connection would not use TLS: use an amqps:// URL",
+        "sinks[2].ca_file: ca_file ",
+    ];
+    for line in expected {
+        assert!(
+            stderr.contains(&format!("config error: {line}")),
+            "missing {line:?} in:\n{stderr}"
+        );
+    }
+    assert!(stderr.contains("holds no PEM certificate"), "{stderr}");
+    assert!(stderr.contains("holds no PEM private key"), "{stderr}");
+}
+
+#[test]
 fn check_config_exits_2_with_one_line_per_problem() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("config.toml");

@@ -4,6 +4,8 @@
 //! certificate get nothing; a bad certificate file is a clear configuration error.
 
 mod common;
+#[path = "common/tls.rs"]
+mod tls;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -22,22 +24,6 @@ type = "Freeze"
 resources = ["WestNO_0"]
 notice = "1h"
 "#;
-
-/// A throw-away CA (its PEM) and a certificate it signed for 127.0.0.1 (PEM, key PEM).
-fn certificates() -> (String, String, String) {
-    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca_pem = ca_params.self_signed(&ca_key).unwrap().pem();
-    let issuer = Issuer::new(ca_params, ca_key);
-    let key = KeyPair::generate().unwrap();
-    let certificate = CertificateParams::new(vec!["127.0.0.1".to_owned()])
-        .unwrap()
-        .signed_by(&key, &issuer)
-        .unwrap();
-    (ca_pem, certificate.pem(), key.serialize_pem())
-}
 
 /// One HTTPS request to 127.0.0.1:`port`, trusting only `ca_pem`: the raw response.
 fn https(port: u16, ca_pem: &str, request: &[u8]) -> Result<String, String> {
@@ -75,9 +61,8 @@ fn https(port: u16, ca_pem: &str, request: &[u8]) -> Result<String, String> {
 #[test]
 fn approvals_over_https_go_through_and_plain_or_untrusting_clients_get_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let (ca, certificate, key) = certificates();
-    std::fs::write(dir.path().join("listener.pem"), &certificate).unwrap();
-    std::fs::write(dir.path().join("listener.key"), &key).unwrap();
+    let pki = tls::Pki::generate(dir.path());
+    let ca = std::fs::read_to_string(&pki.ca).unwrap();
     let scenario = dir.path().join("scenario.toml");
     std::fs::write(&scenario, SCENARIO).unwrap();
     let sim = SimProcess::start(scenario.to_str().unwrap(), 1.0);
@@ -88,8 +73,8 @@ fn approvals_over_https_go_through_and_plain_or_untrusting_clients_get_nothing()
             "[telemetry]\nlisten = \"127.0.0.1:{port}\"\ntls_cert_file = {:?}\ntls_key_file = {:?}\n\
              [identity]\nvm_name = \"WestNO_0\"\n[approvals.http]\n[[approvals.keys]]\n\
              id = \"orchestrator\"\nalgorithm = \"hmac-sha256\"\nsecret = \"{SECRET}\"\n",
-            dir.path().join("listener.pem").display().to_string(),
-            dir.path().join("listener.key").display().to_string(),
+            pki.server_cert.display().to_string(),
+            pki.server_key.display().to_string(),
         ),
     );
     agent.wait_for_id(&format!("{EVENT}:scheduled"), Duration::from_secs(20));
@@ -139,7 +124,7 @@ fn approvals_over_https_go_through_and_plain_or_untrusting_clients_get_nothing()
     );
 
     // A client that trusts another CA refuses the listener's certificate.
-    let (other_ca, _, _) = certificates();
+    let other_ca = std::fs::read_to_string(&pki.other_ca).unwrap();
     let refused = https(
         port,
         &other_ca,
@@ -151,10 +136,10 @@ fn approvals_over_https_go_through_and_plain_or_untrusting_clients_get_nothing()
 #[test]
 fn a_listener_certificate_that_cannot_be_used_is_a_clear_configuration_error() {
     let dir = tempfile::tempdir().unwrap();
-    let (_, certificate, _) = certificates();
-    let (_, _, other_key) = certificates();
-    std::fs::write(dir.path().join("listener.pem"), &certificate).unwrap();
-    std::fs::write(dir.path().join("other.key"), &other_key).unwrap();
+    // The server certificate with the client certificate's key: not a pair.
+    let pki = tls::Pki::generate(dir.path());
+    std::fs::copy(&pki.server_cert, dir.path().join("listener.pem")).unwrap();
+    std::fs::copy(&pki.client_key, dir.path().join("other.key")).unwrap();
     for (tls, expected) in [
         (
             format!(

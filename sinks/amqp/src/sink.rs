@@ -86,12 +86,26 @@ impl AmqpSink {
         let connect = async {
             let properties =
                 ConnectionProperties::default().with_connection_name("sched-relay".into());
+            // A TLS file that cannot be read now (being replaced by a rotation, say) is the
+            // sink's state, not any event's: retried. check-config has read them at start.
+            let read = |path: &std::path::PathBuf, what: &str| {
+                std::fs::read(path).map_err(|e| {
+                    SinkError::Retriable(format!("cannot read {what} {}: {e}", path.display()))
+                })
+            };
+            let identity = match (&self.config.client_cert_file, &self.config.client_key_file) {
+                (Some(cert), Some(key)) => Some(lapin::tcp::OwnedIdentity::PKCS8 {
+                    pem: read(cert, "client_cert_file")?,
+                    key: read(key, "client_key_file")?,
+                }),
+                _ => None,
+            };
             let tls = lapin::tcp::OwnedTLSConfig {
-                identity: None,
+                identity,
                 cert_chain: match &self.config.ca_file {
-                    Some(path) => Some(std::fs::read_to_string(path).map_err(|e| {
-                        SinkError::Permanent(format!("cannot read ca_file {}: {e}", path.display()))
-                    })?),
+                    Some(path) => {
+                        Some(String::from_utf8_lossy(&read(path, "ca_file")?).into_owned())
+                    }
                     None => None,
                 },
             };
@@ -170,6 +184,10 @@ impl AmqpSink {
     /// Classifies the error of this operation from lapin's typed error (the broker's reply
     /// code), never from its text: see [`fault`].
     pub fn classify(&self, error: lapin::Error, what: &str) -> SinkError {
+        if let Some(tls) = sched_relay_transport::tls::failure(&error) {
+            // Retried (loudly): a certificate is renewed on the broker without the agent.
+            return SinkError::Authentication(format!("{what} on {}: {tls}", self.broker()));
+        }
         let message = format!("{what} on {}: {error}", self.broker());
         match fault(error.kind()) {
             AmqpFault::Authentication => SinkError::Authentication(format!(

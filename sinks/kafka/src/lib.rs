@@ -48,6 +48,13 @@ pub struct KafkaSinkConfig {
     /// A PEM file of CA certificates for `ssl` and `sasl_ssl`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<PathBuf>,
+    /// A PEM certificate (with its chain) to present to servers that require client
+    /// certificates (mutual TLS); with `client_key_file`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_cert_file: Option<PathBuf>,
+    /// The PEM private key of `client_cert_file`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_key_file: Option<PathBuf>,
     /// Delivery timeout of one message (librdkafka's `message.timeout.ms`).
     #[serde(default = "default_timeout", with = "humantime_serde")]
     pub timeout: Duration,
@@ -150,6 +157,17 @@ impl KafkaSinkConfig {
         if self.timeout < Duration::from_secs(1) {
             problems.push(("timeout", "must be at least 1s".into()));
         }
+        problems.extend(sched_relay_transport::tls::check_tls_is_on(
+            matches!(protocol, "ssl" | "sasl_ssl"),
+            "set security_protocol = \"ssl\" or \"sasl_ssl\"",
+            self.ca_file.as_deref(),
+            self.client_cert_file.as_deref(),
+        ));
+        problems.extend(sched_relay_transport::tls::check_files(
+            self.ca_file.as_deref(),
+            self.client_cert_file.as_deref(),
+            self.client_key_file.as_deref(),
+        ));
         problems
     }
 }

@@ -28,8 +28,14 @@ type ReportedError = (Option<RDKafkaErrorCode>, String);
 
 impl ClientContext for LastError {
     fn error(&self, error: KafkaError, reason: &str) {
-        *self.0.lock().unwrap_or_else(|p| p.into_inner()) =
-            Some((error.rdkafka_error_code(), reason.to_owned()));
+        let code = error.rdkafka_error_code();
+        let mut last = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        // "1/1 brokers are down" follows the reason they are down (a failed TLS handshake, a
+        // refused login): the reason is what the operator needs, and what decides the class.
+        if code == Some(RDKafkaErrorCode::AllBrokersDown) && last.is_some() {
+            return;
+        }
+        *last = Some((code, reason.to_owned()));
     }
 }
 
@@ -175,6 +181,9 @@ impl KafkaSink {
             KafkaFault::Authentication => SinkError::Authentication(format!(
                 "{message} (check security_protocol, sasl_mechanism, sasl_username, sasl_password and the topic's ACLs)"
             )),
+            KafkaFault::Tls => SinkError::Authentication(format!(
+                "{message} (TLS failed: check ca_file, client_cert_file/client_key_file and the broker's certificate and host name)"
+            )),
             KafkaFault::Refused => SinkError::Permanent(message),
             KafkaFault::Transient => SinkError::Retriable(message),
         }
@@ -187,6 +196,10 @@ pub enum KafkaFault {
     /// A refused login or ACL. Retried: credentials are rotated and ACLs granted on the
     /// cluster without touching the agent.
     Authentication,
+    /// A failed TLS handshake (a broker certificate the sink does not trust, a client
+    /// certificate the broker refused). Retried, loudly, like a refused login: certificates
+    /// are renewed on the broker without touching the agent.
+    Tls,
     /// A message or topic the cluster can never take (too large, invalid, an invalid name).
     Refused,
     /// Timeouts, unreachable brokers, leader changes, a missing topic being created.
@@ -212,6 +225,9 @@ pub fn fault(code: Option<RDKafkaErrorCode>, reported: Option<RDKafkaErrorCode>)
     };
     if authentication(code) || authentication(reported) {
         return KafkaFault::Authentication;
+    }
+    if code == Some(SSL) || reported == Some(SSL) {
+        return KafkaFault::Tls;
     }
     match code {
         Some(MessageSizeTooLarge | InvalidMessage | InvalidMessageSize | InvalidTopic) => {
@@ -351,6 +367,11 @@ pub fn client_config(config: &KafkaSinkConfig) -> Result<ClientConfig, String> {
     if let Some(ca) = &config.ca_file {
         client.set("ssl.ca.location", ca.display().to_string());
     }
+    if let (Some(cert), Some(key)) = (&config.client_cert_file, &config.client_key_file) {
+        client
+            .set("ssl.certificate.location", cert.display().to_string())
+            .set("ssl.key.location", key.display().to_string());
+    }
     Ok(client)
 }
 
@@ -395,6 +416,17 @@ mod tests {
             fault(Some(BrokerTransportFailure), Some(Authentication)),
             KafkaFault::Authentication
         );
+    }
+
+    #[test]
+    fn a_failed_tls_handshake_is_retried_loudly_not_permanent() {
+        // librdkafka reports the handshake (OpenSSL) on the connection; the call times out.
+        let timeout = KafkaError::MessageProduction(MessageTimedOut);
+        assert_eq!(
+            fault(timeout.rdkafka_error_code(), Some(SSL)),
+            KafkaFault::Tls
+        );
+        assert_eq!(fault(Some(SSL), None), KafkaFault::Tls);
     }
 
     #[test]

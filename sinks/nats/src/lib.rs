@@ -50,12 +50,19 @@ pub struct NatsSinkConfig {
     pub password: Option<Secret>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub password_file: Option<PathBuf>,
-    /// Require TLS even for `nats://` URLs.
+    /// Require TLS even for `nats://` URLs (implied by `ca_file` and `client_cert_file`).
     #[serde(default)]
     pub tls: bool,
     /// A PEM file of CA certificates to trust (besides the system's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<PathBuf>,
+    /// A PEM certificate (with its chain) to present to servers that require client
+    /// certificates (mutual TLS); with `client_key_file`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_cert_file: Option<PathBuf>,
+    /// The PEM private key of `client_cert_file`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_key_file: Option<PathBuf>,
     /// Connect, flush and acknowledgement timeout.
     #[serde(default = "default_timeout", with = "humantime_serde")]
     pub timeout: Duration,
@@ -104,6 +111,11 @@ impl NatsSinkConfig {
         if self.timeout.is_zero() {
             problems.push(("timeout", "must be more than 0s".into()));
         }
+        problems.extend(sched_relay_transport::tls::check_files(
+            self.ca_file.as_deref(),
+            self.client_cert_file.as_deref(),
+            self.client_key_file.as_deref(),
+        ));
         problems
     }
 }

@@ -13,6 +13,7 @@ pub mod inbound;
 pub mod redact;
 pub mod secret;
 pub mod testing;
+pub mod tls;
 
 use std::sync::{Arc, Mutex};
 
@@ -51,11 +52,13 @@ pub enum SinkError {
         message: String,
         after: std::time::Duration,
     },
-    /// The destination refused our credentials or permissions. Retried (loudly: an ERROR log
-    /// and `sched_relay_sink_authentication_failed_total`), because credentials are rotated
-    /// and permissions granted on the destination's side without touching the agent: a
-    /// rotation must not dead-letter every event meanwhile.
-    #[error("{0} (will retry: credentials and permissions can change on the server)")]
+    /// The destination refused our credentials or permissions, or TLS failed between us (a
+    /// server certificate the sink does not trust, a client certificate the server refused).
+    /// Retried (loudly: an ERROR log and `sched_relay_sink_authentication_failed_total`),
+    /// because credentials are rotated, permissions granted and certificates renewed on the
+    /// destination's side without touching the agent: that must not dead-letter every event
+    /// meanwhile.
+    #[error("{0} (will retry: credentials, permissions and certificates can change on the server)")]
     Authentication(String),
     /// The destination refused the batch for a reason retrying cannot change (bad
     /// configuration, message rejected); the batch goes to the dead-letter file.

@@ -59,6 +59,13 @@ pub struct WebhookSinkConfig {
     /// A PEM file of CA certificates to trust besides the system's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<PathBuf>,
+    /// A PEM certificate (with its chain) to present to servers that require client
+    /// certificates (mutual TLS); with `client_key_file`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_cert_file: Option<PathBuf>,
+    /// The PEM private key of `client_cert_file`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_key_file: Option<PathBuf>,
 }
 
 fn default_timeout() -> Duration {
@@ -109,6 +116,17 @@ impl WebhookSinkConfig {
         if self.timeout.is_zero() {
             problems.push(("timeout", "must be more than 0s".into()));
         }
+        problems.extend(sched_relay_transport::tls::check_tls_is_on(
+            url::Url::parse(&self.url).is_ok_and(|url| url.scheme() == "https"),
+            "use an https:// URL",
+            self.ca_file.as_deref(),
+            self.client_cert_file.as_deref(),
+        ));
+        problems.extend(sched_relay_transport::tls::check_files(
+            self.ca_file.as_deref(),
+            self.client_cert_file.as_deref(),
+            self.client_key_file.as_deref(),
+        ));
         problems
     }
 }

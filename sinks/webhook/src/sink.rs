@@ -76,7 +76,7 @@ impl WebhookSink {
             .redirect(redirect::Policy::none())
             .timeout(config.timeout)
             .user_agent(concat!("sched-relay/", env!("CARGO_PKG_VERSION")));
-        let tls = match tls_config(config.ca_file.as_deref()) {
+        let tls = match tls_config(&config) {
             Ok(tls) => {
                 builder = builder.use_preconfigured_tls((*tls).clone());
                 Some(tls)
@@ -179,6 +179,9 @@ impl WebhookSink {
                     "POST {url} ({what}) timed out after {:?}",
                     self.config.timeout
                 ))
+            } else if let Some(tls) = sched_relay_transport::tls::failure(&error) {
+                // Retried (loudly): a certificate is renewed on the server without the agent.
+                SinkError::Authentication(format!("POST {url} ({what}): {tls}"))
             } else {
                 SinkError::Retriable(format!(
                     "POST {url} ({what}) failed: {}",
@@ -267,39 +270,36 @@ fn proxy_for(url: &url::Url, env: impl Fn(&str) -> Option<String>) -> Option<url
 }
 
 /// The TLS client settings of deliveries and health checks: the platform's trust store (as
-/// reqwest uses it), plus the PEM certificates of `ca_file`, HTTP/1.1 only.
-fn tls_config(
-    ca_file: Option<&std::path::Path>,
-) -> Result<std::sync::Arc<rustls::ClientConfig>, String> {
-    use rustls::pki_types::CertificateDer;
-    use rustls::pki_types::pem::PemObject;
+/// reqwest uses it), plus the PEM certificates of `ca_file`, the client certificate for
+/// servers that require one, HTTP/1.1 only.
+fn tls_config(config: &WebhookSinkConfig) -> Result<std::sync::Arc<rustls::ClientConfig>, String> {
+    use sched_relay_transport::tls;
     let provider = rustls::crypto::CryptoProvider::get_default()
         .cloned()
         .unwrap_or_else(|| std::sync::Arc::new(rustls::crypto::ring::default_provider()));
-    let verifier = match ca_file {
+    let verifier = match &config.ca_file {
         None => rustls_platform_verifier::Verifier::new(provider.clone()),
-        Some(path) => {
-            let pem =
-                std::fs::read(path).map_err(|e| format!("ca_file {}: {e}", path.display()))?;
-            let roots: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&pem)
-                .collect::<Result<_, _>>()
-                .map_err(|e| format!("ca_file {}: not PEM certificates: {e}", path.display()))?;
-            if roots.is_empty() {
-                return Err(format!(
-                    "ca_file {}: holds no PEM certificate (expected -----BEGIN CERTIFICATE-----)",
-                    path.display()
-                ));
-            }
-            rustls_platform_verifier::Verifier::new_with_extra_roots(roots, provider.clone())
-        }
+        Some(path) => rustls_platform_verifier::Verifier::new_with_extra_roots(
+            tls::read_certificates(path, "ca_file")?,
+            provider.clone(),
+        ),
     }
     .map_err(|e| format!("cannot load the TLS trust store: {e}"))?;
-    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .map_err(|e| format!("TLS settings: {e}"))?
         .dangerous()
-        .with_custom_certificate_verifier(std::sync::Arc::new(verifier))
-        .with_no_client_auth();
+        .with_custom_certificate_verifier(std::sync::Arc::new(verifier));
+    let identity = tls::read_client_identity(
+        config.client_cert_file.as_deref(),
+        config.client_key_file.as_deref(),
+    )?;
+    let mut config = match identity {
+        Some((chain, key)) => builder
+            .with_client_auth_cert(chain, key)
+            .map_err(|e| format!("client_cert_file and client_key_file: {e}"))?,
+        None => builder.with_no_client_auth(),
+    };
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(std::sync::Arc::new(config))
 }
@@ -426,11 +426,12 @@ impl Sink for WebhookSink {
                     self.config.timeout
                 ))
             })?
-            .map_err(|e| {
-                SinkError::Retriable(format!(
-                    "{host}:{port}: TLS handshake failed: {} (is ca_file the CA that signed the server's certificate?)",
+            .map_err(|e| match sched_relay_transport::tls::failure(&e) {
+                Some(tls) => SinkError::Authentication(format!("{host}:{port}: {tls}")),
+                None => SinkError::Retriable(format!(
+                    "{host}:{port}: TLS handshake failed: {}",
                     sched_relay_transport::error_chain(&e)
-                ))
+                )),
             })?;
         Ok(())
     }

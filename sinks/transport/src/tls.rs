@@ -1,0 +1,216 @@
+//! The TLS files every broker connection may name: `ca_file` (PEM certificates to trust
+//! besides the system's) and, for servers that require client certificates (mutual TLS),
+//! `client_cert_file` with `client_key_file`. Checked by `check-config` before any
+//! connection is tried, so a wrong path or a key in the certificate's place is an error naming
+//! the key and the file, not a handshake failure an hour later.
+
+use std::path::Path;
+
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+
+/// The PEM certificates of `path` (`what` names the setting in errors).
+pub fn read_certificates(path: &Path, what: &str) -> Result<Vec<CertificateDer<'static>>, String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("{what} {}: {e}", path.display()))?;
+    let certificates = CertificateDer::pem_slice_iter(&bytes)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("{what} {}: not PEM certificates: {e}", path.display()))?;
+    if certificates.is_empty() {
+        return Err(format!(
+            "{what} {}: holds no PEM certificate (expected -----BEGIN CERTIFICATE-----)",
+            path.display()
+        ));
+    }
+    Ok(certificates)
+}
+
+/// The PEM private key of `path` (PKCS#8, PKCS#1 or SEC1).
+pub fn read_private_key(path: &Path, what: &str) -> Result<PrivateKeyDer<'static>, String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("{what} {}: {e}", path.display()))?;
+    PrivateKeyDer::from_pem_slice(&bytes).map_err(|e| {
+        format!(
+            "{what} {}: holds no PEM private key (expected -----BEGIN PRIVATE KEY-----): {e}",
+            path.display()
+        )
+    })
+}
+
+/// A client certificate chain and its key, when both are set.
+pub type ClientIdentity = (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>);
+
+/// Reads `client_cert_file` and `client_key_file`: `None` when neither is set.
+pub fn read_client_identity(
+    cert: Option<&Path>,
+    key: Option<&Path>,
+) -> Result<Option<ClientIdentity>, String> {
+    match (cert, key) {
+        (None, None) => Ok(None),
+        (Some(cert), Some(key)) => Ok(Some((
+            read_certificates(cert, "client_cert_file")?,
+            read_private_key(key, "client_key_file")?,
+        ))),
+        (Some(_), None) => Err("client_cert_file needs client_key_file (its private key)".into()),
+        (None, Some(_)) => Err("client_key_file needs client_cert_file".into()),
+    }
+}
+
+/// Problems with the TLS files of one connection, as (key, message), for `validate`.
+pub fn check_files(
+    ca_file: Option<&Path>,
+    cert: Option<&Path>,
+    key: Option<&Path>,
+) -> Vec<(&'static str, String)> {
+    let mut problems = Vec::new();
+    if let Some(ca) = ca_file
+        && let Err(error) = read_certificates(ca, "ca_file")
+    {
+        problems.push(("ca_file", error));
+    }
+    match (cert, key) {
+        (Some(cert), Some(key)) => {
+            if let Err(error) = read_certificates(cert, "client_cert_file") {
+                problems.push(("client_cert_file", error));
+            }
+            if let Err(error) = read_private_key(key, "client_key_file") {
+                problems.push(("client_key_file", error));
+            }
+        }
+        (Some(_), None) => problems.push((
+            "client_key_file",
+            "client_cert_file needs client_key_file (its private key)".into(),
+        )),
+        (None, Some(_)) => problems.push((
+            "client_cert_file",
+            "client_key_file needs client_cert_file".into(),
+        )),
+        (None, None) => {}
+    }
+    problems
+}
+
+/// What TLS refused, when `error` or an error it wraps (an I/O error included) is a rustls
+/// error: the server's certificate (an unknown CA, another host name, expired), or ours (the
+/// server's alert). `None` for anything else. Every client but librdkafka (OpenSSL) uses
+/// rustls, so the sinks classify a TLS failure by this type, never by the message text.
+pub fn failure(error: &(dyn std::error::Error + 'static)) -> Option<String> {
+    if let Some(tls) = error.downcast_ref::<rustls::Error>() {
+        return Some(describe(tls));
+    }
+    // An I/O error's `source()` skips the error it wraps (and an I/O error can wrap another
+    // one: hyper's connectors do), so the wrapped one is searched as well.
+    if let Some(inner) = error
+        .downcast_ref::<std::io::Error>()
+        .and_then(|io| io.get_ref())
+        && let Some(found) = failure(inner)
+    {
+        return Some(found);
+    }
+    error.source().and_then(failure)
+}
+
+fn describe(error: &rustls::Error) -> String {
+    match error {
+        rustls::Error::InvalidCertificate(_) => format!(
+            "TLS failed: {error} (the server's certificate is not trusted: check ca_file, and that the certificate names the host of the URL)"
+        ),
+        rustls::Error::AlertReceived(_) => format!(
+            "TLS failed: {error} (the server refused the handshake: if it requires client certificates, set client_cert_file and client_key_file to one its CA signed)"
+        ),
+        other => format!("TLS failed: {other}"),
+    }
+}
+
+/// A TLS file set on a connection that would not use TLS (`how` says how to turn it on):
+/// refused, so nobody believes a plain connection is verified.
+pub fn check_tls_is_on(
+    on: bool,
+    how: &str,
+    ca_file: Option<&Path>,
+    cert: Option<&Path>,
+) -> Option<(&'static str, String)> {
+    let key = match (ca_file, cert) {
+        _ if on => return None,
+        (Some(_), _) => "ca_file",
+        (None, Some(_)) => "client_cert_file",
+        (None, None) => return None,
+    };
+    Some((
+        key,
+        format!("is set, but the connection would not use TLS: {how}"),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CERTIFICATE: &str = "-----BEGIN CERTIFICATE-----\nMAA=\n-----END CERTIFICATE-----\n";
+    const KEY: &str = "-----BEGIN PRIVATE KEY-----\nMAA=\n-----END PRIVATE KEY-----\n";
+
+    #[test]
+    fn good_files_pass_and_each_bad_one_is_named_with_its_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, key, junk) = (
+            dir.path().join("c.pem"),
+            dir.path().join("k.pem"),
+            dir.path().join("junk"),
+        );
+        std::fs::write(&cert, CERTIFICATE).unwrap();
+        std::fs::write(&key, KEY).unwrap();
+        std::fs::write(&junk, "not pem").unwrap();
+        assert!(check_files(Some(&cert), Some(&cert), Some(&key)).is_empty());
+        assert!(
+            read_client_identity(Some(&cert), Some(&key))
+                .unwrap()
+                .is_some()
+        );
+
+        let missing = dir.path().join("missing.pem");
+        let problems = check_files(Some(&missing), Some(&key), Some(&cert));
+        let keys: Vec<_> = problems.iter().map(|(k, _)| *k).collect();
+        assert_eq!(keys, ["ca_file", "client_cert_file", "client_key_file"]);
+        assert!(problems[0].1.contains("missing.pem"), "{problems:?}");
+        assert!(problems[1].1.contains("no PEM certificate"), "{problems:?}");
+        assert!(problems[2].1.contains("no PEM private key"), "{problems:?}");
+        assert_eq!(check_files(Some(&junk), None, None)[0].0, "ca_file");
+    }
+
+    #[test]
+    fn a_rustls_error_is_found_however_deep_it_is_wrapped() {
+        let refused = || rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer);
+        let io = std::io::Error::new(std::io::ErrorKind::InvalidData, refused());
+        assert!(failure(&io).unwrap().contains("not trusted"));
+        // An I/O error around an I/O error: its source() would skip both.
+        let twice = std::io::Error::other(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            refused(),
+        ));
+        assert!(failure(&twice).unwrap().starts_with("TLS failed"));
+        let alert = rustls::Error::AlertReceived(rustls::AlertDescription::CertificateRequired);
+        assert!(failure(&alert).unwrap().contains("client_cert_file"));
+        assert!(failure(&std::io::Error::other("reset")).is_none());
+    }
+
+    #[test]
+    fn tls_files_on_a_plain_connection_are_refused() {
+        let path = Some(Path::new("/ca.pem"));
+        let (key, message) = check_tls_is_on(false, "use amqps://", path, None).unwrap();
+        assert_eq!(key, "ca_file");
+        assert!(message.contains("use amqps://"), "{message}");
+        assert_eq!(
+            check_tls_is_on(false, "x", None, path).unwrap().0,
+            "client_cert_file"
+        );
+        assert!(check_tls_is_on(true, "x", path, path).is_none());
+        assert!(check_tls_is_on(false, "x", None, None).is_none());
+    }
+
+    #[test]
+    fn a_client_certificate_without_its_key_or_the_reverse_is_refused() {
+        let path = Path::new("/x.pem");
+        assert_eq!(check_files(None, Some(path), None)[0].0, "client_key_file");
+        assert_eq!(check_files(None, None, Some(path))[0].0, "client_cert_file");
+        assert!(read_client_identity(Some(path), None).is_err());
+        assert!(read_client_identity(None, None).unwrap().is_none());
+    }
+}
