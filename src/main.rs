@@ -197,7 +197,15 @@ fn main() -> ExitCode {
         .enable_all()
         .build()
         .expect("the async runtime starts");
-    let code = runtime.block_on(run_command());
+    // The command runs as a task of the runtime, not on this thread: a future driven by
+    // `block_on` is woken from the worker threads (timers, sockets) and hands every wake-up
+    // across threads, which cost 14 of the 17.5 context switches of an idle poll (measured,
+    // BENCHMARKS.md). Here this thread only waits for the end.
+    let code = runtime.block_on(async {
+        tokio::spawn(run_command())
+            .await
+            .unwrap_or(ExitCode::FAILURE)
+    });
     // The agent has already spent its shutdown deadline: a write still stuck on a full pipe
     // (the stdout sink's, say) must not hold the exit, as dropping the runtime would.
     runtime.shutdown_timeout(std::time::Duration::from_secs(1));
