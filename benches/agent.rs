@@ -47,7 +47,7 @@ fn main() {
         Sizes {
             documents: 30,
             approvals: 40,
-            idle: Duration::from_secs(120),
+            idle: Duration::from_secs(300),
             burst: 1_000,
             backlog: 100_000,
         }
@@ -564,38 +564,74 @@ fn wait_for_post(sim: &SimProcess, event_id: &str) -> i64 {
     }
 }
 
-/// (resident KiB, peak resident KiB, CPU seconds) of a process.
-fn usage(pid: u32) -> (u64, u64, f64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+/// CPU time (nanoseconds, from each thread's `schedstat`) and context switches (voluntary and
+/// not, from each thread's `status`) of a process, summed over its threads. A thread that
+/// ends between two samples keeps its last sample, so a short-lived thread costs at most what
+/// it did after that sample; `/proc/<pid>/stat` would count it whole but only in 10 ms ticks,
+/// too coarse for a tenth of a millisecond per poll.
+struct Meter {
+    pid: u32,
+    threads: HashMap<u32, (u64, u64)>,
+}
+
+impl Meter {
+    fn new(pid: u32) -> Meter {
+        let mut meter = Meter {
+            pid,
+            threads: HashMap::new(),
+        };
+        meter.sample();
+        meter
+    }
+
+    fn sample(&mut self) {
+        for task in std::fs::read_dir(format!("/proc/{}/task", self.pid))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) else {
+                continue;
+            };
+            let path = task.path();
+            let Ok(schedstat) = std::fs::read_to_string(path.join("schedstat")) else {
+                continue;
+            };
+            let ns = schedstat
+                .split_whitespace()
+                .next()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            let switches = std::fs::read_to_string(path.join("status"))
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| l.contains("ctxt_switches:"))
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .sum();
+            self.threads.insert(tid, (ns, switches));
+        }
+    }
+
+    /// (CPU ns, context switches) so far, every thread seen included.
+    fn totals(&self) -> (u64, u64) {
+        self.threads
+            .values()
+            .fold((0, 0), |(ns, sw), (n, s)| (ns + n, sw + s))
+    }
+}
+
+/// (resident, proportional, anonymous) memory in KiB, from `smaps_rollup`.
+fn memory(pid: u32) -> (u64, u64, u64) {
+    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
     let kib = |key: &str| {
-        status
+        rollup
             .lines()
             .find(|l| l.starts_with(key))
             .and_then(|l| l.split_whitespace().nth(1))
             .and_then(|v| v.parse().ok())
             .unwrap_or(0)
     };
-    let ticks =
-        cpu_ticks(&std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default());
-    (kib("VmRSS:"), kib("VmHWM:"), ticks as f64 / 100.0)
-}
-
-/// User plus system CPU ticks (10 ms) from a `/proc/.../stat` line.
-fn cpu_ticks(stat: &str) -> u64 {
-    // The fields after the command name, which is in parentheses and may hold spaces.
-    let fields: Vec<&str> = stat
-        .rsplit(')')
-        .next()
-        .unwrap_or("")
-        .split_whitespace()
-        .collect();
-    let field = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    field(11) + field(12)
+    (kib("Rss:"), kib("Pss:"), kib("Anonymous:"))
 }
 
 /// CPU ticks per thread name, busiest first (where idle CPU goes).
@@ -611,15 +647,21 @@ fn threads(pid: u32) -> Vec<(String, u64)> {
             .unwrap_or_default()
             .trim()
             .to_owned();
-        let ticks = cpu_ticks(&std::fs::read_to_string(path.join("stat")).unwrap_or_default());
-        *by_name.entry(name).or_default() += ticks;
+        let ns: u64 = std::fs::read_to_string(path.join("schedstat"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        *by_name.entry(name).or_default() += ns / 1_000_000;
     }
     let mut list: Vec<_> = by_name.into_iter().collect();
     list.sort_by_key(|entry| std::cmp::Reverse(entry.1));
     list
 }
 
-/// 3. Footprint while idle, with all four sinks and all four approval sources connected.
+/// Footprint while idle (part 3): three set-ups of the agent and the Python sample agent, at
+/// once, each against its own simulator, polling every second.
 fn footprint(report: &mut Report, sizes: &Sizes, topology: &Topology, collector: &Collector) {
     let dir = tempfile::tempdir().unwrap();
     let (path, _) = scenario(
@@ -629,51 +671,106 @@ fn footprint(report: &mut Report, sizes: &Sizes, topology: &Topology, collector:
         Duration::from_secs(36_000),
         Duration::ZERO,
     );
-    let sim = SimProcess::start(&path, 1.0);
-    let port = sched_relay_transport::testing::free_port();
-    let extra = format!(
-        "{}\n{}",
-        topology.sinks(&collector.url),
-        topology.approvals(port)
-    );
-    let mut ours = agent_logging(&sim, &extra, "1s", "info");
-    let mut python = python_agent(&sim, &collector.url, "1s");
-    let pid = ours.pid();
-    std::thread::sleep(Duration::from_secs(5));
-    let (_, _, cpu_start) = usage(pid);
-    let (_, _, py_cpu_start) = usage(python.id());
+    let identity = "[identity]\nvm_name = \"WestNO_0\"\n";
+    let nats_port = sched_relay_transport::testing::free_port();
+    let all_port = sched_relay_transport::testing::free_port();
+    let setups = [
+        ("file sink".to_owned(), identity.to_owned()),
+        (
+            "NATS JetStream sink + NATS approval source".to_owned(),
+            format!(
+                "{identity}\n[telemetry]\nlisten = \"127.0.0.1:{nats_port}\"\n\n\
+                 [[approvals.keys]]\nid = \"bench\"\nalgorithm = \"hmac-sha256\"\nsecret = \"{HMAC}\"\n\n\
+                 [[sinks]]\nname = \"nats\"\nkind = \"nats\"\nurl = \"{NATS_URL}\"\njetstream = true\n\
+                 subject = \"{prefix}.{{vmname}}.{{transition}}\"\n\n\
+                 [approvals.nats]\nsink = \"nats\"\nsubject = \"{prefix}-approvals.{{vmname}}\"\n",
+                prefix = topology.prefix,
+            ),
+        ),
+        (
+            "4 broker sinks + 4 approval sources".to_owned(),
+            format!(
+                "{}\n{}",
+                topology.sinks(&collector.url),
+                topology.approvals(all_port)
+            ),
+        ),
+    ];
+    let mut agents = Vec::new();
+    for (name, extra) in &setups {
+        let sim = SimProcess::start(&path, 1.0);
+        let agent = agent_logging(&sim, extra, "1s", "info");
+        agents.push((name.clone(), sim, agent));
+    }
+    let python_sim = SimProcess::start(&path, 1.0);
+    let mut python = python_agent(&python_sim, &collector.url, "1s");
+    // Connections made, first documents stored: the steady state.
+    std::thread::sleep(Duration::from_secs(10));
+    let mut meters: Vec<Meter> = agents.iter().map(|(_, _, a)| Meter::new(a.pid())).collect();
+    meters.push(Meter::new(python.id()));
+    let starts: Vec<(u64, u64)> = meters.iter().map(Meter::totals).collect();
     let started = Instant::now();
-    let mut samples = Vec::new();
-    let mut py_samples = Vec::new();
     while started.elapsed() < sizes.idle {
         std::thread::sleep(Duration::from_secs(1));
-        samples.push(usage(pid));
-        py_samples.push(usage(python.id()));
+        for meter in &mut meters {
+            meter.sample();
+        }
     }
     let elapsed = started.elapsed().as_secs_f64();
-    eprintln!("CPU ticks by thread: {:?}", threads(pid));
-    let (rss, peak, cpu_end) = *samples.last().unwrap();
-    let (py_rss, py_peak, py_cpu_end) = *py_samples.last().unwrap();
-    let per_hour = |start: f64, end: f64| (end - start) / elapsed * 3600.0;
-    let ours_cpu = per_hour(cpu_start, cpu_end);
-    let py_cpu = per_hour(py_cpu_start, py_cpu_end);
+    let polls = elapsed; // one per second
+    let mut rows = Vec::new();
+    let mut python_ms = 0.0;
+    let names: Vec<String> = agents
+        .iter()
+        .map(|(name, _, _)| format!("sched-relay, {name}"))
+        .chain(["Python sample agent, webhook".to_owned()])
+        .collect();
+    for (i, meter) in meters.iter().enumerate() {
+        let (ns, switches) = meter.totals();
+        let (ns, switches) = (ns - starts[i].0, switches - starts[i].1);
+        let ms_per_poll = ns as f64 / 1e6 / polls;
+        let (rss, pss, anon) = memory(meter.pid);
+        let count = std::fs::read_dir(format!("/proc/{}/task", meter.pid))
+            .map(|d| d.count())
+            .unwrap_or(0);
+        if i == meters.len() - 1 {
+            python_ms = ms_per_poll;
+        }
+        rows.push((
+            names[i].clone(),
+            ms_per_poll,
+            switches as f64 / polls,
+            count,
+            rss,
+            pss,
+            anon,
+        ));
+    }
+    let (_, _, all) = &agents[2];
+    eprintln!("CPU ms by thread, 4 sinks: {:?}", threads(all.pid()));
     let _ = python.kill();
     let _ = python.wait();
-    ours.stop();
+    for (_, _, agent) in &mut agents {
+        agent.stop();
+    }
     let binary = std::fs::metadata(common::BINARY)
         .map(|m| m.len())
         .unwrap_or(0);
+    let mut table = String::from(
+        "| | CPU ms per poll | CPU s per hour | Python / this (CPU) | context switches per poll | threads | RSS MiB | PSS MiB | anonymous MiB |\n|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for (name, ms, switches, count, rss, pss, anon) in &rows {
+        table.push_str(&format!(
+            "| {name} | {ms:.3} | {:.2} | {:.1}x | {switches:.1} | {count} | {:.1} | {:.1} | {:.1} |\n",
+            ms * 3600.0 / 1000.0,
+            ratio(python_ms, *ms),
+            *rss as f64 / 1024.0,
+            *pss as f64 / 1024.0,
+            *anon as f64 / 1024.0,
+        ));
+    }
     report.add(format!(
-        "## Footprint while idle\n\nPolling every second for {:.0} s with four sinks (NATS JetStream, RabbitMQ, Kafka, webhook) plus the test harness's file sink, and four approval sources (HTTP, NATS, RabbitMQ, Kafka) connected. CPU from /proc/<pid>/stat (10 ms ticks), extrapolated to an hour.\n\n\
-         | | sched-relay | Python sample agent | Python / sched-relay | goal |\n|---|---|---|---|---|\n\
-         | resident memory, steady (MiB) | {:.1} | {:.1} | {:.1}x | < 12 |\n\
-         | resident memory, peak (MiB) | {:.1} | {:.1} | {:.1}x | < 12 |\n\
-         | CPU seconds per hour | {:.1} | {:.1} | {:.1}x | < 2 |\n\
-         | binary (stripped release, every sink) | {:.1} MB | (interpreter) | | < 15 MB |",
-        elapsed,
-        rss as f64 / 1024.0, py_rss as f64 / 1024.0, ratio(py_rss as f64, rss as f64),
-        peak as f64 / 1024.0, py_peak as f64 / 1024.0, ratio(py_peak as f64, peak as f64),
-        ours_cpu, py_cpu, ratio(py_cpu, ours_cpu),
+        "## Footprint while idle\n\nFour processes at once, each against its own simulator, polling every second for {elapsed:.0} s after a 10 s settling time: the agent with a file sink; with a NATS JetStream sink and a NATS approval source; with four broker sinks (NATS JetStream, RabbitMQ, Kafka, webhook) and four approval sources (HTTP, NATS, RabbitMQ, Kafka); and the Python sample agent posting to a webhook. Every agent also has the benchmark's file sink, logs JSON at info. CPU is the sum of the threads' `schedstat` run time (nanoseconds); context switches, voluntary and not, from each thread's `status`; memory from `smaps_rollup` at the end. Goals (issue 15): at most 0.1 ms per poll with a file sink, 0.2 ms with one broker sink and its source, at least 10x less than Python, at most 4 context switches per poll; anonymous memory at most 3 MiB and RSS at most 10 MiB with one broker sink.\n\n{table}\nBinary (stripped release, every sink): {:.1} MB.",
         binary as f64 / 1e6,
     ));
 }

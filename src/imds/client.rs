@@ -93,11 +93,19 @@ impl ImdsError {
     }
 }
 
+/// `base` + `path` + `?api-version=...`.
+fn url(base: &Url, path: &str, api_version: &str) -> String {
+    let base = base.as_str().trim_end_matches('/');
+    format!("{base}{path}?api-version={api_version}")
+}
+
 /// A client of one metadata service endpoint.
 #[derive(Debug)]
 pub struct ImdsClient {
     http: reqwest::Client,
     base: Url,
+    /// `/metadata/scheduledevents?api-version=...`, parsed once: not again on every poll.
+    scheduled_events: Url,
     api_version: String,
     request_timeout: Duration,
     first_call_timeout: Duration,
@@ -130,9 +138,15 @@ impl ImdsClient {
                 url: base.to_string(),
                 reason: format!("cannot build the HTTP client: {e}"),
             })?;
+        let scheduled_events = Url::parse(&url(&base, "/metadata/scheduledevents", api_version))
+            .map_err(|e| ImdsError::Unreachable {
+                url: base.to_string(),
+                reason: format!("not a URL with /metadata/scheduledevents appended: {e}"),
+            })?;
         Ok(ImdsClient {
             http,
             base,
+            scheduled_events,
             api_version: api_version.to_owned(),
             request_timeout,
             first_call_timeout,
@@ -152,11 +166,6 @@ impl ImdsClient {
     /// The base URL requests go to.
     pub fn base(&self) -> &Url {
         &self.base
-    }
-
-    fn url(&self, path: &str, api_version: &str) -> String {
-        let base = self.base.as_str().trim_end_matches('/');
-        format!("{base}{path}?api-version={api_version}")
     }
 
     /// The service is known to be enabled (it answered this agent within the last day, as the
@@ -183,16 +192,19 @@ impl ImdsClient {
 
     /// `GET /metadata/scheduledevents`: the current document.
     pub async fn fetch(&self) -> Result<Parsed, ImdsError> {
-        let url = self.url("/metadata/scheduledevents", &self.api_version);
+        let url = self.scheduled_events.as_str();
         let body = self
-            .send_scheduled_events(self.http.get(&url), &url)
+            .send_scheduled_events(self.http.get(self.scheduled_events.clone()), url)
             .await?;
-        Document::parse(&body).map_err(|error| ImdsError::Malformed { url, error })
+        Document::parse(&body).map_err(|error| ImdsError::Malformed {
+            url: url.to_owned(),
+            error,
+        })
     }
 
     /// `POST /metadata/scheduledevents` with one StartRequest per EventId.
     pub async fn start(&self, event_ids: &[String]) -> Result<(), ImdsError> {
-        let url = self.url("/metadata/scheduledevents", &self.api_version);
+        let url = self.scheduled_events.as_str();
         let requests: Vec<Value> = event_ids
             .iter()
             .map(|id| serde_json::json!({ "EventId": id }))
@@ -200,10 +212,10 @@ impl ImdsClient {
         let body = serde_json::json!({ "StartRequests": requests }).to_string();
         let request = self
             .http
-            .post(&url)
+            .post(self.scheduled_events.clone())
             .header(header::CONTENT_TYPE, "application/json")
             .body(body);
-        self.send_scheduled_events(request, &url).await?;
+        self.send_scheduled_events(request, url).await?;
         self.remember_accepted(event_ids);
         self.posted.notify_one();
         Ok(())
@@ -243,7 +255,11 @@ impl ImdsClient {
 
     /// `GET /metadata/instance/compute`: the VM's name, vmId and resource id.
     pub async fn identity(&self) -> Result<Identity, ImdsError> {
-        let url = self.url("/metadata/instance/compute", COMPUTE_API_VERSION);
+        let url = url(
+            &self.base,
+            "/metadata/instance/compute",
+            COMPUTE_API_VERSION,
+        );
         let body = self
             .send(self.http.get(&url), &url, self.request_timeout)
             .await?;
