@@ -18,6 +18,8 @@ use serde::{Deserialize, Serialize};
 #[cfg(feature = "client")]
 mod sink;
 #[cfg(feature = "client")]
+mod tls;
+#[cfg(feature = "client")]
 pub use sink::{WebhookSink, signature};
 
 /// `kind = "webhook"`.
