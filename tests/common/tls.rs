@@ -178,15 +178,17 @@ impl NatsTls {
         )
         .unwrap();
         let log = dir.join(format!("{name}.log"));
-        let mut child = Command::new("nats-server")
+        let child = Command::new("nats-server")
             .arg("-c")
             .arg(&config)
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .expect("nats-server is installed (scripts/test installs it)");
-        wait_for_port(port, "nats-server", &mut child, &log);
-        NatsTls { child, port }
+        // In its guard first: a server that never listens is still killed.
+        let mut server = NatsTls { child, port };
+        wait_for_port(port, "nats-server", &mut server.child, &log);
+        server
     }
 }
 
@@ -230,7 +232,7 @@ impl RabbitTls {
         let log = home.join("server.log");
         // The node name must be unique on this machine's epmd; the distribution port too.
         let node = format!("sched-relay-tls-{}-{port}@localhost", std::process::id());
-        let mut child = Command::new("/usr/lib/rabbitmq/bin/rabbitmq-server")
+        let child = Command::new("/usr/lib/rabbitmq/bin/rabbitmq-server")
             .current_dir(&home)
             .env("HOME", &home)
             .env("RABBITMQ_NODENAME", &node)
@@ -247,8 +249,10 @@ impl RabbitTls {
             .process_group(0)
             .spawn()
             .expect("rabbitmq-server is installed (scripts/test installs it)");
-        wait_for_port(port, "the test's RabbitMQ node", &mut child, &log);
-        RabbitTls { child, port }
+        // In its guard first: a node that never listens is still stopped.
+        let mut node = RabbitTls { child, port };
+        wait_for_port(port, "the test's RabbitMQ node", &mut node.child, &log);
+        node
     }
 }
 

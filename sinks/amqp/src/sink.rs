@@ -87,7 +87,8 @@ impl AmqpSink {
             let properties =
                 ConnectionProperties::default().with_connection_name("sched-relay".into());
             // A TLS file that cannot be read now (being replaced by a rotation, say) is the
-            // sink's state, not any event's: retried. check-config has read them at start.
+            // sink's state, not any event's: retried. (Loading the configuration at start
+            // refuses files it cannot read.)
             let read = |path: &std::path::PathBuf, what: &str| {
                 std::fs::read(path).map_err(|e| {
                     SinkError::Retriable(format!("cannot read {what} {}: {e}", path.display()))

@@ -44,8 +44,11 @@ impl LastError {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Forgets what was reported before: each attempt is judged by its own errors, so a
-    /// refused login an hour ago does not mark today's timeout permanent.
+    /// Forgets what was reported, after a success: until then a failed attempt is explained
+    /// by the last reason librdkafka gave. That reason may be older than the attempt:
+    /// librdkafka repeats an identical broker error only every 30 s, so clearing it at each
+    /// attempt left most attempts of a TLS or login failure as a bare "timed out". A reported
+    /// reason only ever makes a failure retried (authentication, TLS), never permanent.
     fn clear(&self) {
         *self.0.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
@@ -223,6 +226,14 @@ pub fn fault(code: Option<RDKafkaErrorCode>, reported: Option<RDKafkaErrorCode>)
             )
         )
     };
+    // The call's own verdict on its message comes first: a connection's reported trouble
+    // must not keep an event the cluster can never take in the queue forever.
+    if matches!(
+        code,
+        Some(MessageSizeTooLarge | InvalidMessage | InvalidMessageSize | InvalidTopic)
+    ) {
+        return KafkaFault::Refused;
+    }
     if authentication(code) || authentication(reported) {
         return KafkaFault::Authentication;
     }
@@ -240,7 +251,6 @@ pub fn fault(code: Option<RDKafkaErrorCode>, reported: Option<RDKafkaErrorCode>)
 #[async_trait]
 impl Sink for KafkaSink {
     async fn deliver(&self, batch: &[Event]) -> Result<(), DeliveryError> {
-        self.last_error.clear();
         let producer = self.current_producer()?;
         // Queued in order until one cannot be (`stopped`); the delivery reports of what was
         // queued before it decide the confirmed prefix, and each failure names its event.
@@ -302,12 +312,14 @@ impl Sink for KafkaSink {
         }
         match stopped {
             Some((index, error)) => Err(DeliveryError::at(index, error)),
-            None => Ok(()),
+            None => {
+                self.last_error.clear();
+                Ok(())
+            }
         }
     }
 
     async fn health_check(&self) -> Result<(), SinkError> {
-        self.last_error.clear();
         let producer = self.current_producer()?;
         let fetching = producer.clone();
         let topic = self.config.topic.clone();
@@ -326,7 +338,10 @@ impl Sink for KafkaSink {
             .iter()
             .find(|t| t.name() == self.config.topic);
         match topic {
-            Some(topic) if topic.error().is_none() && !topic.partitions().is_empty() => Ok(()),
+            Some(topic) if topic.error().is_none() && !topic.partitions().is_empty() => {
+                self.last_error.clear();
+                Ok(())
+            }
             _ => Err(SinkError::Permanent(format!(
                 "topic {} does not exist on {} (create it, e.g. kafka-topics.sh --create --topic {})",
                 self.config.topic, self.config.brokers, self.config.topic
@@ -430,8 +445,19 @@ mod tests {
     }
 
     #[test]
-    fn only_this_attempts_codes_decide() {
-        // No reported error (cleared at the attempt's start): a timeout is a timeout.
+    fn a_message_the_cluster_refuses_is_refused_whatever_the_connection_reported() {
+        // One broker with a bad certificate must not keep an oversized event queued forever.
+        for reported in [SSL, Authentication, SaslAuthenticationFailed] {
+            assert_eq!(
+                fault(Some(MessageSizeTooLarge), Some(reported)),
+                KafkaFault::Refused
+            );
+        }
+    }
+
+    #[test]
+    fn only_the_calls_and_the_reported_codes_decide() {
+        // Nothing reported since the last success: a timeout is a timeout.
         let timeout = KafkaError::MessageProduction(MessageTimedOut);
         assert_eq!(
             fault(timeout.rdkafka_error_code(), None),

@@ -112,8 +112,10 @@ impl PrivateTansu {
             &mut command,
             &format!("{binary} ({HOW})"),
         )?;
+        // In its guard first: a tansu that never listens is still killed.
+        let tansu = PrivateTansu { child };
         sched_relay_transport::testing::wait_for_port(listen, "the private tansu");
-        Some(PrivateTansu { child })
+        Some(tansu)
     }
 }
 

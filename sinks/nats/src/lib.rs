@@ -53,7 +53,8 @@ pub struct NatsSinkConfig {
     /// Require TLS even for `nats://` URLs (implied by `ca_file` and `client_cert_file`).
     #[serde(default)]
     pub tls: bool,
-    /// A PEM file of CA certificates to trust (besides the system's).
+    /// A PEM file of CA certificates to trust instead of the system's (async-nats loads the
+    /// system's roots only when no CA is given).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<PathBuf>,
     /// A PEM certificate (with its chain) to present to servers that require client
@@ -82,8 +83,15 @@ impl NatsSinkConfig {
         let mut problems = Vec::new();
         for server in self.url.split(',') {
             match url::Url::parse(server.trim()) {
-                Ok(url)
-                    if matches!(url.scheme(), "nats" | "tls" | "ws" | "wss") && url.has_host() => {}
+                Ok(url) if matches!(url.scheme(), "nats" | "tls") && url.has_host() => {}
+                // This build has no WebSocket transport: async-nats would dial a ws:// or
+                // wss:// server as plain TCP, without TLS whatever ca_file or tls say.
+                Ok(url) if matches!(url.scheme(), "ws" | "wss") => problems.push((
+                    "url",
+                    format!(
+                        "{server:?}: WebSocket URLs are not supported (they would connect without TLS); use nats:// or tls://"
+                    ),
+                )),
                 _ => problems.push((
                     "url",
                     format!(
@@ -144,5 +152,14 @@ mod tests {
         );
         let keys: Vec<&str> = config.validate().iter().map(|(k, _)| *k).collect();
         assert_eq!(keys, ["url", "subject", "token", "user"]);
+    }
+
+    #[test]
+    fn websocket_urls_are_refused_since_they_would_connect_without_tls() {
+        for url in ["wss://nats.example:443", "ws://127.0.0.1:8080"] {
+            let problems = config(&format!("url = \"{url}\"\ntls = true")).validate();
+            assert_eq!(problems.len(), 1, "{problems:?}");
+            assert!(problems[0].1.contains("without TLS"), "{problems:?}");
+        }
     }
 }

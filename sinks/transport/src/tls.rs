@@ -14,7 +14,9 @@ pub fn read_certificates(path: &Path, what: &str) -> Result<Vec<CertificateDer<'
     let bytes = std::fs::read(path).map_err(|e| format!("{what} {}: {e}", path.display()))?;
     let certificates = CertificateDer::pem_slice_iter(&bytes)
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("{what} {}: not PEM certificates: {e}", path.display()))?;
+        // The parser's error quotes the offending line: never shown (a key pasted into the
+        // wrong file would be printed whole).
+        .map_err(|_| format!("{what} {}: malformed PEM (expected -----BEGIN CERTIFICATE----- blocks, one per line group)", path.display()))?;
     if certificates.is_empty() {
         return Err(format!(
             "{what} {}: holds no PEM certificate (expected -----BEGIN CERTIFICATE-----)",
@@ -27,12 +29,38 @@ pub fn read_certificates(path: &Path, what: &str) -> Result<Vec<CertificateDer<'
 /// The PEM private key of `path` (PKCS#8, PKCS#1 or SEC1).
 pub fn read_private_key(path: &Path, what: &str) -> Result<PrivateKeyDer<'static>, String> {
     let bytes = std::fs::read(path).map_err(|e| format!("{what} {}: {e}", path.display()))?;
-    PrivateKeyDer::from_pem_slice(&bytes).map_err(|e| {
+    // The parser's error quotes the offending line, which for a key collapsed onto one line
+    // is the key itself: only fixed texts leave this function.
+    if bytes
+        .windows(b"ENCRYPTED PRIVATE KEY".len())
+        .any(|w| w == b"ENCRYPTED PRIVATE KEY")
+    {
+        return Err(format!(
+            "{what} {}: the key is encrypted; give it unencrypted (mode 0600), there is no key password setting",
+            path.display()
+        ));
+    }
+    PrivateKeyDer::from_pem_slice(&bytes).map_err(|_| {
         format!(
-            "{what} {}: holds no PEM private key (expected -----BEGIN PRIVATE KEY-----): {e}",
+            "{what} {}: holds no PEM private key, or a malformed one (expected -----BEGIN PRIVATE KEY-----, RSA PRIVATE KEY or EC PRIVATE KEY, on lines of their own)",
             path.display()
         )
     })
+}
+
+/// Whether `chain` and `key` make a usable client identity (the key is the certificate's).
+fn usable_pair(
+    chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+) -> Result<(), String> {
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_client_auth_cert(chain, key)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
 }
 
 /// A client certificate chain and its key, when both are set.
@@ -67,12 +95,30 @@ pub fn check_files(
         problems.push(("ca_file", error));
     }
     match (cert, key) {
-        (Some(cert), Some(key)) => {
-            if let Err(error) = read_certificates(cert, "client_cert_file") {
-                problems.push(("client_cert_file", error));
-            }
-            if let Err(error) = read_private_key(key, "client_key_file") {
-                problems.push(("client_key_file", error));
+        (Some(cert_path), Some(key_path)) => {
+            let chain = read_certificates(cert_path, "client_cert_file");
+            let key = read_private_key(key_path, "client_key_file");
+            match (chain, key) {
+                (Ok(chain), Ok(key)) => {
+                    if let Err(error) = usable_pair(chain, key) {
+                        problems.push((
+                            "client_key_file",
+                            format!(
+                                "{} and {} do not make a usable pair (is the key the certificate's?): {error}",
+                                key_path.display(),
+                                cert_path.display()
+                            ),
+                        ));
+                    }
+                }
+                (chain, key) => {
+                    if let Err(error) = chain {
+                        problems.push(("client_cert_file", error));
+                    }
+                    if let Err(error) = key {
+                        problems.push(("client_key_file", error));
+                    }
+                }
             }
         }
         (Some(_), None) => problems.push((
@@ -144,8 +190,15 @@ pub fn check_tls_is_on(
 mod tests {
     use super::*;
 
-    const CERTIFICATE: &str = "-----BEGIN CERTIFICATE-----\nMAA=\n-----END CERTIFICATE-----\n";
-    const KEY: &str = "-----BEGIN PRIVATE KEY-----\nMAA=\n-----END PRIVATE KEY-----\n";
+    /// A self-signed certificate and its key (PEM), made now.
+    fn pair() -> (String, String) {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let certificate = rcgen::CertificateParams::new(vec!["client".to_owned()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        (certificate.pem(), key.serialize_pem())
+    }
 
     #[test]
     fn good_files_pass_and_each_bad_one_is_named_with_its_key() {
@@ -155,8 +208,9 @@ mod tests {
             dir.path().join("k.pem"),
             dir.path().join("junk"),
         );
-        std::fs::write(&cert, CERTIFICATE).unwrap();
-        std::fs::write(&key, KEY).unwrap();
+        let (certificate, private_key) = pair();
+        std::fs::write(&cert, &certificate).unwrap();
+        std::fs::write(&key, &private_key).unwrap();
         std::fs::write(&junk, "not pem").unwrap();
         assert!(check_files(Some(&cert), Some(&cert), Some(&key)).is_empty());
         assert!(
@@ -173,6 +227,54 @@ mod tests {
         assert!(problems[1].1.contains("no PEM certificate"), "{problems:?}");
         assert!(problems[2].1.contains("no PEM private key"), "{problems:?}");
         assert_eq!(check_files(Some(&junk), None, None)[0].0, "ca_file");
+    }
+
+    #[test]
+    fn a_key_that_is_not_the_certificates_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (certificate, _) = pair();
+        let (_, other_key) = pair();
+        let (cert, key) = (dir.path().join("c.pem"), dir.path().join("k.pem"));
+        std::fs::write(&cert, certificate).unwrap();
+        std::fs::write(&key, other_key).unwrap();
+        let problems = check_files(None, Some(&cert), Some(&key));
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert_eq!(problems[0].0, "client_key_file");
+        assert!(problems[0].1.contains("usable pair"), "{problems:?}");
+    }
+
+    #[test]
+    fn a_malformed_key_file_never_shows_the_key() {
+        // A key collapsed onto one line (`echo $KEY > file`), and one with literal \n: the
+        // PEM parser's own error would quote the base64 of the key.
+        let (_, private_key) = pair();
+        let body: String = private_key
+            .lines()
+            .filter(|l| !l.starts_with("-----"))
+            .collect();
+        let dir = tempfile::tempdir().unwrap();
+        for (name, text) in [
+            ("spaces", private_key.replace('\n', " ")),
+            ("escapes", private_key.replace('\n', "\\n")),
+        ] {
+            let path = dir.path().join(name);
+            std::fs::write(&path, &text).unwrap();
+            let error = read_private_key(&path, "client_key_file").unwrap_err();
+            assert!(!error.contains(&body[10..40]), "{name}: {error}");
+            for problem in check_files(None, Some(&path), Some(&path)) {
+                assert!(!problem.1.contains(&body[10..40]), "{name}: {problem:?}");
+                let numbers = problem.1.matches(", ").count();
+                assert!(numbers < 10, "{name}: a byte list? {problem:?}");
+            }
+        }
+        let encrypted = dir.path().join("encrypted");
+        std::fs::write(
+            &encrypted,
+            "-----BEGIN ENCRYPTED PRIVATE KEY-----\nMAA=\n-----END ENCRYPTED PRIVATE KEY-----\n",
+        )
+        .unwrap();
+        let error = read_private_key(&encrypted, "client_key_file").unwrap_err();
+        assert!(error.contains("encrypted"), "{error}");
     }
 
     #[test]
