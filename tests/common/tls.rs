@@ -6,7 +6,6 @@
 
 #![allow(dead_code)] // each test binary uses a different part of this module
 
-use std::net::TcpListener;
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -123,13 +122,7 @@ impl Pki {
     }
 }
 
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+pub use sched_relay_transport::testing::free_port;
 
 fn wait_for_port(port: u16, what: &str, child: &mut Child, log: &Path) {
     let deadline = Instant::now() + Duration::from_secs(60);
