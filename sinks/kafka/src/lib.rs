@@ -157,13 +157,10 @@ impl KafkaSinkConfig {
         if self.timeout < Duration::from_secs(1) {
             problems.push(("timeout", "must be at least 1s".into()));
         }
-        problems.extend(sched_relay_transport::tls::check_tls_is_on(
-            matches!(protocol, "ssl" | "sasl_ssl"),
-            "set security_protocol = \"ssl\" or \"sasl_ssl\"",
-            self.ca_file.as_deref(),
-            self.client_cert_file.as_deref(),
-        ));
-        problems.extend(sched_relay_transport::tls::check_files(
+        // A CA or client certificate on a connection that would not use TLS is refused.
+        let tls = matches!(protocol, "ssl" | "sasl_ssl");
+        problems.extend(sched_relay_transport::tls::check(
+            (!tls).then_some("set security_protocol = \"ssl\" or \"sasl_ssl\""),
             self.ca_file.as_deref(),
             self.client_cert_file.as_deref(),
             self.client_key_file.as_deref(),

@@ -119,7 +119,9 @@ impl NatsSinkConfig {
         if self.timeout.is_zero() {
             problems.push(("timeout", "must be more than 0s".into()));
         }
-        problems.extend(sched_relay_transport::tls::check_files(
+        // TLS is implied by the files themselves (see `connect`).
+        problems.extend(sched_relay_transport::tls::check(
+            None,
             self.ca_file.as_deref(),
             self.client_cert_file.as_deref(),
             self.client_key_file.as_deref(),

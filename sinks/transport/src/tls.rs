@@ -82,8 +82,25 @@ pub fn read_client_identity(
     }
 }
 
-/// Problems with the TLS files of one connection, as (key, message), for `validate`.
-pub fn check_files(
+/// Problems with the TLS settings of one connection, as (key, message), for `validate`:
+/// each file (see [`check_files`]), and, when `tls_off` says how to turn TLS on for a
+/// connection that would not use it, a CA or client certificate set anyway.
+pub fn check(
+    tls_off: Option<&str>,
+    ca_file: Option<&Path>,
+    cert: Option<&Path>,
+    key: Option<&Path>,
+) -> Vec<(&'static str, String)> {
+    let mut problems: Vec<_> = tls_off
+        .and_then(|how| check_tls_is_on(false, how, ca_file, cert))
+        .into_iter()
+        .collect();
+    problems.extend(check_files(ca_file, cert, key));
+    problems
+}
+
+/// Problems with the TLS files of one connection, as (key, message).
+fn check_files(
     ca_file: Option<&Path>,
     cert: Option<&Path>,
     key: Option<&Path>,
@@ -168,7 +185,7 @@ fn describe(error: &rustls::Error) -> String {
 
 /// A TLS file set on a connection that would not use TLS (`how` says how to turn it on):
 /// refused, so nobody believes a plain connection is verified.
-pub fn check_tls_is_on(
+fn check_tls_is_on(
     on: bool,
     how: &str,
     ca_file: Option<&Path>,

@@ -118,13 +118,10 @@ impl WebhookSinkConfig {
         if self.timeout.is_zero() {
             problems.push(("timeout", "must be more than 0s".into()));
         }
-        problems.extend(sched_relay_transport::tls::check_tls_is_on(
-            url::Url::parse(&self.url).is_ok_and(|url| url.scheme() == "https"),
-            "use an https:// URL",
-            self.ca_file.as_deref(),
-            self.client_cert_file.as_deref(),
-        ));
-        problems.extend(sched_relay_transport::tls::check_files(
+        // A CA or client certificate on a connection that would not use TLS is refused.
+        let tls = url::Url::parse(&self.url).is_ok_and(|url| url.scheme() == "https");
+        problems.extend(sched_relay_transport::tls::check(
+            (!tls).then_some("use an https:// URL"),
             self.ca_file.as_deref(),
             self.client_cert_file.as_deref(),
             self.client_key_file.as_deref(),
