@@ -9,6 +9,15 @@ use common::{BINARY, SimProcess};
 
 const FREEZE: &str = "C7061BAC-AFDC-4513-B24B-AA5F13A16123";
 
+/// `sched-relay check-config --config <path>`, run to the end.
+fn check_config(path: &std::path::Path) -> std::process::Output {
+    Command::new(BINARY)
+        .args(["check-config", "--config"])
+        .arg(path)
+        .output()
+        .unwrap()
+}
+
 #[test]
 fn demo_prints_the_live_migration_in_order_and_exits_zero() {
     let started = Instant::now();
@@ -75,11 +84,7 @@ fn check_config_prints_the_effective_configuration_with_secrets_redacted() {
         "[identity]\nvm_name = \"WestNO_0\"\nsource = \"amqp://user:hunter2@example/\"\n[[sinks]]\nname = \"audit\"\nkind = \"file\"\npath = \"/tmp/x.jsonl\"\n",
     )
     .unwrap();
-    let output = Command::new(BINARY)
-        .args(["check-config", "--config"])
-        .arg(&path)
-        .output()
-        .unwrap();
+    let output = check_config(&path);
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(
         output.status.success(),
@@ -112,11 +117,7 @@ fn tls_files_that_cannot_work_are_check_config_errors_naming_the_sink_key_and_fi
         ),
     )
     .unwrap();
-    let output = Command::new(BINARY)
-        .args(["check-config", "--config"])
-        .arg(&path)
-        .output()
-        .unwrap();
+    let output = check_config(&path);
     assert_eq!(output.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&output.stderr);
     let expected = [
@@ -143,11 +144,7 @@ fn check_config_exits_2_with_one_line_per_problem() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("config.toml");
     std::fs::write(&path, "[imds]\napi_version = \"latest\"\npoll_interval = \"10ms\"\n[policy]\napprove_freeze_max_seconds = -3\n").unwrap();
-    let output = Command::new(BINARY)
-        .args(["check-config", "--config"])
-        .arg(&path)
-        .output()
-        .unwrap();
+    let output = check_config(&path);
     assert_eq!(output.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&output.stderr);
     let lines: Vec<&str> = stderr.lines().collect();
