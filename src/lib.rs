@@ -9,6 +9,7 @@
 pub mod agent;
 pub mod approval;
 pub mod config;
+pub mod coordinator;
 pub mod demo;
 pub mod fanout;
 pub mod http;

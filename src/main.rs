@@ -95,6 +95,18 @@ enum Command {
         #[arg(long, default_value = "2020-07-01")]
         api_version: String,
     },
+    /// The fleet coordinator: read every agent's events, drain and approve under
+    /// disruption budgets (README, "Fleet coordinator").
+    Coordinate {
+        #[arg(long, env = "SCHED_RELAY_COORDINATOR_CONFIG")]
+        config: PathBuf,
+        /// Decide and log, but sign, publish and drain nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Validate the configuration, print the groups and exit (2 on problems).
+        #[arg(long)]
+        check: bool,
+    },
     /// Print a signed approval request (CloudEvent, structured JSON), or publish it with --to.
     SignApproval {
         /// A key file: `hmac-sha256:<secret>` or `ed25519:<base64 seed>` (gen-approval-key).
@@ -347,6 +359,14 @@ async fn run_command() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::Coordinate {
+            config,
+            dry_run,
+            check,
+        } => {
+            sched_relay::coordinator::command(&config, dry_run, check, format, shutdown_signal())
+                .await
+        }
         Command::SignApproval {
             key,
             key_id,

@@ -347,6 +347,7 @@ fn broker(
                 subject: query("subject").unwrap_or_else(|| "scheduledevents.>".into()),
                 fleet_subject: None,
                 jetstream: None,
+                from_start: false,
             };
             Ok(tokio::spawn(sched_relay_nats::source::run(spec, tx, stop)))
         }

@@ -160,6 +160,7 @@ pub async fn start_listener_and_sources(
                 .stream
                 .as_ref()
                 .map(|stream| (stream.clone(), for_vm(&nats.durable, &vm_name))),
+            from_start: false,
         };
         sources.push(tokio::spawn(sched_relay_nats::source::run(
             spec,

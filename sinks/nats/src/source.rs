@@ -25,6 +25,10 @@ pub struct NatsSourceSpec {
     pub fleet_subject: Option<String>,
     /// `(stream, durable consumer)` for JetStream; core subscriptions otherwise.
     pub jetstream: Option<(String, String)>,
+    /// A durable consumer created now starts at the stream's first message (the fleet
+    /// coordinator, which must learn what was scheduled before it first ran), not at the
+    /// next one (approvals: an old request is expired anyway).
+    pub from_start: bool,
 }
 
 /// Consumes until `stop` turns true. Broker problems are logged and retried.
@@ -132,7 +136,11 @@ async fn consume(
                             durable_name: Some(name.clone()),
                             filter_subject: subject,
                             ack_policy: jetstream::consumer::AckPolicy::Explicit,
-                            deliver_policy: jetstream::consumer::DeliverPolicy::New,
+                            deliver_policy: if spec.from_start {
+                                jetstream::consumer::DeliverPolicy::All
+                            } else {
+                                jetstream::consumer::DeliverPolicy::New
+                            },
                             ack_wait: Duration::from_secs(60),
                             ..Default::default()
                         },

@@ -1,0 +1,475 @@
+//! The coordinator's loop: one task owns the fleet. Each delivered message is read, applied,
+//! committed and only then acknowledged; each change is decided at once (and again on every
+//! tick); every drain and approval is recorded before it is started, and its result comes
+//! back to this loop. Nothing here blocks on a broker or a hook.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use sched_relay_core::approval::{Draft, SigningKey};
+use sched_relay_transport::Sink;
+use sched_relay_transport::inbound::{Answer, Delivery, Reply};
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+use super::config::CoordinatorConfig;
+use super::drain::{self, Job};
+use super::fleet::{self, Applied, Approval, Drain, Fleet, Sent};
+use super::policy::{self, Policy, Step};
+use super::store::{Changes, Store};
+
+mod results;
+mod tick;
+
+/// Results of the work started by the loop.
+pub enum Done {
+    Drained {
+        key: String,
+        vm: String,
+        result: Result<(), String>,
+        took: Duration,
+    },
+    Published {
+        key: String,
+        request_id: String,
+        result: Result<(), String>,
+    },
+}
+
+/// A signed request is sent again as it is (same id) while it is younger than this; after
+/// that a new one is signed (the agents refuse requests older than their `max_age`, 5 min).
+const REUSE_REQUEST_FOR: chrono::Duration = chrono::Duration::seconds(120);
+/// A failed publication is tried again after this.
+const PUBLISH_RETRY: Duration = Duration::from_secs(2);
+/// Rejections that say the event needs no approval any more.
+const DONE_REASONS: [&str; 2] = ["event_started", "event_not_scheduled"];
+/// Rejections a new request can mend (clocks, a lost record).
+const RETRY_REASONS: [&str; 3] = ["expired", "from_the_future", "replayed"];
+
+pub struct Engine {
+    pub fleet: Fleet,
+    policy: Policy,
+    config: CoordinatorConfig,
+    store: Store,
+    signer: SigningKey,
+    publisher: Arc<dyn Sink>,
+    http: reqwest::Client,
+    done: mpsc::UnboundedSender<Done>,
+    /// When the message being handled arrived: decisions it allows are timed from it.
+    trigger: Option<Instant>,
+    /// When forgotten events and old ids were last pruned.
+    pruned: Option<Instant>,
+    /// Publications in flight, and when each event's last one started.
+    publishing: HashMap<String, (bool, Instant)>,
+    /// Drains running in this process (not restarted on the tick).
+    draining: HashMap<(String, String), ()>,
+    pub snapshot: Arc<RwLock<Value>>,
+    dirty: bool,
+}
+
+impl Engine {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        fleet: Fleet,
+        policy: Policy,
+        config: CoordinatorConfig,
+        store: Store,
+        signer: SigningKey,
+        publisher: Arc<dyn Sink>,
+        done: mpsc::UnboundedSender<Done>,
+    ) -> Engine {
+        Engine {
+            fleet,
+            policy,
+            config,
+            store,
+            signer,
+            publisher,
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(600))
+                .build()
+                .expect("an HTTP client builds"),
+            done,
+            trigger: None,
+            pruned: None,
+            publishing: HashMap::new(),
+            draining: HashMap::new(),
+            snapshot: Arc::new(RwLock::new(Value::Null)),
+            dirty: true,
+        }
+    }
+
+    /// Restarts what a previous run left running: drains are run again (hooks are
+    /// idempotent); approvals without a confirmed publication go out on the first tick.
+    pub fn resume(&mut self) {
+        let now = Utc::now();
+        let running: Vec<(String, String)> = self
+            .fleet
+            .events
+            .iter()
+            .filter_map(|(key, m)| m.drain.as_ref().map(|d| (key, d)))
+            .flat_map(|(key, d)| {
+                d.vms
+                    .iter()
+                    .filter(|(_, state)| *state == "running")
+                    .map(move |(vm, _)| (key.clone(), vm.clone()))
+            })
+            .collect();
+        for (key, vm) in running {
+            tracing::info!(event_id = %key, vm = %vm, "Running a drain again after a restart");
+            self.start_drain(&key, &vm, now);
+        }
+        self.publish_snapshot(now);
+    }
+
+    /// Handles one delivered message: read, apply, commit, answer, decide.
+    pub fn deliver(&mut self, delivery: Delivery) {
+        let now = Utc::now();
+        self.trigger = Some(Instant::now());
+        let reply = |outcome: &'static str| {
+            Answer::Handled(Reply {
+                outcome,
+                body: Value::Null,
+            })
+        };
+        let Some(event) = crate::watch::decode(&delivery.message) else {
+            input("invalid");
+            tracing::warn!(channel = %delivery.message.channel, "Not a CloudEvent (binary or structured JSON); skipped");
+            let _ = delivery.handled.send(reply("skipped"));
+            return;
+        };
+        let incoming = match fleet::read(&event) {
+            Ok(incoming) => incoming,
+            Err(why) => {
+                input("invalid");
+                tracing::warn!(channel = %delivery.message.channel, id = %printable(&event["id"]), error = %why, "An event that fails the contract; skipped");
+                let _ = delivery.handled.send(reply("skipped"));
+                return;
+            }
+        };
+        let key = incoming.key();
+        let vm = match &incoming {
+            fleet::Incoming::Transition { vm, .. }
+            | fleet::Incoming::Outcome { vm, .. }
+            | fleet::Incoming::Document { vm, .. } => Some(vm.clone()),
+            fleet::Incoming::Ignored(_) => None,
+        };
+        let applied = self.fleet.apply(incoming, now);
+        let mut changes = Changes::default();
+        match &applied {
+            Applied::Changed(event_key) | Applied::Outcome(event_key) => {
+                changes
+                    .events
+                    .push((event_key.clone(), self.fleet.events.get(event_key).cloned()));
+            }
+            Applied::Foreign => {
+                tracing::info!(vm = ?vm, id = ?key, "An approval outcome for a request this coordinator did not send (an agent's local policy, or another orchestrator)");
+            }
+            _ => {}
+        }
+        input(match &applied {
+            Applied::Changed(_) => "applied",
+            Applied::Outcome(_) => "outcome",
+            Applied::Duplicate => "duplicate",
+            Applied::Stale => "stale",
+            Applied::Foreign => "foreign",
+            Applied::Agent => "document",
+            Applied::Ignored(_) => "ignored",
+        });
+        if let Some(vm) = vm
+            .as_ref()
+            .and_then(|vm| Some((vm, self.fleet.vms.get(vm)?)))
+        {
+            changes.vms.push((vm.0.clone(), vm.1.clone()));
+        }
+        if let (Some(key), false) = (&key, applied == Applied::Duplicate) {
+            changes.seen.push((key.clone(), now));
+        }
+        if changes.is_empty() {
+            let _ = delivery.handled.send(reply("skipped"));
+            return;
+        }
+        if let Err(error) = self.store.write(&changes) {
+            // Not acknowledged: the broker offers it again, and the fleet is what is stored.
+            tracing::error!(error = %error, "Cannot store the fleet's state; the message will be offered again");
+            self.reload();
+            let _ = delivery.handled.send(Answer::NotHandled(error));
+            return;
+        }
+        let _ = delivery.handled.send(reply("accepted"));
+        if let Applied::Outcome(event_key) = &applied {
+            self.outcome(event_key);
+        }
+        self.dirty = true;
+        self.decide(now);
+        self.trigger = None;
+    }
+
+    pub(super) fn reload(&mut self) {
+        match self.store.load() {
+            Ok(fleet) => self.fleet = fleet,
+            Err(error) => tracing::error!(error = %error, "Cannot read the state store back"),
+        }
+    }
+
+    /// Logs and counts an agent's answer to one of our requests.
+    pub(super) fn outcome(&mut self, key: &str) {
+        let Some(m) = self.fleet.events.get(key) else {
+            return;
+        };
+        let Some(outcome) = m.approval.as_ref().and_then(|a| a.outcome.as_ref()) else {
+            return;
+        };
+        metrics::counter!("sched_relay_coordinator_approval_outcomes_total", "outcome" => outcome.outcome.clone(), "reason" => outcome.reason.clone()).increment(1);
+        match outcome.outcome.as_str() {
+            "accepted" => {
+                tracing::info!(event_id = %m.event_id, request_id = %outcome.request_id, "Approval accepted by the agent")
+            }
+            "rejected" if DONE_REASONS.contains(&outcome.reason.as_str()) => {
+                tracing::info!(event_id = %m.event_id, reason = %outcome.reason, "Approval not needed any more")
+            }
+            _ => {
+                tracing::warn!(event_id = %m.event_id, outcome = %outcome.outcome, reason = %outcome.reason, request_id = %outcome.request_id, "Approval not accepted")
+            }
+        }
+    }
+
+    /// Decides and starts what the budget allows.
+    pub fn decide(&mut self, now: DateTime<Utc>) {
+        let decisions = policy::decide(&self.fleet, &self.policy, now);
+        for (key, wait) in decisions.waits {
+            let text = wait.to_string();
+            if let Some(m) = self.fleet.events.get_mut(&key)
+                && m.verdict != text
+            {
+                metrics::counter!("sched_relay_coordinator_decisions_total", "decision" => wait.label()).increment(1);
+                tracing::info!(event_id = %m.event_id, event_type = %m.event_type, verdict = %text, "Decision");
+                m.verdict = text;
+                self.dirty = true;
+            }
+        }
+        if decisions.steps.is_empty() {
+            return;
+        }
+        let mut changes = Changes::default();
+        let mut drains = Vec::new();
+        let mut approvals = Vec::new();
+        let decided = decisions.steps.len();
+        for step in decisions.steps {
+            match step {
+                Step::Drain { key, vms } if !self.config.coordinator.dry_run => {
+                    let m = self
+                        .fleet
+                        .events
+                        .get_mut(&key)
+                        .expect("decided from the fleet");
+                    let deadline = drain_deadline(&self.config, m.not_before, now);
+                    m.drain = Some(Drain {
+                        started_at: now,
+                        deadline,
+                        vms: vms
+                            .iter()
+                            .map(|vm| (vm.clone(), "running".to_owned()))
+                            .collect(),
+                        finished_at: None,
+                        deadline_missed: false,
+                    });
+                    m.verdict = format!(
+                        "draining {} VM(s) until {}",
+                        vms.len(),
+                        deadline.to_rfc3339()
+                    );
+                    metrics::counter!("sched_relay_coordinator_decisions_total", "decision" => "drain").increment(1);
+                    tracing::info!(event_id = %m.event_id, event_type = %m.event_type, vms = ?vms, deadline = %deadline, "Draining before approval");
+                    changes.events.push((key.clone(), Some(m.clone())));
+                    drains.extend(vms.into_iter().map(|vm| (key.clone(), vm)));
+                }
+                Step::Drain { key, .. } => {
+                    let approver = policy::approver(&self.fleet, &self.fleet.events[&key])
+                        .expect("checked by decide");
+                    approvals.push(self.approve(&key, approver, now, &mut changes));
+                }
+                Step::Approve { key, approver } => {
+                    approvals.push(self.approve(&key, approver, now, &mut changes));
+                }
+            }
+        }
+        if let Err(error) = self.store.write(&changes) {
+            tracing::error!(error = %error, "Cannot store decisions; nothing is started, they are decided again");
+            self.reload();
+            return;
+        }
+        self.dirty = true;
+        for (key, vm) in drains {
+            self.start_drain(&key, &vm, now);
+        }
+        for key in approvals.into_iter().flatten() {
+            self.publish(&key);
+        }
+        if let Some(trigger) = self.trigger {
+            // From the message that allowed them (an event, or another's end) to the
+            // drains started and the approvals signed and handed to the broker client.
+            let took = trigger.elapsed().as_secs_f64();
+            for _ in 0..decided {
+                metrics::histogram!("sched_relay_coordinator_decision_seconds").record(took);
+            }
+        }
+    }
+
+    /// Records an approval (signed, not yet published) and returns the key to publish.
+    pub(super) fn approve(
+        &mut self,
+        key: &str,
+        approver: String,
+        now: DateTime<Utc>,
+        changes: &mut Changes,
+    ) -> Option<String> {
+        let dry_run = self.config.coordinator.dry_run;
+        let m = self
+            .fleet
+            .events
+            .get_mut(key)
+            .expect("decided from the fleet");
+        if m.not_before.is_some_and(|at| at <= now) {
+            metrics::counter!("sched_relay_coordinator_approvals_after_not_before_total")
+                .increment(1);
+        }
+        let sent = (!dry_run).then(new_request);
+        m.approval = Some(Approval {
+            approver: approver.clone(),
+            decided_at: now,
+            dry_run,
+            sent: sent.into_iter().collect(),
+            outcome: None,
+            abandoned: false,
+        });
+        m.verdict = if dry_run {
+            format!("dry run: would approve through {approver}")
+        } else {
+            format!("approved through {approver}")
+        };
+        metrics::counter!("sched_relay_coordinator_decisions_total", "decision" => "approve")
+            .increment(1);
+        tracing::info!(event_id = %m.event_id, event_type = %m.event_type, approver = %approver, dry_run, resources = ?m.resources, "Approving");
+        changes.events.push((key.to_owned(), Some(m.clone())));
+        (!dry_run).then(|| key.to_owned())
+    }
+
+    pub(super) fn start_drain(&mut self, key: &str, vm: &str, _now: DateTime<Utc>) {
+        let Some(m) = self.fleet.events.get(key) else {
+            return;
+        };
+        let (Some(config), Some(d)) = (self.config.drain.clone(), m.drain.as_ref()) else {
+            return;
+        };
+        if self
+            .draining
+            .insert((key.to_owned(), vm.to_owned()), ())
+            .is_some()
+        {
+            return;
+        }
+        let job = Job {
+            vm: vm.to_owned(),
+            event_id: m.event_id.clone(),
+            event_type: m.event_type.clone(),
+            not_before: m.not_before,
+            deadline: d.deadline,
+        };
+        let (http, done, key) = (self.http.clone(), self.done.clone(), key.to_owned());
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let result = drain::run(&config, &http, &job).await;
+            let _ = done.send(Done::Drained {
+                key,
+                vm: job.vm,
+                result,
+                took: started.elapsed(),
+            });
+        });
+    }
+
+    /// Publishes the event's newest request.
+    pub(super) fn publish(&mut self, key: &str) {
+        let Some(m) = self.fleet.events.get(key) else {
+            return;
+        };
+        let Some(approval) = m.approval.as_ref() else {
+            return;
+        };
+        let Some(sent) = approval.sent.last() else {
+            return;
+        };
+        let draft = Draft {
+            id: sent.request_id.clone(),
+            source: self.config.coordinator.source.clone(),
+            time: sent.signed_at,
+            vm_name: Some(approval.approver.clone()),
+            event_ids: vec![m.event_id.clone()],
+            request_type: format!(
+                "{}.approval.requested",
+                sched_relay_core::event::DEFAULT_TYPE_PREFIX
+            ),
+        };
+        let event = draft.event(Some((&self.config.signing.key_id, &self.signer)));
+        self.publishing
+            .insert(key.to_owned(), (true, Instant::now()));
+        let (publisher, done, key, request_id) = (
+            self.publisher.clone(),
+            self.done.clone(),
+            key.to_owned(),
+            sent.request_id.clone(),
+        );
+        tokio::spawn(async move {
+            let result = publisher
+                .deliver(std::slice::from_ref(&event))
+                .await
+                .map_err(|e| e.to_string());
+            let _ = done.send(Done::Published {
+                key,
+                request_id,
+                result,
+            });
+        });
+    }
+}
+
+fn new_request() -> Sent {
+    let draft = Draft::new("", None, Vec::new());
+    Sent {
+        request_id: draft.id,
+        signed_at: draft.time,
+        published_at: None,
+    }
+}
+
+/// NotBefore minus the margin; for a short notice (a Spot eviction's 30 s) at least half of
+/// the time left; never later than NotBefore minus two seconds.
+fn drain_deadline(
+    config: &CoordinatorConfig,
+    not_before: Option<DateTime<Utc>>,
+    now: DateTime<Utc>,
+) -> DateTime<Utc> {
+    let margin = config
+        .drain
+        .as_ref()
+        .and_then(|d| chrono::Duration::from_std(d.margin).ok())
+        .unwrap_or(chrono::Duration::seconds(60));
+    let Some(not_before) = not_before else {
+        return now + chrono::Duration::minutes(10);
+    };
+    let half = now + (not_before - now) / 2;
+    (not_before - margin)
+        .max(half)
+        .min(not_before - chrono::Duration::seconds(2))
+}
+
+fn input(result: &'static str) {
+    metrics::counter!("sched_relay_coordinator_input_total", "result" => result).increment(1);
+}
+
+fn printable(value: &Value) -> String {
+    crate::watch::printable(&value.to_string()).into_owned()
+}

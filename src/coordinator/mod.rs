@@ -1,0 +1,324 @@
+//! `sched-relay coordinate`: the fleet's control plane. It reads every agent's events from
+//! the broker they publish to, keeps the fleet's state durably, decides per group and
+//! disruption budget who may go down now, drains, and sends signed approvals to each VM's
+//! own approval channel, tracking the agents' outcomes.
+//!
+//! ```text
+//! agents --events--> broker --> coordinator --drain hook--> your drain
+//!    ^                              |
+//!    |                              +--signed approval--> broker --> agent --> IMDS
+//!    +----------------------------------------------------------------------------+
+//! ```
+//!
+//! Layout: [`fleet`] is the state built from the events (pure), [`policy`] the groups,
+//! budgets and decisions (pure), [`engine`] the loop that applies, stores, decides and acts,
+//! [`store`] the redb file, [`drain`] the hooks, [`config`] the file.
+
+pub mod config;
+pub mod drain;
+pub mod engine;
+pub mod fleet;
+pub mod policy;
+pub mod store;
+#[cfg(test)]
+mod tests;
+
+use std::future::Future;
+use std::sync::{Arc, RwLock};
+
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use serde_json::Value;
+use tokio::sync::{mpsc, watch};
+
+use config::{CoordinatorConfig, Input};
+use engine::Engine;
+use policy::Policy;
+
+/// Runs until `stop` completes. Errors are the ones that prevent a start (the key, the state
+/// store, the listener); broker and hook failures are logged and retried.
+pub async fn run(
+    config: CoordinatorConfig,
+    policy: Policy,
+    stop: impl Future<Output = ()>,
+) -> Result<(), String> {
+    crate::install_crypto_provider();
+    // The recorder must exist before the first metric is recorded.
+    crate::telemetry::prometheus();
+    describe_metrics();
+    let key_text = std::fs::read_to_string(&config.signing.key_file).map_err(|e| {
+        format!(
+            "signing.key_file {}: {e}",
+            config.signing.key_file.display()
+        )
+    })?;
+    let signer = sched_relay_core::approval::SigningKey::parse(&key_text).map_err(|e| {
+        format!(
+            "signing.key_file {}: {e}",
+            config.signing.key_file.display()
+        )
+    })?;
+    if signer.public_key().is_none() {
+        return Err(format!(
+            "signing.key_file {}: an HMAC key; the coordinator signs with Ed25519 only, so that no VM holds a key that can approve for the fleet (sched-relay gen-approval-key)",
+            config.signing.key_file.display()
+        ));
+    }
+    let store = store::Store::open(&config.coordinator.state_dir)?;
+    let fleet = store.load()?;
+    tracing::info!(
+        events = fleet.events.len(),
+        vms = fleet.vms.len(),
+        dry_run = config.coordinator.dry_run,
+        "Coordinator state loaded"
+    );
+    let listener = tokio::net::TcpListener::bind(config.coordinator.listen)
+        .await
+        .map_err(|e| format!("coordinator.listen {}: {e}", config.coordinator.listen))?;
+    let publisher: Arc<dyn sched_relay_transport::Sink> =
+        Arc::from(crate::sinks::registry::build(&config.approvals));
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+    let (deliveries, mut delivered) = mpsc::channel(64);
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let input = start_input(&config.input, deliveries, stop_rx)?;
+    let tick_every = config.coordinator.tick;
+    let mut engine = Engine::new(fleet, policy, config, store, signer, publisher, done_tx);
+    engine.resume();
+    let server = tokio::spawn(serve(listener, engine.snapshot.clone()));
+    tracing::info!("Coordinator running");
+    let mut tick = tokio::time::interval(tick_every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tokio::pin!(stop);
+    loop {
+        tokio::select! {
+            _ = &mut stop => break,
+            Some(delivery) = delivered.recv() => engine.deliver(delivery),
+            Some(done) = done_rx.recv() => engine.finished(done),
+            _ = tick.tick() => engine.tick(chrono::Utc::now()),
+        }
+    }
+    let _ = stop_tx.send(true);
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), input).await;
+    server.abort();
+    tracing::info!("Coordinator stopped");
+    Ok(())
+}
+
+/// `# HELP` texts of the coordinator's metrics.
+fn describe_metrics() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram};
+    describe_gauge!(
+        "sched_relay_coordinator_budget_in_use",
+        "VMs of the group down now (held by the coordinator, or started), until each reports the end."
+    );
+    describe_gauge!(
+        "sched_relay_coordinator_budget_limit",
+        "VMs of the group that may be down at once."
+    );
+    describe_gauge!(
+        "sched_relay_coordinator_group_size",
+        "VMs known in the group (agents, and VMs named in events)."
+    );
+    describe_counter!(
+        "sched_relay_coordinator_input_total",
+        "Messages read, by result: applied, outcome, document, duplicate, stale, foreign, ignored, invalid."
+    );
+    describe_counter!(
+        "sched_relay_coordinator_decisions_total",
+        "Decisions, by kind: approve, drain, budget, never, too_late, no_agent (a wait counts when its reason changes)."
+    );
+    describe_histogram!(
+        "sched_relay_coordinator_decision_seconds",
+        metrics::Unit::Seconds,
+        "From the message that allowed a decision to its drain started or approval signed and handed to the broker client."
+    );
+    describe_histogram!(
+        "sched_relay_coordinator_drain_seconds",
+        metrics::Unit::Seconds,
+        "Drain hook durations, by result."
+    );
+    describe_counter!(
+        "sched_relay_coordinator_drain_failures_total",
+        "Drain hooks that failed or ran out of time."
+    );
+    describe_counter!(
+        "sched_relay_coordinator_deadline_misses_total",
+        "Drains that had not finished by their deadline (NotBefore minus the margin)."
+    );
+    describe_counter!(
+        "sched_relay_coordinator_approvals_sent_total",
+        "Signed approvals the broker confirmed (repeats of one request included)."
+    );
+    describe_counter!(
+        "sched_relay_coordinator_publish_failures_total",
+        "Approvals the broker did not take (tried again)."
+    );
+    describe_counter!(
+        "sched_relay_coordinator_approval_outcomes_total",
+        "The agents' outcomes of this coordinator's approvals, by outcome and reason."
+    );
+    describe_counter!(
+        "sched_relay_coordinator_approvals_abandoned_total",
+        "Events given up after max_attempts or a refusal a new request cannot mend (alert on it)."
+    );
+    describe_counter!(
+        "sched_relay_coordinator_approvals_after_not_before_total",
+        "Approvals signed after the event's NotBefore (should stay 0)."
+    );
+}
+
+fn start_input(
+    input: &Input,
+    deliveries: sched_relay_transport::inbound::Deliveries,
+    stop: watch::Receiver<bool>,
+) -> Result<tokio::task::JoinHandle<()>, String> {
+    match input {
+        #[cfg(feature = "nats")]
+        Input::Nats {
+            url,
+            subject,
+            stream,
+            durable,
+            credentials_file,
+        } => {
+            let connection = serde_json::from_value(serde_json::json!({
+                "url": url, "credentials_file": credentials_file,
+            }))
+            .map_err(|e| format!("input: {e}"))?;
+            let spec = sched_relay_nats::source::NatsSourceSpec {
+                connection,
+                subject: subject.clone(),
+                fleet_subject: None,
+                jetstream: Some((stream.clone(), durable.clone())),
+                from_start: true,
+            };
+            Ok(tokio::spawn(sched_relay_nats::source::run(
+                spec, deliveries, stop,
+            )))
+        }
+        #[cfg(feature = "amqp")]
+        Input::Amqp {
+            url,
+            exchange,
+            queue,
+            binding_key,
+        } => {
+            let connection = serde_json::from_value(serde_json::json!({"url": url}))
+                .map_err(|e| format!("input: {e}"))?;
+            let spec = sched_relay_amqp::source::AmqpSourceSpec {
+                connection,
+                queue: queue.clone(),
+                declare: true,
+                exchange: exchange.clone(),
+                routing_key: binding_key.clone(),
+                fleet_routing_key: None,
+                prefetch: 256,
+                exclusive: false,
+            };
+            Ok(tokio::spawn(sched_relay_amqp::source::run(
+                spec, deliveries, stop,
+            )))
+        }
+        #[cfg(feature = "kafka")]
+        Input::Kafka {
+            brokers,
+            topic,
+            group_id,
+            since,
+        } => {
+            let connection = serde_json::from_value(serde_json::json!({"brokers": brokers}))
+                .map_err(|e| format!("input: {e}"))?;
+            let spec = sched_relay_kafka::source::KafkaSourceSpec {
+                connection,
+                topic: topic.clone(),
+                vm_name: String::new(),
+                by_key: false,
+                group_id: group_id.clone(),
+                max_age: *since,
+            };
+            Ok(tokio::spawn(sched_relay_kafka::source::run(
+                spec, deliveries, stop,
+            )))
+        }
+        #[allow(unreachable_patterns)]
+        _ => Err("input.kind: this sched-relay was built without support for it".into()),
+    }
+}
+
+type Snapshot = Arc<RwLock<Value>>;
+
+async fn serve(listener: tokio::net::TcpListener, snapshot: Snapshot) {
+    let app = axum::Router::new()
+        .route("/fleet", axum::routing::get(fleet_json))
+        .route("/metrics", axum::routing::get(metrics_text))
+        .route("/healthz", axum::routing::get(|| async { "ok\n" }))
+        .with_state(snapshot);
+    if let Err(error) = axum::serve(listener, app).await {
+        tracing::error!(error = %error, "The coordinator's listener stopped");
+    }
+}
+
+async fn fleet_json(State(snapshot): State<Snapshot>) -> impl IntoResponse {
+    let body = snapshot
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .to_string();
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/json")],
+        body,
+    )
+}
+
+async fn metrics_text() -> impl IntoResponse {
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        crate::telemetry::prometheus().render(),
+    )
+}
+
+/// `sched-relay coordinate`: loads (exit 2 with one line per problem), then runs until
+/// `stop`; `check` prints the groups and exits.
+pub async fn command(
+    path: &std::path::Path,
+    dry_run: bool,
+    check: bool,
+    format: crate::logging::LogFormat,
+    stop: impl Future<Output = ()>,
+) -> std::process::ExitCode {
+    use std::process::ExitCode;
+    let (mut config, policy) = match CoordinatorConfig::load(path) {
+        Ok(loaded) => loaded,
+        Err(errors) => {
+            for problem in &errors.0 {
+                let problem = problem.to_string();
+                eprintln!(
+                    "config error: {}",
+                    sched_relay_transport::redact::text(&problem)
+                );
+            }
+            return ExitCode::from(2);
+        }
+    };
+    config.coordinator.dry_run |= dry_run;
+    if check {
+        for group in &policy.groups {
+            println!(
+                "group {}: {:?}, {:?}",
+                group.name, group.budget, group.rules
+            );
+        }
+        return ExitCode::SUCCESS;
+    }
+    let _log = crate::logging::init("sched_relay=info,warn", format);
+    match run(config, policy, stop).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            tracing::error!(error = %error, "Coordinator failed");
+            eprintln!("error: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}

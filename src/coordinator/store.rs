@@ -1,0 +1,120 @@
+//! The coordinator's durable state: one redb file under `state_dir`. Every change is
+//! committed (fsync'd) before the message that caused it is acknowledged to the broker and
+//! before the drain or approval it records is started, so a kill -9 loses nothing: an
+//! unacknowledged message is delivered again (and de-duplicated), and a recorded approval
+//! without a confirmed publication is published again with the same request id.
+
+use std::path::Path;
+
+use chrono::{DateTime, Utc};
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+
+use super::fleet::{Fleet, Maintenance, Vm};
+
+const EVENTS: TableDefinition<&str, &[u8]> = TableDefinition::new("events");
+const VMS: TableDefinition<&str, &[u8]> = TableDefinition::new("vms");
+/// `source \n id` -> when it was applied (Unix seconds).
+const SEEN: TableDefinition<&str, i64> = TableDefinition::new("seen");
+
+pub struct Store {
+    db: Database,
+}
+
+/// What one commit writes.
+#[derive(Debug, Default)]
+pub struct Changes {
+    pub events: Vec<(String, Option<Maintenance>)>,
+    pub vms: Vec<(String, Vm)>,
+    pub seen: Vec<((String, String), DateTime<Utc>)>,
+    pub unseen: Vec<(String, String)>,
+}
+
+impl Changes {
+    pub fn is_empty(&self) -> bool {
+        self.events.is_empty()
+            && self.vms.is_empty()
+            && self.seen.is_empty()
+            && self.unseen.is_empty()
+    }
+}
+
+fn seen_key(source: &str, id: &str) -> String {
+    format!("{source}\n{id}")
+}
+
+impl Store {
+    pub fn open(dir: &Path) -> Result<Store, String> {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| format!("state directory {}: {e}", dir.display()))?;
+        let path = dir.join("coordinator.redb");
+        let db = Database::create(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let store = Store { db };
+        store.write(&Changes::default())?;
+        Ok(store)
+    }
+
+    /// Everything stored.
+    pub fn load(&self) -> Result<Fleet, String> {
+        let txn = self.db.begin_read().map_err(|e| e.to_string())?;
+        let mut fleet = Fleet::default();
+        let events = txn.open_table(EVENTS).map_err(|e| e.to_string())?;
+        for row in events.iter().map_err(|e| e.to_string())? {
+            let (key, value) = row.map_err(|e| e.to_string())?;
+            let m: Maintenance = serde_json::from_slice(value.value())
+                .map_err(|e| format!("stored event {}: {e}", key.value()))?;
+            fleet.events.insert(key.value().to_owned(), m);
+        }
+        let vms = txn.open_table(VMS).map_err(|e| e.to_string())?;
+        for row in vms.iter().map_err(|e| e.to_string())? {
+            let (key, value) = row.map_err(|e| e.to_string())?;
+            let vm: Vm = serde_json::from_slice(value.value())
+                .map_err(|e| format!("stored VM {}: {e}", key.value()))?;
+            fleet.vms.insert(key.value().to_owned(), vm);
+        }
+        let seen = txn.open_table(SEEN).map_err(|e| e.to_string())?;
+        for row in seen.iter().map_err(|e| e.to_string())? {
+            let (key, at) = row.map_err(|e| e.to_string())?;
+            let (source, id) = key.value().split_once('\n').unwrap_or((key.value(), ""));
+            let at = DateTime::from_timestamp(at.value(), 0).unwrap_or_default();
+            fleet.seen.insert((source.to_owned(), id.to_owned()), at);
+        }
+        Ok(fleet)
+    }
+
+    /// Commits `changes` durably, all or nothing.
+    pub fn write(&self, changes: &Changes) -> Result<(), String> {
+        let txn = self.db.begin_write().map_err(|e| e.to_string())?;
+        {
+            let mut events = txn.open_table(EVENTS).map_err(|e| e.to_string())?;
+            for (key, m) in &changes.events {
+                match m {
+                    Some(m) => {
+                        let json = serde_json::to_vec(m).map_err(|e| e.to_string())?;
+                        events
+                            .insert(key.as_str(), json.as_slice())
+                            .map_err(|e| e.to_string())?;
+                    }
+                    None => {
+                        events.remove(key.as_str()).map_err(|e| e.to_string())?;
+                    }
+                }
+            }
+            let mut vms = txn.open_table(VMS).map_err(|e| e.to_string())?;
+            for (name, vm) in &changes.vms {
+                let json = serde_json::to_vec(vm).map_err(|e| e.to_string())?;
+                vms.insert(name.as_str(), json.as_slice())
+                    .map_err(|e| e.to_string())?;
+            }
+            let mut seen = txn.open_table(SEEN).map_err(|e| e.to_string())?;
+            for ((source, id), at) in &changes.seen {
+                seen.insert(seen_key(source, id).as_str(), at.timestamp())
+                    .map_err(|e| e.to_string())?;
+            }
+            for (source, id) in &changes.unseen {
+                seen.remove(seen_key(source, id).as_str())
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        txn.commit().map_err(|e| e.to_string())
+    }
+}

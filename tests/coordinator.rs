@@ -1,0 +1,392 @@
+//! The fleet coordinator end to end, on a small fleet: 20 real agents (the shipped `[imds]`
+//! defaults), each against its own simulated IMDS, publishing to the machine's real NATS
+//! JetStream; the real `sched-relay coordinate` reading them, draining through a command,
+//! and approving over each VM's JetStream approval subject. Killed with SIGKILL half-way
+//! and started again on the same state.
+//!
+//! What is checked comes from the simulators, not the coordinator: every approvable event
+//! got exactly one accepted POST, before its NotBefore; the VMs physically down at once
+//! (from an approval's POST until the event's end) never exceed a group's budget; an event
+//! whose action is `never` got no POST; every VM was drained before its approval.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{AgentProcess, BINARY, SimProcess, blocking_get};
+use sched_relay_core::approval::SigningKey;
+use sched_relay_transport::testing::{broker_available, free_port, unique};
+use serde_json::Value;
+
+const NATS: &str = "127.0.0.1:4222";
+const NATS_URL: &str = "nats://127.0.0.1:4222";
+/// How long a Reboot stays Started once approved (the simulator's `started_for`).
+const DOWN_FOR: Duration = Duration::from_secs(2);
+/// The notice of every event: the wave must be done well within it.
+const NOTICE: Duration = Duration::from_secs(120);
+
+/// `sched-relay coordinate` as a child process, killed when dropped.
+struct Coordinator {
+    child: Option<Child>,
+    config: PathBuf,
+    log: PathBuf,
+    port: u16,
+}
+
+impl Coordinator {
+    fn start(config: PathBuf, log: PathBuf, port: u16) -> Coordinator {
+        let mut coordinator = Coordinator {
+            child: None,
+            config,
+            log,
+            port,
+        };
+        coordinator.spawn();
+        coordinator
+    }
+
+    fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let child = Command::new(BINARY)
+            .args(["coordinate", "--config"])
+            .arg(&self.config)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            let exited = self.child.as_mut().unwrap().try_wait().unwrap();
+            assert!(
+                exited.is_none() && Instant::now() < deadline,
+                "the coordinator did not start ({exited:?}):\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn fleet(&self) -> Value {
+        let (status, body) = blocking_get(&format!("http://127.0.0.1:{}/fleet", self.port), &[]);
+        assert_eq!(status, 200, "{body}");
+        serde_json::from_str(&body).unwrap()
+    }
+
+    fn metrics(&self) -> String {
+        blocking_get(&format!("http://127.0.0.1:{}/metrics", self.port), &[]).1
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Coordinator {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+fn scenario(vm: &str, events: &[(&str, &str, i64)]) -> String {
+    let mut text = format!(
+        "[vm]\nname = \"{vm}\"\nresource_id = \"/subscriptions/s/resourceGroups/rg-{group}/providers/Microsoft.Compute/virtualMachines/{vm}\"\n",
+        group = vm.split('-').next().unwrap()
+    );
+    for (id, ty, duration) in events {
+        text.push_str(&format!(
+            "\n[[events]]\nid = \"{id}\"\ntype = \"{ty}\"\nresources = [\"{vm}\"]\nappear_after = \"1s\"\nnotice = \"{}s\"\nduration_in_seconds = {duration}\nstarted_for = \"{}s\"\n",
+            NOTICE.as_secs(),
+            DOWN_FOR.as_secs()
+        ));
+    }
+    text
+}
+
+fn event_id(n: usize, kind: u8) -> String {
+    format!("c0000000-0000-4000-8000-{kind:02}{n:010}")
+}
+
+/// Each simulator's POSTs: (EventIds in the body, Unix microseconds, status).
+fn posts(sim: &SimProcess) -> Vec<(String, i64, u64)> {
+    sim.requests()
+        .into_iter()
+        .filter(|r| r["method"] == "POST")
+        .map(|r| {
+            (
+                r["body"].as_str().unwrap().to_owned(),
+                r["unix_us"].as_i64().unwrap(),
+                r["status"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect()
+}
+
+/// The most VMs down at one moment, each approval taking its VM down for
+/// `[POST, POST + DOWN_FOR)` (two events of one VM at once are one VM down).
+fn most_at_once(starts: &[(String, i64)]) -> usize {
+    let down = DOWN_FOR.as_micros() as i64;
+    starts
+        .iter()
+        .map(|(_, t)| {
+            let vms: std::collections::BTreeSet<&String> = starts
+                .iter()
+                .filter(|(_, s)| s <= t && *t < s + down)
+                .map(|(vm, _)| vm)
+                .collect();
+            vms.len()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+#[test]
+fn a_wave_of_reboots_is_drained_and_approved_within_each_groups_budget_across_a_coordinator_kill() {
+    if !broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = unique("coord");
+    let stream = unique("COORD");
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(sched_relay_nats::testing::create_stream(
+            NATS_URL,
+            &stream,
+            &format!("{prefix}.>"),
+        ));
+    let key_file = dir.path().join("coordinator.key");
+    let key = SigningKey::generate_ed25519().unwrap();
+    std::fs::write(&key_file, &key).unwrap();
+    let public_key = SigningKey::parse(&key).unwrap().public_key().unwrap();
+
+    // 20 VMs: web-0..9 (at most 2 down) and db-0..9 (at most 20 %, so 2). Every VM gets a
+    // Reboot (drain, then approve); web-0 a 5 s Freeze too (approve); db-9 a Terminate
+    // (never).
+    let vms: Vec<String> = (0..10)
+        .map(|i| format!("web-{i}"))
+        .chain((0..10).map(|i| format!("db-{i}")))
+        .collect();
+    let mut sims = BTreeMap::new();
+    let mut agents = Vec::new();
+    for (n, vm) in vms.iter().enumerate() {
+        let reboot = event_id(n, 1);
+        let mut events = vec![(reboot.as_str(), "Reboot", -1)];
+        let freeze = event_id(n, 2);
+        let terminate = event_id(n, 3);
+        if vm == "web-0" {
+            events.push((freeze.as_str(), "Freeze", 5));
+        }
+        if vm == "db-9" {
+            events.push((terminate.as_str(), "Terminate", 0));
+        }
+        let path = dir.path().join(format!("{vm}.toml"));
+        std::fs::write(&path, scenario(vm, &events)).unwrap();
+        let sim = SimProcess::start(path.to_str().unwrap(), 1.0);
+        let agent = AgentProcess::start_on_defaults(
+            &sim.url,
+            &format!(
+                "[[sinks]]\nname = \"bus\"\nkind = \"nats\"\nurl = \"{NATS_URL}\"\nsubject = \"{prefix}.{{vmname}}.{{transition}}\"\njetstream = true\n\n\
+                 [approvals.nats]\nsink = \"bus\"\nsubject = \"{prefix}.approvals.{{vmname}}\"\nstream = \"{stream}\"\n\n\
+                 [[approvals.keys]]\nid = \"coordinator\"\nalgorithm = \"ed25519\"\npublic_key = \"{public_key}\"\n"
+            ),
+        );
+        sims.insert(vm.clone(), sim);
+        agents.push(agent);
+    }
+
+    let drains = dir.path().join("drains.log");
+    let drain_script = dir.path().join("drain.sh");
+    std::fs::write(
+        &drain_script,
+        format!(
+            "echo \"$1 $2 $(date +%s%6N)\" >> {}\nsleep 0.2\n",
+            drains.display()
+        ),
+    )
+    .unwrap();
+    let port = free_port();
+    let config = dir.path().join("coordinator.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[coordinator]
+source = "urn:sched-relay:coordinator:test"
+state_dir = "{state}"
+listen = "127.0.0.1:{port}"
+
+[input]
+kind = "nats"
+url = "{NATS_URL}"
+stream = "{stream}"
+subject = "{prefix}.>"
+durable = "coordinator"
+
+[approvals]
+kind = "nats"
+url = "{NATS_URL}"
+subject = "{prefix}.approvals.{{vmname}}"
+jetstream = true
+
+[signing]
+key_file = "{key}"
+key_id = "coordinator"
+
+[drain]
+command = ["sh", "{script}", "{{vmname}}", "{{eventid}}"]
+margin = "30s"
+
+[defaults]
+max_down = 1
+[defaults.actions]
+Reboot = "drain_then_approve"
+Freeze = {{ action = "approve", max_duration = "10s" }}
+Terminate = "never"
+
+[[groups]]
+name = "web"
+vm_name = "web-*"
+max_down = 2
+
+[[groups]]
+name = "db"
+vm_name = "db-*"
+max_down_percent = 20
+"#,
+            state = dir.path().join("state").display(),
+            key = key_file.display(),
+            script = drain_script.display(),
+        ),
+    )
+    .unwrap();
+    let started = Instant::now();
+    let mut coordinator = Coordinator::start(config, dir.path().join("coordinator.log"), port);
+
+    // Half-way through the wave: SIGKILL, and start again on the same state.
+    let approvals_so_far = || -> usize { sims.values().map(|s| posts(s).len()).sum() };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while approvals_so_far() < 6 {
+        assert!(
+            Instant::now() < deadline,
+            "no approvals:\n{}",
+            coordinator.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    coordinator.kill9();
+    std::thread::sleep(Duration::from_millis(500));
+    coordinator.spawn();
+
+    // 21 approvable events (20 Reboots, 1 Freeze), each POSTed once.
+    let deadline = Instant::now() + NOTICE - Duration::from_secs(20);
+    while approvals_so_far() < 21 {
+        assert!(
+            Instant::now() < deadline,
+            "{} of 21 events approved after {:?}:\n{}\n{}",
+            approvals_so_far(),
+            started.elapsed(),
+            coordinator.fleet(),
+            coordinator.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    std::thread::sleep(DOWN_FOR + Duration::from_secs(2));
+    eprintln!("wave approved in {:?}", started.elapsed());
+
+    let drained = std::fs::read_to_string(&drains).unwrap();
+    let mut groups: BTreeMap<&str, Vec<(String, i64)>> = BTreeMap::new();
+    for (index, vm) in vms.iter().enumerate() {
+        let sim = &sims[vm];
+        let posts = posts(sim);
+        let state = sim.state();
+        let not_before_us = state["started_unix_us"].as_i64().unwrap()
+            + (Duration::from_secs(1) + NOTICE).as_micros() as i64;
+        let mut expected = vec![event_id(index, 1)];
+        if vm == "web-0" {
+            expected.push(event_id(index, 2));
+        }
+        for id in &expected {
+            let for_it: Vec<_> = posts
+                .iter()
+                .filter(|(body, _, _)| body.contains(id.as_str()))
+                .collect();
+            assert_eq!(for_it.len(), 1, "{vm}: one POST for {id}: {posts:?}");
+            let (_, at, status) = for_it[0];
+            assert_eq!(*status, 200, "{vm}: {posts:?}");
+            assert!(*at < not_before_us, "{vm}: approved after NotBefore");
+            groups
+                .entry(if vm.starts_with("web") { "web" } else { "db" })
+                .or_default()
+                .push((vm.clone(), *at));
+        }
+        assert!(
+            !posts
+                .iter()
+                .any(|(body, _, _)| body.contains(&event_id(index, 3))),
+            "the Terminate (never) was approved: {posts:?}"
+        );
+        // Drained before its Reboot was approved.
+        let reboot = event_id(index, 1);
+        let drain_at: i64 = drained
+            .lines()
+            .find(|line| line.starts_with(&format!("{vm} ")) && line.contains(&reboot))
+            .unwrap_or_else(|| panic!("{vm} was never drained:\n{drained}"))
+            .rsplit(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let reboot_post = posts
+            .iter()
+            .find(|(body, _, _)| body.contains(&reboot))
+            .unwrap()
+            .1;
+        assert!(
+            drain_at < reboot_post,
+            "{vm}: approved before it was drained"
+        );
+    }
+    for (group, starts) in &groups {
+        let most = most_at_once(starts);
+        eprintln!("group {group}: at most {most} VM(s) down at once");
+        assert!(
+            most <= 2,
+            "group {group}: {most} VMs down at once (budget 2)"
+        );
+    }
+    let fleet = coordinator.fleet();
+    let budgets: Vec<(String, u64)> = fleet["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| {
+            (
+                g["group"].as_str().unwrap().to_owned(),
+                g["limit"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(budgets[..2], [("web".into(), 2), ("db".into(), 2)]);
+    let metrics = coordinator.metrics();
+    assert!(
+        metrics.contains("sched_relay_coordinator_budget_in_use{group=\"web\"}"),
+        "{metrics}"
+    );
+}
