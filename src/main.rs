@@ -72,7 +72,7 @@ enum Command {
     Watch {
         /// A file sink's path, nats://host:4222[?subject=scheduledevents.>],
         /// amqp://user:pass@host:5672/%2f[?exchange=scheduledevents&binding_key=#] or
-        /// kafka://host:9092[/topic][?since=24h].
+        /// kafka://host:9092[/topic][?since=24h], or a coordinator's http://host:9465.
         #[arg(long)]
         from: sched_relay::watch::Feed,
         /// Read for --settle, print the table once and exit (for scripts).

@@ -203,6 +203,8 @@ pub fn decode(message: &Inbound) -> Option<Value> {
 pub enum Feed {
     File(std::path::PathBuf),
     Broker(url::Url),
+    /// A coordinator's `/fleet` (its decisions and budgets as well).
+    Coordinator(url::Url),
 }
 
 impl std::str::FromStr for Feed {
@@ -213,8 +215,9 @@ impl std::str::FromStr for Feed {
             Ok(url) if matches!(url.scheme(), "nats" | "tls" | "amqp" | "amqps" | "kafka") => {
                 Ok(Feed::Broker(url))
             }
+            Ok(url) if matches!(url.scheme(), "http" | "https") => Ok(Feed::Coordinator(url)),
             Ok(url) if url.scheme().len() > 1 => Err(format!(
-                "--from {text}: expected a file path, nats://, amqp:// or kafka://"
+                "--from {text}: expected a file path, nats://, amqp://, kafka:// or a coordinator's http://host:9465"
             )),
             _ => Ok(Feed::File(text.into())),
         }
@@ -229,6 +232,9 @@ pub async fn run(
     settle: Duration,
     out: &mut (impl Write + Send),
 ) -> Result<(), String> {
+    if let Feed::Coordinator(url) = from {
+        return coordinator::run(url, once, out).await;
+    }
     let (tx, mut rx) = mpsc::channel::<Delivery>(256);
     let (stop, stop_rx) = watch::channel(false);
     let reader = start(from, tx, stop_rx)?;
@@ -274,6 +280,7 @@ fn start(
     match from {
         Feed::File(path) => Ok(tokio::spawn(follow_file(path, tx, stop))),
         Feed::Broker(url) => broker(url, tx, stop),
+        Feed::Coordinator(_) => unreachable!("run() reads a coordinator itself"),
     }
 }
 
@@ -397,5 +404,8 @@ fn broker(
     }
 }
 
+mod coordinator;
 #[cfg(test)]
 mod tests;
+
+pub use coordinator::render as render_coordinator;

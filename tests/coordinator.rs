@@ -384,6 +384,22 @@ max_down_percent = 20
         })
         .collect();
     assert_eq!(budgets[..2], [("web".into(), 2), ("db".into(), 2)]);
+    // `watch` reads the coordinator: a row per VM and event, and the budgets.
+    let table = common::stdout_of(Command::new(BINARY).args([
+        "watch",
+        "--from",
+        &format!("http://127.0.0.1:{port}"),
+        "--once",
+    ]));
+    assert!(table.contains("group web: 0 of 2 down (10 VMs)"), "{table}");
+    let terminate = table
+        .lines()
+        .find(|line| line.contains(&event_id(19, 3)))
+        .unwrap_or_else(|| panic!("no row for the Terminate:\n{table}"));
+    assert!(
+        terminate.contains("db-9") && terminate.contains("never"),
+        "{terminate}"
+    );
     let metrics = coordinator.metrics();
     assert!(
         metrics.contains("sched_relay_coordinator_budget_in_use{group=\"web\"}"),

@@ -178,10 +178,10 @@ pub struct GroupConfig {
     /// Parts of the VM's Azure resource id (as its agent reports it).
     #[serde(default)]
     pub resource_group: Option<String>,
+    /// A uniform scale set (its VMs' ids name it; a flexible scale set's VMs have plain
+    /// VM ids: group those by name).
     #[serde(default)]
     pub scale_set: Option<String>,
-    #[serde(default)]
-    pub availability_set: Option<String>,
     #[serde(default)]
     pub max_down: Option<u32>,
     #[serde(default)]
@@ -396,12 +396,11 @@ impl CoordinatorConfig {
                 vm_name: group.vm_name.clone(),
                 resource_group: group.resource_group.clone(),
                 scale_set: group.scale_set.clone(),
-                availability_set: group.availability_set.clone(),
             };
             if matcher.is_empty() {
                 problems.push(problem(
                     at.clone(),
-                    "matches nothing: set vm_name, resource_group, scale_set or availability_set",
+                    "matches nothing: set vm_name, resource_group or scale_set",
                 ));
             }
             let mut rules = default_actions.clone();

@@ -47,21 +47,19 @@ pub enum Budget {
     Percent(u32),
 }
 
-/// Which VMs belong to a group; every part that is set must match.
+/// Which VMs belong to a group; every part that is set must match. There is no availability
+/// set part: a VM's resource id does not name its availability set, and neither does the
+/// metadata service; group such VMs by name.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Matcher {
     pub vm_name: Option<String>,
     pub resource_group: Option<String>,
     pub scale_set: Option<String>,
-    pub availability_set: Option<String>,
 }
 
 impl Matcher {
     pub fn is_empty(&self) -> bool {
-        self.vm_name.is_none()
-            && self.resource_group.is_none()
-            && self.scale_set.is_none()
-            && self.availability_set.is_none()
+        self.vm_name.is_none() && self.resource_group.is_none() && self.scale_set.is_none()
     }
 
     /// Resource-id parts compare ignoring case (Azure's ids are case-insensitive); a VM
@@ -88,7 +86,6 @@ impl Matcher {
         for (wanted, segment) in [
             (&self.resource_group, "resourceGroups"),
             (&self.scale_set, "virtualMachineScaleSets"),
-            (&self.availability_set, "availabilitySets"),
         ] {
             if let Some(wanted) = wanted
                 && !part(segment).is_some_and(|found| {
