@@ -12,14 +12,13 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{AgentProcess, BINARY, SimProcess, blocking_get};
+use common::fleet::{Coordinator, most_at_once, posts};
+use common::{AgentProcess, BINARY, SimProcess};
 use sched_relay_core::approval::SigningKey;
 use sched_relay_transport::testing::{broker_available, free_port, unique};
-use serde_json::Value;
 
 const NATS: &str = "127.0.0.1:4222";
 const NATS_URL: &str = "nats://127.0.0.1:4222";
@@ -27,80 +26,6 @@ const NATS_URL: &str = "nats://127.0.0.1:4222";
 const DOWN_FOR: Duration = Duration::from_secs(2);
 /// The notice of every event: the wave must be done well within it.
 const NOTICE: Duration = Duration::from_secs(120);
-
-/// `sched-relay coordinate` as a child process, killed when dropped.
-struct Coordinator {
-    child: Option<Child>,
-    config: PathBuf,
-    log: PathBuf,
-    port: u16,
-}
-
-impl Coordinator {
-    fn start(config: PathBuf, log: PathBuf, port: u16) -> Coordinator {
-        let mut coordinator = Coordinator {
-            child: None,
-            config,
-            log,
-            port,
-        };
-        coordinator.spawn();
-        coordinator
-    }
-
-    fn spawn(&mut self) {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .unwrap();
-        let child = Command::new(BINARY)
-            .args(["coordinate", "--config"])
-            .arg(&self.config)
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            let exited = self.child.as_mut().unwrap().try_wait().unwrap();
-            assert!(
-                exited.is_none() && Instant::now() < deadline,
-                "the coordinator did not start ({exited:?}):\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    fn kill9(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    fn fleet(&self) -> Value {
-        let (status, body) = blocking_get(&format!("http://127.0.0.1:{}/fleet", self.port), &[]);
-        assert_eq!(status, 200, "{body}");
-        serde_json::from_str(&body).unwrap()
-    }
-
-    fn metrics(&self) -> String {
-        blocking_get(&format!("http://127.0.0.1:{}/metrics", self.port), &[]).1
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Coordinator {
-    fn drop(&mut self) {
-        self.kill9();
-    }
-}
 
 fn scenario(vm: &str, events: &[(&str, &str, i64)]) -> String {
     let mut text = format!(
@@ -119,39 +44,6 @@ fn scenario(vm: &str, events: &[(&str, &str, i64)]) -> String {
 
 fn event_id(n: usize, kind: u8) -> String {
     format!("c0000000-0000-4000-8000-{kind:02}{n:010}")
-}
-
-/// Each simulator's POSTs: (EventIds in the body, Unix microseconds, status).
-fn posts(sim: &SimProcess) -> Vec<(String, i64, u64)> {
-    sim.requests()
-        .into_iter()
-        .filter(|r| r["method"] == "POST")
-        .map(|r| {
-            (
-                r["body"].as_str().unwrap().to_owned(),
-                r["unix_us"].as_i64().unwrap(),
-                r["status"].as_u64().unwrap_or(0),
-            )
-        })
-        .collect()
-}
-
-/// The most VMs down at one moment, each approval taking its VM down for
-/// `[POST, POST + DOWN_FOR)` (two events of one VM at once are one VM down).
-fn most_at_once(starts: &[(String, i64)]) -> usize {
-    let down = DOWN_FOR.as_micros() as i64;
-    starts
-        .iter()
-        .map(|(_, t)| {
-            let vms: std::collections::BTreeSet<&String> = starts
-                .iter()
-                .filter(|(_, s)| s <= t && *t < s + down)
-                .map(|(vm, _)| vm)
-                .collect();
-            vms.len()
-        })
-        .max()
-        .unwrap_or(0)
 }
 
 #[test]
@@ -364,7 +256,7 @@ max_down_percent = 20
         );
     }
     for (group, starts) in &groups {
-        let most = most_at_once(starts);
+        let most = most_at_once(starts, DOWN_FOR);
         eprintln!("group {group}: at most {most} VM(s) down at once");
         assert!(
             most <= 2,

@@ -65,10 +65,14 @@ pub struct General {
     /// Never approve an event whose NotBefore is closer than this: Azure starts it anyway.
     #[serde(default = "default_min_lead", with = "humantime_serde")]
     pub min_lead: Duration,
-    /// An event no agent has reported on for this long no longer counts against a budget
-    /// (its agents are gone) and is forgotten.
+    /// An event no agent has reported on for this long is forgotten, and so is an agent
+    /// silent that long (it leaves its group's size). At least an hour.
     #[serde(default = "default_forget_after", with = "humantime_serde")]
     pub forget_after: Duration,
+    /// A held or started event stops counting against its budget this long after its
+    /// NotBefore and its last report: a Spot-evicted or deleted VM never reports the end.
+    #[serde(default = "default_max_hold", with = "humantime_serde")]
+    pub max_hold: Duration,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -212,6 +216,9 @@ fn default_max_attempts() -> u32 {
 fn default_min_lead() -> Duration {
     Duration::from_secs(2)
 }
+fn default_max_hold() -> Duration {
+    Duration::from_secs(3600)
+}
 fn default_forget_after() -> Duration {
     Duration::from_secs(24 * 3600)
 }
@@ -293,6 +300,57 @@ impl CoordinatorConfig {
                 "no agent reads approvals from a file or stdout; use nats, amqp, kafka or webhook (or dry_run = true)",
             ));
         }
+        let general = &self.coordinator;
+        let hour = Duration::from_secs(3600);
+        let day = 24 * hour;
+        for (key, value, low, high) in [
+            (
+                "tick",
+                general.tick,
+                Duration::from_millis(50),
+                Duration::from_secs(60),
+            ),
+            (
+                "outcome_timeout",
+                general.outcome_timeout,
+                Duration::from_secs(1),
+                hour,
+            ),
+            ("min_lead", general.min_lead, Duration::ZERO, hour),
+            ("forget_after", general.forget_after, hour, 30 * day),
+            (
+                "max_hold",
+                general.max_hold,
+                Duration::from_secs(60),
+                7 * day,
+            ),
+        ] {
+            if value < low || value > high {
+                problems.push(problem(
+                    format!("coordinator.{key}"),
+                    format!(
+                        "{} is outside {}..{}",
+                        humantime::format_duration(value),
+                        humantime::format_duration(low),
+                        humantime::format_duration(high)
+                    ),
+                ));
+            }
+        }
+        if general.max_attempts == 0 {
+            problems.push(problem("coordinator.max_attempts", "must be at least 1"));
+        }
+        let routed_by_name = match &self.approvals {
+            SinkKind::Nats(nats) => Some(("subject", nats.subject.contains("{vmname}"))),
+            SinkKind::Amqp(amqp) => Some(("routing_key", amqp.routing_key.contains("{vmname}"))),
+            _ => None,
+        };
+        if let Some((key, false)) = routed_by_name {
+            problems.push(problem(
+                format!("approvals.{key}"),
+                "must contain {vmname}: each VM's agent reads only its own approvals (scheduledevents.approvals.{vmname})",
+            ));
+        }
         if self.signing.key_id.trim().is_empty() {
             problems.push(problem(
                 "signing.key_id",
@@ -311,6 +369,9 @@ impl CoordinatorConfig {
                 )),
                 (Some(command), None) if command.is_empty() => {
                     problems.push(problem("drain.command", "must name a program"))
+                }
+                _ if drain.margin > Duration::from_secs(24 * 3600) => {
+                    problems.push(problem("drain.margin", "must be at most a day"))
                 }
                 (None, Some(url)) if url::Url::parse(url).is_err() => {
                     problems.push(problem("drain.url", format!("{url:?} is not a URL")))
@@ -343,7 +404,15 @@ impl CoordinatorConfig {
                         "drain_then_approve needs a [drain] section (a command or a url)",
                     ));
                 }
-                rules.insert(event_type.to_ascii_lowercase(), rule);
+                if rules
+                    .insert(event_type.to_ascii_lowercase(), rule)
+                    .is_some()
+                {
+                    problems.push(problem(
+                        format!("{at}.{event_type}"),
+                        "names an EventType already given (types compare ignoring case)",
+                    ));
+                }
             }
             rules
         };
@@ -424,10 +493,11 @@ impl CoordinatorConfig {
             rules: default_actions,
         });
         if problems.is_empty() {
+            let duration = |d: Duration| chrono::Duration::from_std(d).expect("bounded above");
             Ok(Policy {
                 groups,
-                min_lead: chrono::Duration::from_std(self.coordinator.min_lead)
-                    .unwrap_or(chrono::Duration::zero()),
+                min_lead: duration(self.coordinator.min_lead),
+                max_hold: duration(self.coordinator.max_hold),
             })
         } else {
             Err(ConfigErrors(problems))

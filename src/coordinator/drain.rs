@@ -20,7 +20,7 @@ pub struct Job {
 }
 
 /// Runs the hook for one VM; `Ok` once it says drained, `Err(why)` otherwise (a failure, or
-/// the deadline passed: the process group is killed, the request dropped).
+/// the deadline passed: the command's whole process group is killed, the request dropped).
 pub async fn run(config: &Drain, http: &reqwest::Client, job: &Job) -> Result<(), String> {
     let left = (job.deadline - Utc::now())
         .to_std()
@@ -30,7 +30,7 @@ pub async fn run(config: &Drain, http: &reqwest::Client, job: &Job) -> Result<()
     }
     let work = async {
         match (&config.command, &config.url) {
-            (Some(command), _) => command_hook(command, job).await,
+            (Some(command), _) => command_hook(command, job, left).await,
             (None, Some(url)) => webhook_hook(http, url, job).await,
             (None, None) => Err("no drain hook configured".into()),
         }
@@ -51,7 +51,9 @@ fn expand(text: &str, job: &Job) -> String {
         .replace("{eventtype}", &job.event_type)
 }
 
-async fn command_hook(command: &[String], job: &Job) -> Result<(), String> {
+/// The command in its own process group, killed as a group at the deadline; its exit
+/// decides (a child it leaves running in the background does not hold the result).
+async fn command_hook(command: &[String], job: &Job, left: Duration) -> Result<(), String> {
     let mut process = tokio::process::Command::new(&command[0]);
     process
         .args(command[1..].iter().map(|a| expand(a, job)))
@@ -65,28 +67,28 @@ async fn command_hook(command: &[String], job: &Job) -> Result<(), String> {
         )
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
+        // Its messages join the coordinator's own log stream (the journal, say).
+        .stderr(std::process::Stdio::inherit())
         .kill_on_drop(true)
         .process_group(0);
-    let output = process
-        .output()
-        .await
+    let mut child = process
+        .spawn()
         .map_err(|e| format!("{}: {e}", command[0]))?;
-    if output.status.success() {
-        return Ok(());
-    }
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    let last = stderr.lines().last().unwrap_or("").trim();
-    Err(format!(
-        "{} exited with {}{}",
-        command[0],
-        output.status,
-        if last.is_empty() {
-            String::new()
-        } else {
-            format!(": {}", last.chars().take(200).collect::<String>())
+    let group = child.id();
+    match tokio::time::timeout(left, child.wait()).await {
+        Ok(Ok(status)) if status.success() => Ok(()),
+        Ok(Ok(status)) => Err(format!("{} exited with {status}", command[0])),
+        Ok(Err(error)) => Err(format!("{}: {error}", command[0])),
+        Err(_) => {
+            if let Some(group) = group {
+                sched_relay_exec::kill_group(group);
+            }
+            Err(format!(
+                "did not finish by the deadline {} (killed with its process group)",
+                job.deadline.to_rfc3339()
+            ))
         }
-    ))
+    }
 }
 
 async fn webhook_hook(http: &reqwest::Client, url: &str, job: &Job) -> Result<(), String> {

@@ -150,6 +150,9 @@ pub struct Policy {
     pub groups: Vec<Group>,
     /// Events whose NotBefore is closer than this are left to Azure.
     pub min_lead: chrono::Duration,
+    /// A held event stops counting this long after its NotBefore and its last report (a
+    /// Spot-evicted or deleted VM never reports the end).
+    pub max_hold: chrono::Duration,
 }
 
 impl Policy {
@@ -172,20 +175,20 @@ pub struct Usage {
     pub down: BTreeSet<String>,
 }
 
-/// Every group's known VMs and the VMs down now.
-pub fn usage(fleet: &Fleet, policy: &Policy) -> Vec<Usage> {
+/// Every group's VMs with an agent, and the VMs down at `now` (with or without an agent).
+pub fn usage(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Vec<Usage> {
     let mut members: Vec<BTreeSet<&str>> = vec![BTreeSet::new(); policy.groups.len()];
     let mut down: Vec<BTreeSet<String>> = vec![BTreeSet::new(); policy.groups.len()];
-    let known = fleet.vms.keys().map(String::as_str).chain(
-        fleet
-            .events
-            .values()
-            .flat_map(|m| m.resources.iter().map(String::as_str)),
-    );
-    for vm in known {
+    // Only agents make a group's size: names in a message's Resources cost nothing to
+    // invent, and would widen a percentage.
+    for vm in fleet.vms.keys() {
         members[policy.group_of(fleet, vm)].insert(vm);
     }
-    for m in fleet.events.values().filter(|m| m.holds()) {
+    let counts = |m: &&Maintenance| {
+        let since = m.not_before.unwrap_or(m.first_seen).max(m.last_report);
+        m.holds() && now - since <= policy.max_hold
+    };
+    for m in fleet.events.values().filter(counts) {
         for vm in m.affected() {
             if !m.over_for(&vm) {
                 down[policy.group_of(fleet, &vm)].insert(vm);
@@ -273,11 +276,13 @@ pub struct Decisions {
 
 /// Decides, for every event nobody has acted on yet, what to do now.
 pub fn decide(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Decisions {
-    let mut usage = usage(fleet, policy);
+    let mut usage = usage(fleet, policy, now);
     let mut pending: Vec<(&String, &Maintenance)> = fleet
         .events
         .iter()
-        .filter(|(_, m)| m.approval.is_none() && m.drain.is_none() && m.all_scheduled())
+        .filter(|(_, m)| {
+            m.approval.is_none() && m.drain.is_none() && !m.approved_elsewhere && m.all_scheduled()
+        })
         .filter(|(_, m)| !m.reports.is_empty())
         .collect();
     pending.sort_by_key(|(key, m)| (m.not_before, m.first_seen, (*key).clone()));
@@ -304,12 +309,18 @@ pub fn decide(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Decisions {
     decisions
 }
 
-/// The agent an approval goes to: the first VM in Resources that has one (one approval
-/// releases every VM the event lists).
+/// The agent an approval goes to: the first VM in Resources whose agent has reported the
+/// event (its document has it, so the agent will not answer `unknown_event`), else the first
+/// with an agent at all. One approval releases every VM the event lists.
 pub fn approver(fleet: &Fleet, m: &Maintenance) -> Option<String> {
-    m.affected()
-        .into_iter()
-        .find(|vm| fleet.vms.contains_key(vm))
+    let affected = m.affected();
+    affected
+        .iter()
+        .find(|vm| {
+            fleet.vms.contains_key(*vm) && m.reports.get(*vm).is_some_and(|r| !r.stage.is_over())
+        })
+        .or_else(|| affected.iter().find(|vm| fleet.vms.contains_key(*vm)))
+        .cloned()
 }
 
 fn one(

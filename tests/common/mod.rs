@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+pub mod fleet;
+
 pub const BINARY: &str = env!("CARGO_BIN_EXE_sched-relay");
 
 /// A `sched-relay simulate` process on a free loopback port.
@@ -52,6 +54,10 @@ impl SimProcess {
         // Its logs are not needed once it listens; drop the pipe so it never fills up.
         drop(child.stderr.take());
         SimProcess { child, url }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     pub fn get(&self, path: &str) -> Value {
@@ -145,7 +151,17 @@ max_backoff = "500ms""#
     /// ceiling): for the guarantees that the defaults must keep, such as a Spot eviction's
     /// 30 s notice after an outage.
     pub fn start_on_defaults(endpoint: &str, extra: &str) -> AgentProcess {
-        AgentProcess::launch(&format!("[imds]\nendpoint = \"{endpoint}\""), extra, &[])
+        AgentProcess::start_on_defaults_with_env(endpoint, extra, &[])
+    }
+
+    /// As `start_on_defaults`, with environment variables (the fleet benchmark's agents log
+    /// at WARN, as a fleet would).
+    pub fn start_on_defaults_with_env(
+        endpoint: &str,
+        extra: &str,
+        env: &[(&str, &str)],
+    ) -> AgentProcess {
+        AgentProcess::launch(&format!("[imds]\nendpoint = \"{endpoint}\""), extra, env)
     }
 
     /// As `start`, without starting it: for a test that starts the binary its own way.

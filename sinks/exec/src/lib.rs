@@ -237,8 +237,9 @@ impl ExecSink {
     }
 }
 
-/// SIGKILL to every process of the group the command leads (its pid is the group id).
-fn kill_group(group: u32) {
+/// SIGKILL to every process of the group the command leads (its pid is the group id); also
+/// the coordinator's drain hooks.
+pub fn kill_group(group: u32) {
     let Ok(group) = libc::pid_t::try_from(group) else {
         return;
     };

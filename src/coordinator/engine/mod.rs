@@ -41,12 +41,17 @@ pub enum Done {
 /// A signed request is sent again as it is (same id) while it is younger than this; after
 /// that a new one is signed (the agents refuse requests older than their `max_age`, 5 min).
 const REUSE_REQUEST_FOR: chrono::Duration = chrono::Duration::seconds(120);
+/// Decisions start at the latest this long after the start, caught up or not.
+const CATCH_UP_AT_MOST: Duration = Duration::from_secs(30);
+/// The input counts as caught up after this long without a message.
+const CAUGHT_UP_AFTER: Duration = Duration::from_secs(1);
 /// A failed publication is tried again after this.
 const PUBLISH_RETRY: Duration = Duration::from_secs(2);
 /// Rejections that say the event needs no approval any more.
 const DONE_REASONS: [&str; 2] = ["event_started", "event_not_scheduled"];
-/// Rejections a new request can mend (clocks, a lost record).
-const RETRY_REASONS: [&str; 3] = ["expired", "from_the_future", "replayed"];
+/// Rejections a new request can mend: clocks, a lost record, an approver whose agent had not
+/// polled the event yet (the new request picks the approver again).
+const RETRY_REASONS: [&str; 4] = ["expired", "from_the_future", "replayed", "unknown_event"];
 
 pub struct Engine {
     pub fleet: Fleet,
@@ -61,6 +66,12 @@ pub struct Engine {
     trigger: Option<Instant>,
     /// When forgotten events and old ids were last pruned.
     pruned: Option<Instant>,
+    /// Decisions wait until the input has caught up (a second without a message, or
+    /// [`CATCH_UP_AT_MOST`]): deciding on half of a replayed stream could miss VMs already
+    /// down.
+    ready: bool,
+    started: Instant,
+    last_delivery: Instant,
     /// Publications in flight, and when each event's last one started.
     publishing: HashMap<String, (bool, Instant)>,
     /// Drains running in this process (not restarted on the tick).
@@ -94,6 +105,9 @@ impl Engine {
             done,
             trigger: None,
             pruned: None,
+            ready: false,
+            started: Instant::now(),
+            last_delivery: Instant::now(),
             publishing: HashMap::new(),
             draining: HashMap::new(),
             snapshot: Arc::new(RwLock::new(Value::Null)),
@@ -101,10 +115,34 @@ impl Engine {
         }
     }
 
-    /// Restarts what a previous run left running: drains are run again (hooks are
-    /// idempotent); approvals without a confirmed publication go out on the first tick.
+    /// Prepares a start: approvals a dry run decided are decided again for real when dry
+    /// run is off. Drains a previous run left running are run again by the tick (hooks are
+    /// idempotent); approvals without a confirmed publication go out again on the tick.
     pub fn resume(&mut self) {
         let now = Utc::now();
+        if !self.config.coordinator.dry_run {
+            let mut changes = Changes::default();
+            for (key, m) in self.fleet.events.iter_mut() {
+                if m.approval.as_ref().is_some_and(|a| a.dry_run) {
+                    m.approval = None;
+                    m.verdict.clear();
+                    changes.events.push((key.clone(), Some(m.clone())));
+                }
+            }
+            if let Err(error) = self.store.write(&changes) {
+                tracing::error!(error = %error, "Cannot store the state; dry-run decisions stay as they are");
+                self.reload();
+            }
+        }
+        self.publish_snapshot(now);
+    }
+
+    /// Runs again every drain the state says is running but this process is not running
+    /// (after a restart, or a result that could not be stored).
+    pub(super) fn restart_drains(&mut self, now: DateTime<Utc>) {
+        if self.config.coordinator.dry_run {
+            return;
+        }
         let running: Vec<(String, String)> = self
             .fleet
             .events
@@ -116,18 +154,18 @@ impl Engine {
                     .filter(|(_, state)| *state == "running")
                     .map(move |(vm, _)| (key.clone(), vm.clone()))
             })
+            .filter(|running| !self.draining.contains_key(running))
             .collect();
         for (key, vm) in running {
-            tracing::info!(event_id = %key, vm = %vm, "Running a drain again after a restart");
+            tracing::info!(event_id = %key, vm = %vm, "Running a drain again (a restart, or its result could not be stored)");
             self.start_drain(&key, &vm, now);
         }
-        self.publish_snapshot(now);
     }
 
     /// Handles one delivered message: read, apply, commit, answer, decide.
     pub fn deliver(&mut self, delivery: Delivery) {
         let now = Utc::now();
-        self.trigger = Some(Instant::now());
+        let arrived = Instant::now();
         let reply = |outcome: &'static str| {
             Answer::Handled(Reply {
                 outcome,
@@ -159,13 +197,18 @@ impl Engine {
         let applied = self.fleet.apply(incoming, now);
         let mut changes = Changes::default();
         match &applied {
-            Applied::Changed(event_key) | Applied::Outcome(event_key) => {
+            Applied::Changed(event_key)
+            | Applied::Outcome(event_key)
+            | Applied::ApprovedElsewhere(event_key) => {
                 changes
                     .events
                     .push((event_key.clone(), self.fleet.events.get(event_key).cloned()));
             }
             Applied::Foreign => {
                 tracing::info!(vm = ?vm, id = ?key, "An approval outcome for a request this coordinator did not send (an agent's local policy, or another orchestrator)");
+            }
+            Applied::Conflict(why) => {
+                tracing::warn!(vm = ?vm, id = ?key, conflict = %why, "A message that contradicts what is known; not applied");
             }
             _ => {}
         }
@@ -175,6 +218,8 @@ impl Engine {
             Applied::Duplicate => "duplicate",
             Applied::Stale => "stale",
             Applied::Foreign => "foreign",
+            Applied::ApprovedElsewhere(_) => "approved_elsewhere",
+            Applied::Conflict(_) => "conflict",
             Applied::Agent => "document",
             Applied::Ignored(_) => "ignored",
         });
@@ -183,6 +228,9 @@ impl Engine {
             .and_then(|vm| Some((vm, self.fleet.vms.get(vm)?)))
         {
             changes.vms.push((vm.0.clone(), vm.1.clone()));
+        }
+        if let Applied::ApprovedElsewhere(event_key) = &applied {
+            tracing::info!(event_id = %event_key, vm = ?vm, "Approved by someone else (the agent's local policy, or another orchestrator): its VMs count as down");
         }
         if let (Some(key), false) = (&key, applied == Applied::Duplicate) {
             changes.seen.push((key.clone(), now));
@@ -203,8 +251,12 @@ impl Engine {
             self.outcome(event_key);
         }
         self.dirty = true;
-        self.decide(now);
-        self.trigger = None;
+        self.last_delivery = Instant::now();
+        if self.ready {
+            self.trigger = Some(arrived);
+            self.decide(now);
+            self.trigger = None;
+        }
     }
 
     pub(super) fn reload(&mut self) {

@@ -33,37 +33,44 @@ impl Engine {
         let mut republish = Vec::new();
         let timeout = chrono::Duration::from_std(self.config.coordinator.outcome_timeout)
             .unwrap_or(chrono::Duration::seconds(20));
-        for (key, m) in self.fleet.events.iter_mut() {
-            let scheduled = m.all_scheduled();
-            let Some(approval) = m.approval.as_mut().filter(|a| !a.dry_run && !a.abandoned) else {
+        // First what each approval needs, then the changes (a renewal picks its approver
+        // again from the whole fleet).
+        enum Next {
+            Republish,
+            Renew,
+            Abandon(String),
+        }
+        let mut next = Vec::new();
+        let live = !self.config.coordinator.dry_run;
+        for (key, m) in self.fleet.events.iter().filter(|_| live) {
+            let Some(approval) = m.approval.as_ref().filter(|a| !a.dry_run && !a.abandoned) else {
                 continue;
             };
-            if !scheduled {
+            // Started or over: nothing left to approve. Near NotBefore: Azure starts it.
+            if !m.all_scheduled()
+                || m.not_before
+                    .is_some_and(|at| at - now < self.policy.min_lead)
+            {
                 continue;
             }
-            if matches!(self.publishing.get(key), Some((true, _))) {
-                continue;
-            }
-            let Some(last) = approval.sent.last() else {
+            let (in_flight, since_attempt) = match self.publishing.get(key) {
+                Some((in_flight, at)) => (*in_flight, Some(at.elapsed())),
+                None => (false, None),
+            };
+            let Some(last) = approval.sent.last().filter(|_| !in_flight) else {
                 continue;
             };
-            let since_attempt = self.publishing.get(key).map(|(_, at)| at.elapsed());
-            let renew = match (&approval.outcome, last.published_at) {
+            let quiet_for = |d: Duration| since_attempt.is_none_or(|t| t >= d);
+            let step = match (&approval.outcome, last.published_at) {
                 (Some(o), _) if o.outcome == "accepted" => continue,
-                (Some(o), _)
-                    if o.outcome == "rejected" && DONE_REASONS.contains(&o.reason.as_str()) =>
-                {
-                    continue;
-                }
+                (Some(o), _) if DONE_REASONS.contains(&o.reason.as_str()) => continue,
                 (Some(o), _)
                     if o.outcome == "rejected" && !RETRY_REASONS.contains(&o.reason.as_str()) =>
                 {
-                    approval.abandoned = true;
-                    metrics::counter!("sched_relay_coordinator_approvals_abandoned_total")
-                        .increment(1);
-                    tracing::error!(event_id = %m.event_id, reason = %o.reason, "The agent refuses this coordinator's approvals (check the keys, the VM names and the clocks); given up");
-                    changes.events.push((key.clone(), Some(m.clone())));
-                    continue;
+                    Next::Abandon(format!(
+                        "the agent refuses it: {} (check the keys, the VM names and the clocks)",
+                        o.reason
+                    ))
                 }
                 (Some(o), _)
                     if now - o.at
@@ -71,28 +78,62 @@ impl Engine {
                 {
                     continue;
                 }
-                (Some(_), _) => true,
-                (None, None) if since_attempt.is_none_or(|t| t >= PUBLISH_RETRY) => {
-                    now - last.signed_at > REUSE_REQUEST_FOR
+                (Some(_), _) => Next::Renew,
+                // Not confirmed by the broker (a failure, or a restart): the same request
+                // while fresh.
+                (None, None) if quiet_for(PUBLISH_RETRY) => {
+                    if now - last.signed_at > REUSE_REQUEST_FOR {
+                        Next::Renew
+                    } else {
+                        Next::Republish
+                    }
                 }
-                (None, None) => continue,
-                (None, Some(at)) if now - at > timeout => now - last.signed_at > REUSE_REQUEST_FOR,
-                (None, Some(_)) => continue,
+                // Delivered, no outcome: the agent answers a repeated id from its record
+                // without a new outcome, so only a new request can bring one.
+                (None, Some(at))
+                    if now - at > timeout && quiet_for(self.config.coordinator.outcome_timeout) =>
+                {
+                    Next::Renew
+                }
+                (None, _) => continue,
             };
-            if renew {
-                if approval.sent.len() as u32 >= self.config.coordinator.max_attempts {
+            let delivered = approval
+                .sent
+                .iter()
+                .filter(|s| s.published_at.is_some())
+                .count() as u32;
+            let step = match step {
+                Next::Renew if delivered >= self.config.coordinator.max_attempts => Next::Abandon(
+                    format!("{delivered} request(s) delivered, none accepted (max_attempts)"),
+                ),
+                step => step,
+            };
+            next.push((key.clone(), step));
+        }
+        for (key, step) in next {
+            let approver = policy::approver(&self.fleet, &self.fleet.events[&key]);
+            let m = self.fleet.events.get_mut(&key).expect("listed above");
+            let approval = m.approval.as_mut().expect("listed above");
+            match step {
+                Next::Republish => republish.push(key),
+                Next::Renew => {
+                    approval.sent.push(new_request());
+                    approval.outcome = None;
+                    if let Some(approver) = approver {
+                        approval.approver = approver;
+                    }
+                    changes.events.push((key.clone(), Some(m.clone())));
+                    republish.push(key);
+                }
+                Next::Abandon(why) => {
                     approval.abandoned = true;
                     metrics::counter!("sched_relay_coordinator_approvals_abandoned_total")
                         .increment(1);
-                    tracing::error!(event_id = %m.event_id, attempts = approval.sent.len(), "No approval accepted after max_attempts; given up, NotBefore decides");
-                    changes.events.push((key.clone(), Some(m.clone())));
-                    continue;
+                    tracing::error!(event_id = %m.event_id, reason = %why, "Approval given up; NotBefore decides");
+                    m.verdict = format!("approval given up: {why}");
+                    changes.events.push((key, Some(m.clone())));
                 }
-                approval.sent.push(new_request());
-                approval.outcome = None;
-                changes.events.push((key.clone(), Some(m.clone())));
             }
-            republish.push(key.clone());
         }
         if !changes.is_empty() {
             if let Err(error) = self.store.write(&changes) {
@@ -105,7 +146,21 @@ impl Engine {
         for key in republish {
             self.publish(&key);
         }
-        self.decide(now);
+        if !self.ready
+            && (self.last_delivery.elapsed() >= super::CAUGHT_UP_AFTER
+                || self.started.elapsed() >= super::CATCH_UP_AT_MOST)
+        {
+            tracing::info!(
+                events = self.fleet.events.len(),
+                vms = self.fleet.vms.len(),
+                "Input caught up; deciding"
+            );
+            self.ready = true;
+        }
+        if self.ready {
+            self.restart_drains(now);
+            self.decide(now);
+        }
         if self.dirty {
             self.publish_snapshot(now);
         }
@@ -114,7 +169,7 @@ impl Engine {
     /// Refreshes `/fleet` and the budget gauges.
     pub(super) fn publish_snapshot(&mut self, now: DateTime<Utc>) {
         self.dirty = false;
-        let usage = policy::usage(&self.fleet, &self.policy);
+        let usage = policy::usage(&self.fleet, &self.policy, now);
         for u in &usage {
             metrics::gauge!("sched_relay_coordinator_budget_in_use", "group" => u.group.clone())
                 .set(u.down.len() as f64);

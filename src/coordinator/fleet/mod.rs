@@ -127,6 +127,10 @@ pub struct Maintenance {
     /// The latest decision, in words (for `/fleet` and logs).
     #[serde(default)]
     pub verdict: String,
+    /// An agent accepted an approval this coordinator did not send (its local policy, or
+    /// another orchestrator): the event is starting, its VMs count as down.
+    #[serde(default)]
+    pub approved_elsewhere: bool,
 }
 
 impl Maintenance {
@@ -169,7 +173,10 @@ impl Maintenance {
     /// The coordinator holds it (a drain or an approval) or Azure started it: its VMs count
     /// as down until each is over.
     pub fn holds(&self) -> bool {
-        self.approval.is_some() || self.drain.is_some() || self.any_started()
+        self.approval.is_some()
+            || self.drain.is_some()
+            || self.approved_elsewhere
+            || self.any_started()
     }
 }
 
@@ -194,6 +201,11 @@ pub enum Applied {
     /// An outcome of a request the coordinator did not send (an agent's local policy, or
     /// another orchestrator).
     Foreign,
+    /// An accepted outcome of someone else's request for a known event (by key).
+    ApprovedElsewhere(String),
+    /// Contradicts what is known (another EventType for an EventId, another resource id for
+    /// a VM name): not applied.
+    Conflict(String),
     /// A document: its VM has an agent.
     Agent,
     Ignored(&'static str),
@@ -214,6 +226,31 @@ pub fn key_of(event_id: &str) -> String {
     event_id.to_ascii_uppercase()
 }
 
+/// Records that `vm`'s agent spoke at `now`; its resource id is set once and never moved
+/// (VM names must be unique on the broker: approvals are routed by name).
+fn agent<'a>(
+    vms: &'a mut BTreeMap<String, Vm>,
+    vm: &str,
+    resource_id: Option<String>,
+    now: DateTime<Utc>,
+) -> Result<&'a mut Vm, String> {
+    let agent = vms.entry(vm.to_owned()).or_insert(Vm {
+        resource_id: None,
+        last_seen: now,
+    });
+    match (&agent.resource_id, resource_id) {
+        (Some(known), Some(new)) if !known.eq_ignore_ascii_case(&new) => {
+            return Err(format!(
+                "VM {vm:?} reported as {new}, but it is {known}: two VMs share a name, or a publisher lies"
+            ));
+        }
+        (None, Some(new)) => agent.resource_id = Some(new),
+        _ => {}
+    }
+    agent.last_seen = now;
+    Ok(agent)
+}
+
 impl Fleet {
     /// Applies one message received at `now`.
     pub fn apply(&mut self, incoming: Incoming, now: DateTime<Utc>) -> Applied {
@@ -226,15 +263,11 @@ impl Fleet {
         match incoming {
             Incoming::Ignored(what) => Applied::Ignored(what),
             Incoming::Document { vm, source, .. } => {
-                let agent = self.vms.entry(vm).or_insert(Vm {
-                    resource_id: None,
-                    last_seen: now,
-                });
-                agent.last_seen = now;
-                if source.starts_with("/subscriptions/") {
-                    agent.resource_id = Some(source);
+                let resource_id = source.starts_with("/subscriptions/").then_some(source);
+                match agent(&mut self.vms, &vm, resource_id, now) {
+                    Ok(_) => Applied::Agent,
+                    Err(conflict) => Applied::Conflict(conflict),
                 }
-                Applied::Agent
             }
             Incoming::Transition {
                 vm,
@@ -246,13 +279,8 @@ impl Fleet {
                 event,
                 ..
             } => {
-                let agent = self.vms.entry(vm.clone()).or_insert(Vm {
-                    resource_id: None,
-                    last_seen: now,
-                });
-                agent.last_seen = now;
-                if resource_id.is_some() {
-                    agent.resource_id = resource_id;
+                if let Err(conflict) = agent(&mut self.vms, &vm, resource_id, now) {
+                    return Applied::Conflict(conflict);
                 }
                 let event_id = event["EventId"].as_str().unwrap_or_default().to_owned();
                 let key = key_of(&event_id);
@@ -272,7 +300,17 @@ impl Fleet {
                         drain: None,
                         approval: None,
                         verdict: String::new(),
+                        approved_elsewhere: false,
                     });
+                let event_type = event["EventType"].as_str().unwrap_or_default();
+                if !entry.event_type.is_empty()
+                    && !entry.event_type.eq_ignore_ascii_case(event_type)
+                {
+                    return Applied::Conflict(format!(
+                        "{vm} reports {event_id} as a {event_type:?}, known as a {:?}",
+                        entry.event_type
+                    ));
+                }
                 if let Some(report) = entry.reports.get(&vm) {
                     let newer = stage.rank() > report.stage.rank()
                         || (stage.rank() == report.stage.rank()
@@ -293,9 +331,10 @@ impl Fleet {
                     },
                 );
                 entry.last_report = now;
-                // The fields of the newest report win, except that an event that is over
-                // keeps the fields it had while it was live.
-                if !stage.is_over() || entry.event_type.is_empty() {
+                // The fields of the newest report of a VM the event affects win (another
+                // VM's document may lag behind), except that an event that is over keeps the
+                // fields it had while it was live.
+                if entry.event_type.is_empty() || (affects && !stage.is_over()) {
                     fields(entry, &event);
                 }
                 Applied::Changed(key)
@@ -311,23 +350,29 @@ impl Fleet {
                 if let Some(agent) = self.vms.get_mut(&vm) {
                     agent.last_seen = now;
                 }
-                for event_id in event_ids {
-                    let key = key_of(&event_id);
+                for event_id in &event_ids {
+                    let key = key_of(event_id);
                     let Some(entry) = self.events.get_mut(&key) else {
                         continue;
                     };
                     let Some(approval) = entry.approval.as_mut() else {
                         continue;
                     };
-                    if !approval.sent.iter().any(|s| s.request_id == request_id) {
+                    let Some(index) = approval
+                        .sent
+                        .iter()
+                        .position(|s| s.request_id == request_id)
+                    else {
                         continue;
-                    }
-                    // An accepted outcome is final; a later failure of an older request
-                    // does not undo it.
+                    };
+                    // An accepted outcome is final; the outcome of an older request than the
+                    // newest counts only if it is an acceptance.
+                    let accepted = outcome == "accepted";
                     if approval
                         .outcome
                         .as_ref()
                         .is_some_and(|o| o.outcome == "accepted")
+                        || (!accepted && index + 1 != approval.sent.len())
                     {
                         return Applied::Outcome(key);
                     }
@@ -338,6 +383,19 @@ impl Fleet {
                         at: now,
                     });
                     return Applied::Outcome(key);
+                }
+                if outcome == "accepted" {
+                    // Someone else started these events: their VMs are going down.
+                    let mut changed = None;
+                    for event_id in &event_ids {
+                        if let Some(entry) = self.events.get_mut(&key_of(event_id)) {
+                            entry.approved_elsewhere = true;
+                            changed = Some(key_of(event_id));
+                        }
+                    }
+                    if let Some(key) = changed {
+                        return Applied::ApprovedElsewhere(key);
+                    }
                 }
                 Applied::Foreign
             }
@@ -369,6 +427,8 @@ impl Fleet {
         for key in &old {
             self.seen.remove(key);
         }
+        // Agents silent that long are gone (a scale set shrank): they leave the group sizes.
+        self.vms.retain(|_, vm| now - vm.last_seen <= forget_after);
         (gone, old)
     }
 }

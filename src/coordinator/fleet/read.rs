@@ -137,6 +137,18 @@ pub fn read(event: &Value) -> Result<Incoming, String> {
     }
     .or_else(|| data["incarnation"].as_u64())
     .ok_or("incarnation is missing or not a whole number")?;
+    // A Scheduled event without a NotBefore could not be timed: no deadline, no "too late".
+    if stage == Stage::Scheduled {
+        let not_before = azure
+            .get("NotBefore")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        if chrono::DateTime::parse_from_rfc2822(not_before).is_err() {
+            return Err(format!(
+                "data.event.NotBefore {not_before:?} of a Scheduled event is not a date like \"Mon, 19 Sep 2016 18:29:47 GMT\""
+            ));
+        }
+    }
     let affects = match event.get("affectsvm") {
         Some(Value::Bool(b)) => *b,
         Some(Value::String(s)) => s == "true",
