@@ -1,8 +1,8 @@
 //! The fleet coordinator end to end, on a small fleet: 20 real agents (the shipped `[imds]`
 //! defaults), each against its own simulated IMDS, publishing to the machine's real NATS
-//! JetStream; the real `sched-relay coordinate` reading them, draining through a command,
-//! and approving over each VM's JetStream approval subject. Killed with SIGKILL half-way
-//! and started again on the same state.
+//! JetStream (and 8 through its RabbitMQ); the real `sched-relay coordinate` reading them,
+//! draining through a command, and approving over each VM's own approval channel. Killed
+//! with SIGKILL a third of the way and started again on the same state.
 //!
 //! What is checked comes from the simulators, not the coordinator: every approvable event
 //! got exactly one accepted POST, before its NotBefore; the VMs physically down at once
@@ -22,6 +22,8 @@ use sched_relay_transport::testing::{broker_available, free_port, unique};
 
 const NATS: &str = "127.0.0.1:4222";
 const NATS_URL: &str = "nats://127.0.0.1:4222";
+const RABBITMQ: &str = "127.0.0.1:5672";
+const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 /// How long a Reboot stays Started once approved (the simulator's `started_for`).
 const DOWN_FOR: Duration = Duration::from_secs(2);
 /// The notice of every event: the wave must be done well within it.
@@ -46,35 +48,84 @@ fn event_id(n: usize, kind: u8) -> String {
     format!("c0000000-0000-4000-8000-{kind:02}{n:010}")
 }
 
+/// Where the agents publish and the coordinator reads and approves.
+enum Broker {
+    /// JetStream: events and approvals in one stream.
+    Nats,
+    /// Events to a topic exchange, approvals to the agents' own queues.
+    Rabbit,
+}
+
 #[test]
 fn a_wave_of_reboots_is_drained_and_approved_within_each_groups_budget_across_a_coordinator_kill() {
-    if !broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
-        return;
+    if broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
+        wave(Broker::Nats, 10);
     }
+}
+
+#[test]
+fn the_same_wave_through_rabbitmq_queues_keeps_the_budgets() {
+    if broker_available("RabbitMQ", RABBITMQ, "rabbitmq-server -detached") {
+        wave(Broker::Rabbit, 4);
+    }
+}
+
+/// `per_group` VMs named web-N (at most 2 down) and as many db-N (at most 20 %). Every VM
+/// gets a Reboot (drain, then approve); web-0 a 5 s Freeze too (approve); the last db VM a
+/// Terminate (never). The coordinator is killed with SIGKILL after a third of the
+/// approvals and started again on the same state.
+fn wave(broker: Broker, per_group: usize) {
     let dir = tempfile::tempdir().unwrap();
     let prefix = unique("coord");
-    let stream = unique("COORD");
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(sched_relay_nats::testing::create_stream(
-            NATS_URL,
-            &stream,
-            &format!("{prefix}.>"),
-        ));
+    let (agent_config, input, output) = match broker {
+        Broker::Nats => {
+            let stream = unique("COORD");
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(sched_relay_nats::testing::create_stream(
+                    NATS_URL,
+                    &stream,
+                    &format!("{prefix}.>"),
+                ));
+            (
+                format!(
+                    "[[sinks]]\nname = \"bus\"\nkind = \"nats\"\nurl = \"{NATS_URL}\"\nsubject = \"{prefix}.{{vmname}}.{{transition}}\"\njetstream = true\n\n\
+                     [approvals.nats]\nsink = \"bus\"\nsubject = \"{prefix}.approvals.{{vmname}}\"\nstream = \"{stream}\"\n"
+                ),
+                format!(
+                    "kind = \"nats\"\nurl = \"{NATS_URL}\"\nstream = \"{stream}\"\nsubject = \"{prefix}.>\"\ndurable = \"coordinator\""
+                ),
+                format!(
+                    "kind = \"nats\"\nurl = \"{NATS_URL}\"\nsubject = \"{prefix}.approvals.{{vmname}}\"\njetstream = true"
+                ),
+            )
+        }
+        Broker::Rabbit => (
+            format!(
+                "[[sinks]]\nname = \"rabbit\"\nkind = \"amqp\"\nurl = \"{AMQP_URL}\"\nexchange = \"{prefix}\"\n\n\
+                 [approvals.amqp]\nsink = \"rabbit\"\nexchange = \"{prefix}.approvals\"\nqueue = \"{prefix}.approvals.{{vmname}}\"\n"
+            ),
+            format!(
+                "kind = \"amqp\"\nurl = \"{AMQP_URL}\"\nexchange = \"{prefix}\"\nqueue = \"{prefix}.coordinator\""
+            ),
+            format!(
+                "kind = \"amqp\"\nurl = \"{AMQP_URL}\"\nexchange = \"{prefix}.approvals\"\nrouting_key = \"approvals.{{vmname}}\""
+            ),
+        ),
+    };
     let key_file = dir.path().join("coordinator.key");
     let key = SigningKey::generate_ed25519().unwrap();
     std::fs::write(&key_file, &key).unwrap();
     let public_key = SigningKey::parse(&key).unwrap().public_key().unwrap();
 
-    // 20 VMs: web-0..9 (at most 2 down) and db-0..9 (at most 20 %, so 2). Every VM gets a
-    // Reboot (drain, then approve); web-0 a 5 s Freeze too (approve); db-9 a Terminate
-    // (never).
-    let vms: Vec<String> = (0..10)
+    let vms: Vec<String> = (0..per_group)
         .map(|i| format!("web-{i}"))
-        .chain((0..10).map(|i| format!("db-{i}")))
+        .chain((0..per_group).map(|i| format!("db-{i}")))
         .collect();
+    let last_db = format!("db-{}", per_group - 1);
+    let approvable = 2 * per_group + 1;
     let mut sims = BTreeMap::new();
     let mut agents = Vec::new();
     for (n, vm) in vms.iter().enumerate() {
@@ -85,7 +136,7 @@ fn a_wave_of_reboots_is_drained_and_approved_within_each_groups_budget_across_a_
         if vm == "web-0" {
             events.push((freeze.as_str(), "Freeze", 5));
         }
-        if vm == "db-9" {
+        if *vm == last_db {
             events.push((terminate.as_str(), "Terminate", 0));
         }
         let path = dir.path().join(format!("{vm}.toml"));
@@ -94,9 +145,7 @@ fn a_wave_of_reboots_is_drained_and_approved_within_each_groups_budget_across_a_
         let agent = AgentProcess::start_on_defaults(
             &sim.url,
             &format!(
-                "[[sinks]]\nname = \"bus\"\nkind = \"nats\"\nurl = \"{NATS_URL}\"\nsubject = \"{prefix}.{{vmname}}.{{transition}}\"\njetstream = true\n\n\
-                 [approvals.nats]\nsink = \"bus\"\nsubject = \"{prefix}.approvals.{{vmname}}\"\nstream = \"{stream}\"\n\n\
-                 [[approvals.keys]]\nid = \"coordinator\"\nalgorithm = \"ed25519\"\npublic_key = \"{public_key}\"\n"
+                "{agent_config}\n[[approvals.keys]]\nid = \"coordinator\"\nalgorithm = \"ed25519\"\npublic_key = \"{public_key}\"\n"
             ),
         );
         sims.insert(vm.clone(), sim);
@@ -125,17 +174,10 @@ state_dir = "{state}"
 listen = "127.0.0.1:{port}"
 
 [input]
-kind = "nats"
-url = "{NATS_URL}"
-stream = "{stream}"
-subject = "{prefix}.>"
-durable = "coordinator"
+{input}
 
 [approvals]
-kind = "nats"
-url = "{NATS_URL}"
-subject = "{prefix}.approvals.{{vmname}}"
-jetstream = true
+{output}
 
 [signing]
 key_file = "{key}"
@@ -174,7 +216,7 @@ max_down_percent = 20
     // Half-way through the wave: SIGKILL, and start again on the same state.
     let approvals_so_far = || -> usize { sims.values().map(|s| posts(s).len()).sum() };
     let deadline = Instant::now() + Duration::from_secs(60);
-    while approvals_so_far() < 6 {
+    while approvals_so_far() < approvable / 3 {
         assert!(
             Instant::now() < deadline,
             "no approvals:\n{}",
@@ -186,12 +228,12 @@ max_down_percent = 20
     std::thread::sleep(Duration::from_millis(500));
     coordinator.spawn();
 
-    // 21 approvable events (20 Reboots, 1 Freeze), each POSTed once.
+    // Every Reboot and the Freeze, each POSTed once.
     let deadline = Instant::now() + NOTICE - Duration::from_secs(20);
-    while approvals_so_far() < 21 {
+    while approvals_so_far() < approvable {
         assert!(
             Instant::now() < deadline,
-            "{} of 21 events approved after {:?}:\n{}\n{}",
+            "{} of {approvable} events approved after {:?}:\n{}\n{}",
             approvals_so_far(),
             started.elapsed(),
             coordinator.fleet(),
@@ -255,27 +297,29 @@ max_down_percent = 20
             "{vm}: approved before it was drained"
         );
     }
-    for (group, starts) in &groups {
-        let most = most_at_once(starts, DOWN_FOR);
-        eprintln!("group {group}: at most {most} VM(s) down at once");
-        assert!(
-            most <= 2,
-            "group {group}: {most} VMs down at once (budget 2)"
-        );
-    }
     let fleet = coordinator.fleet();
-    let budgets: Vec<(String, u64)> = fleet["groups"]
+    let budgets: BTreeMap<String, usize> = fleet["groups"]
         .as_array()
         .unwrap()
         .iter()
         .map(|g| {
             (
                 g["group"].as_str().unwrap().to_owned(),
-                g["limit"].as_u64().unwrap(),
+                g["limit"].as_u64().unwrap() as usize,
             )
         })
         .collect();
-    assert_eq!(budgets[..2], [("web".into(), 2), ("db".into(), 2)]);
+    let db_limit = (per_group * 20).div_ceil(100);
+    assert_eq!((budgets["web"], budgets["db"]), (2, db_limit));
+    for (group, starts) in &groups {
+        let most = most_at_once(starts, DOWN_FOR);
+        eprintln!("group {group}: at most {most} VM(s) down at once");
+        assert!(
+            most <= budgets[*group],
+            "group {group}: {most} VMs down at once (budget {})",
+            budgets[*group]
+        );
+    }
     // `watch` reads the coordinator: a row per VM and event, and the budgets.
     let table = common::stdout_of(Command::new(BINARY).args([
         "watch",
@@ -283,13 +327,16 @@ max_down_percent = 20
         &format!("http://127.0.0.1:{port}"),
         "--once",
     ]));
-    assert!(table.contains("group web: 0 of 2 down (10 VMs)"), "{table}");
+    assert!(
+        table.contains(&format!("group web: 0 of 2 down ({per_group} VMs)")),
+        "{table}"
+    );
     let terminate = table
         .lines()
-        .find(|line| line.contains(&event_id(19, 3)))
+        .find(|line| line.contains(&event_id(vms.len() - 1, 3)))
         .unwrap_or_else(|| panic!("no row for the Terminate:\n{table}"));
     assert!(
-        terminate.contains("db-9") && terminate.contains("never"),
+        terminate.contains(&last_db) && terminate.contains("never"),
         "{terminate}"
     );
     let metrics = coordinator.metrics();
