@@ -355,6 +355,7 @@ fn broker(
                 fleet_subject: None,
                 jetstream: None,
                 from_start: false,
+                ack_wait: Duration::from_secs(60),
             };
             Ok(tokio::spawn(sched_relay_nats::source::run(spec, tx, stop)))
         }

@@ -26,6 +26,8 @@ const RABBITMQ: &str = "127.0.0.1:5672";
 const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 /// How long a Reboot stays Started once approved (the simulator's `started_for`).
 const DOWN_FOR: Duration = Duration::from_secs(2);
+/// The lease of the test with a standby.
+const LEASE: Duration = Duration::from_secs(3);
 /// The notice of every event: the wave must be done well within it.
 const NOTICE: Duration = Duration::from_secs(120);
 
@@ -59,22 +61,55 @@ enum Broker {
 #[test]
 fn a_wave_of_reboots_is_drained_and_approved_within_each_groups_budget_across_a_coordinator_kill() {
     if broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
-        wave(Broker::Nats, 10);
+        wave(Broker::Nats, 10, false);
     }
 }
 
 #[test]
 fn the_same_wave_through_rabbitmq_queues_keeps_the_budgets() {
     if broker_available("RabbitMQ", RABBITMQ, "rabbitmq-server -detached") {
-        wave(Broker::Rabbit, 4);
+        wave(Broker::Rabbit, 4, false);
+    }
+}
+
+#[test]
+fn a_standby_takes_over_within_a_lease_when_the_active_coordinator_is_killed() {
+    if broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
+        wave(Broker::Nats, 5, true);
+    }
+}
+
+/// Waits until the coordinator's /healthz says `role`.
+fn wait_for_role(coordinator: &Coordinator, role: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        assert!(
+            std::net::TcpStream::connect(("127.0.0.1", coordinator.port)).is_ok(),
+            "the coordinator is not listening:\n{}",
+            coordinator.log()
+        );
+        let (status, body) = common::blocking_get(
+            &format!("http://127.0.0.1:{}/healthz", coordinator.port),
+            &[],
+        );
+        if status == 200 && body.trim() == role {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not {role} ({body:?}):\n{}",
+            coordinator.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
 /// `per_group` VMs named web-N (at most 2 down) and as many db-N (at most 20 %). Every VM
 /// gets a Reboot (drain, then approve); web-0 a 5 s Freeze too (approve); the last db VM a
 /// Terminate (never). The coordinator is killed with SIGKILL after a third of the
-/// approvals and started again on the same state.
-fn wave(broker: Broker, per_group: usize) {
+/// approvals and started again on the same state, or, with `standby`, a second instance
+/// sharing the state in NATS KV takes over.
+fn wave(broker: Broker, per_group: usize, standby: bool) {
     let dir = tempfile::tempdir().unwrap();
     let prefix = unique("coord");
     let (agent_config, input, output) = match broker {
@@ -162,12 +197,21 @@ fn wave(broker: Broker, per_group: usize) {
         ),
     )
     .unwrap();
-    let port = free_port();
-    let config = dir.path().join("coordinator.toml");
-    std::fs::write(
-        &config,
-        format!(
-            r#"
+    let ha_bucket = unique("coordha");
+    let configure = |name: &str, port: u16| {
+        let ha = if standby {
+            format!(
+                "[ha]\nurl = \"{NATS_URL}\"\nbucket = \"{ha_bucket}\"\nlease = \"{}s\"\ninstance = \"{name}\"\n",
+                LEASE.as_secs()
+            )
+        } else {
+            String::new()
+        };
+        let config = dir.path().join(format!("{name}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                r#"
 [coordinator]
 source = "urn:sched-relay:coordinator:test"
 state_dir = "{state}"
@@ -203,15 +247,33 @@ max_down = 2
 name = "db"
 vm_name = "db-*"
 max_down_percent = 20
+
+{ha}
 "#,
-            state = dir.path().join("state").display(),
-            key = key_file.display(),
-            script = drain_script.display(),
-        ),
-    )
-    .unwrap();
+                state = dir.path().join("state").display(),
+                key = key_file.display(),
+                script = drain_script.display(),
+            ),
+        )
+        .unwrap();
+        config
+    };
     let started = Instant::now();
-    let mut coordinator = Coordinator::start(config, dir.path().join("coordinator.log"), port);
+    let port = free_port();
+    let mut coordinator =
+        Coordinator::start(configure("first", port), dir.path().join("first.log"), port);
+    wait_for_role(&coordinator, "active");
+    // With a standby: a second instance on the same state, waiting for the lease.
+    let mut second = standby.then(|| {
+        let port = free_port();
+        let second = Coordinator::start(
+            configure("second", port),
+            dir.path().join("second.log"),
+            port,
+        );
+        wait_for_role(&second, "standby");
+        second
+    });
 
     // Half-way through the wave: SIGKILL, and start again on the same state.
     let approvals_so_far = || -> usize { sims.values().map(|s| posts(s).len()).sum() };
@@ -225,8 +287,24 @@ max_down_percent = 20
         std::thread::sleep(Duration::from_millis(100));
     }
     coordinator.kill9();
-    std::thread::sleep(Duration::from_millis(500));
-    coordinator.spawn();
+    match second.take() {
+        // The standby takes over within a lease period (and its renewal rhythm).
+        Some(standby) => {
+            let killed = Instant::now();
+            wait_for_role(&standby, "active");
+            let took = killed.elapsed();
+            eprintln!("the standby took over {took:?} after the active one was killed");
+            assert!(
+                took < LEASE + LEASE / 3 + Duration::from_secs(1),
+                "took over after {took:?}"
+            );
+            coordinator = standby;
+        }
+        None => {
+            std::thread::sleep(Duration::from_millis(500));
+            coordinator.spawn();
+        }
+    }
 
     // Every Reboot and the Freeze, each POSTed once.
     let deadline = Instant::now() + NOTICE - Duration::from_secs(20);
@@ -324,7 +402,7 @@ max_down_percent = 20
     let table = common::stdout_of(Command::new(BINARY).args([
         "watch",
         "--from",
-        &format!("http://127.0.0.1:{port}"),
+        &format!("http://127.0.0.1:{}", coordinator.port),
         "--once",
     ]));
     assert!(

@@ -161,6 +161,7 @@ pub async fn start_listener_and_sources(
                 .as_ref()
                 .map(|stream| (stream.clone(), for_vm(&nats.durable, &vm_name))),
             from_start: false,
+            ack_wait: std::time::Duration::from_secs(60),
         };
         sources.push(tokio::spawn(sched_relay_nats::source::run(
             spec,

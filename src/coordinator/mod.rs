@@ -18,6 +18,8 @@ pub mod config;
 pub mod drain;
 pub mod engine;
 pub mod fleet;
+#[cfg(feature = "nats")]
+pub mod ha;
 pub mod policy;
 pub mod store;
 #[cfg(test)]
@@ -65,7 +67,32 @@ pub async fn run(
             config.signing.key_file.display()
         ));
     }
-    let store = store::Store::open(&config.coordinator.state_dir)?;
+    let listener = tokio::net::TcpListener::bind(config.coordinator.listen)
+        .await
+        .map_err(|e| format!("coordinator.listen {}: {e}", config.coordinator.listen))?;
+    let snapshot: Snapshot = Arc::new(RwLock::new(Value::Null));
+    let role: Role = Arc::new(RwLock::new("starting"));
+    let server = tokio::spawn(serve(listener, snapshot.clone(), role.clone()));
+    tokio::pin!(stop);
+    let (store, lease) = match &config.ha {
+        None => (store::Store::open(&config.coordinator.state_dir)?, None),
+        #[cfg(feature = "nats")]
+        Some(ha_config) => {
+            let ha = ha::Ha::connect(ha_config).await?;
+            *role.write().unwrap_or_else(|e| e.into_inner()) = "standby";
+            let revision = tokio::select! {
+                revision = ha.acquire() => revision,
+                _ = &mut stop => {
+                    server.abort();
+                    return Ok(());
+                }
+            };
+            (store::Store::Kv(Box::new(ha.state())), Some((ha, revision)))
+        }
+        #[cfg(not(feature = "nats"))]
+        Some(_) => return Err("ha: this sched-relay was built without NATS support".into()),
+    };
+    *role.write().unwrap_or_else(|e| e.into_inner()) = "active";
     let fleet = store.load()?;
     tracing::info!(
         events = fleet.events.len(),
@@ -73,9 +100,6 @@ pub async fn run(
         dry_run = config.coordinator.dry_run,
         "Coordinator state loaded"
     );
-    let listener = tokio::net::TcpListener::bind(config.coordinator.listen)
-        .await
-        .map_err(|e| format!("coordinator.listen {}: {e}", config.coordinator.listen))?;
     let publisher: Arc<dyn sched_relay_transport::Sink> =
         Arc::from(crate::sinks::registry::build(&config.approvals));
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
@@ -84,15 +108,40 @@ pub async fn run(
     let input = start_input(&config.input, deliveries, stop_rx)?;
     let tick_every = config.coordinator.tick;
     let mut engine = Engine::new(fleet, policy, config, store, signer, publisher, done_tx);
+    engine.snapshot = snapshot;
+    #[cfg(feature = "nats")]
+    let kept = {
+        if let Some((ha, _)) = &lease {
+            let ha = ha.clone();
+            engine.gate = Some(Arc::new(move || ha.may_act()));
+        }
+        async move {
+            match lease {
+                Some((ha, revision)) => ha.keep(revision).await,
+                None => std::future::pending().await,
+            }
+        }
+    };
+    #[cfg(not(feature = "nats"))]
+    let kept = {
+        let _: Option<((), u64)> = lease;
+        std::future::pending::<String>()
+    };
+    tokio::pin!(kept);
     engine.resume();
-    let server = tokio::spawn(serve(listener, engine.snapshot.clone()));
     tracing::info!("Coordinator running");
     let mut tick = tokio::time::interval(tick_every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tokio::pin!(stop);
+    let mut result = Ok(());
     loop {
         tokio::select! {
             _ = &mut stop => break,
+            why = &mut kept => {
+                *role.write().unwrap_or_else(|e| e.into_inner()) = "standby";
+                tracing::error!(error = %why, "Lease lost; stopping so that only one coordinator acts");
+                result = Err(why);
+                break;
+            }
             Some(delivery) = delivered.recv() => engine.deliver(delivery),
             Some(done) = done_rx.recv() => engine.finished(done),
             _ = tick.tick() => engine.tick(chrono::Utc::now()),
@@ -102,7 +151,7 @@ pub async fn run(
     let _ = tokio::time::timeout(std::time::Duration::from_secs(5), input).await;
     server.abort();
     tracing::info!("Coordinator stopped");
-    Ok(())
+    result
 }
 
 /// `# HELP` texts of the coordinator's metrics.
@@ -192,6 +241,7 @@ fn start_input(
                 fleet_subject: None,
                 jetstream: Some((stream.clone(), durable.clone())),
                 from_start: true,
+                ack_wait: std::time::Duration::from_secs(10),
             };
             Ok(tokio::spawn(sched_relay_nats::source::run(
                 spec, deliveries, stop,
@@ -247,12 +297,18 @@ fn start_input(
 }
 
 type Snapshot = Arc<RwLock<Value>>;
+/// `starting`, `standby` (another instance holds the lease) or `active`.
+type Role = Arc<RwLock<&'static str>>;
 
-async fn serve(listener: tokio::net::TcpListener, snapshot: Snapshot) {
+async fn serve(listener: tokio::net::TcpListener, snapshot: Snapshot, role: Role) {
+    let healthz = move || {
+        let role = role.clone();
+        async move { format!("{}\n", *role.read().unwrap_or_else(|e| e.into_inner())) }
+    };
     let app = axum::Router::new()
         .route("/fleet", axum::routing::get(fleet_json))
         .route("/metrics", axum::routing::get(metrics_text))
-        .route("/healthz", axum::routing::get(|| async { "ok\n" }))
+        .route("/healthz", axum::routing::get(healthz))
         .with_state(snapshot);
     if let Err(error) = axum::serve(listener, app).await {
         tracing::error!(error = %error, "The coordinator's listener stopped");

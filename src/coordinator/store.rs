@@ -16,8 +16,12 @@ const VMS: TableDefinition<&str, &[u8]> = TableDefinition::new("vms");
 /// `source \n id` -> when it was applied (Unix seconds).
 const SEEN: TableDefinition<&str, i64> = TableDefinition::new("seen");
 
-pub struct Store {
-    db: Database,
+/// Where the state is kept: the embedded file (one instance), or NATS JetStream KV (a
+/// standby can take over; see [`super::ha`]).
+pub enum Store {
+    Redb(Database),
+    #[cfg(feature = "nats")]
+    Kv(Box<super::ha::KvState>),
 }
 
 /// What one commit writes.
@@ -48,14 +52,19 @@ impl Store {
             .map_err(|e| format!("state directory {}: {e}", dir.display()))?;
         let path = dir.join("coordinator.redb");
         let db = Database::create(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let store = Store { db };
+        let store = Store::Redb(db);
         store.write(&Changes::default())?;
         Ok(store)
     }
 
     /// Everything stored.
     pub fn load(&self) -> Result<Fleet, String> {
-        let txn = self.db.begin_read().map_err(|e| e.to_string())?;
+        let db = match self {
+            Store::Redb(db) => db,
+            #[cfg(feature = "nats")]
+            Store::Kv(kv) => return kv.load(),
+        };
+        let txn = db.begin_read().map_err(|e| e.to_string())?;
         let mut fleet = Fleet::default();
         let events = txn.open_table(EVENTS).map_err(|e| e.to_string())?;
         for row in events.iter().map_err(|e| e.to_string())? {
@@ -83,7 +92,14 @@ impl Store {
 
     /// Commits `changes` durably, all or nothing.
     pub fn write(&self, changes: &Changes) -> Result<(), String> {
-        let txn = self.db.begin_write().map_err(|e| e.to_string())?;
+        let db = match self {
+            Store::Redb(db) => db,
+            #[cfg(feature = "nats")]
+            Store::Kv(_) if changes.is_empty() => return Ok(()),
+            #[cfg(feature = "nats")]
+            Store::Kv(kv) => return kv.write(changes),
+        };
+        let txn = db.begin_write().map_err(|e| e.to_string())?;
         {
             let mut events = txn.open_table(EVENTS).map_err(|e| e.to_string())?;
             for (key, m) in &changes.events {

@@ -29,6 +29,10 @@ pub struct NatsSourceSpec {
     /// coordinator, which must learn what was scheduled before it first ran), not at the
     /// next one (approvals: an old request is expired anyway).
     pub from_start: bool,
+    /// A message not acknowledged this long after delivery is delivered again (a consumer
+    /// that died with it, say): the approval sources wait a minute, the coordinator, whose
+    /// standby must not wait that long after a failover, less.
+    pub ack_wait: Duration,
 }
 
 /// Consumes until `stop` turns true. Broker problems are logged and retried.
@@ -141,7 +145,7 @@ async fn consume(
                             } else {
                                 jetstream::consumer::DeliverPolicy::New
                             },
-                            ack_wait: Duration::from_secs(60),
+                            ack_wait: spec.ack_wait,
                             ..Default::default()
                         },
                     )

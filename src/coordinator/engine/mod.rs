@@ -20,6 +20,7 @@ use super::fleet::{self, Applied, Approval, Drain, Fleet, Sent};
 use super::policy::{self, Policy, Step};
 use super::store::{Changes, Store};
 
+mod recovery;
 mod results;
 mod tick;
 
@@ -78,6 +79,8 @@ pub struct Engine {
     draining: HashMap<(String, String), ()>,
     pub snapshot: Arc<RwLock<Value>>,
     dirty: bool,
+    /// With a standby: whether this instance may act now (it holds a fresh lease).
+    pub gate: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
 }
 
 impl Engine {
@@ -112,53 +115,7 @@ impl Engine {
             draining: HashMap::new(),
             snapshot: Arc::new(RwLock::new(Value::Null)),
             dirty: true,
-        }
-    }
-
-    /// Prepares a start: approvals a dry run decided are decided again for real when dry
-    /// run is off. Drains a previous run left running are run again by the tick (hooks are
-    /// idempotent); approvals without a confirmed publication go out again on the tick.
-    pub fn resume(&mut self) {
-        let now = Utc::now();
-        if !self.config.coordinator.dry_run {
-            let mut changes = Changes::default();
-            for (key, m) in self.fleet.events.iter_mut() {
-                if m.approval.as_ref().is_some_and(|a| a.dry_run) {
-                    m.approval = None;
-                    m.verdict.clear();
-                    changes.events.push((key.clone(), Some(m.clone())));
-                }
-            }
-            if let Err(error) = self.store.write(&changes) {
-                tracing::error!(error = %error, "Cannot store the state; dry-run decisions stay as they are");
-                self.reload();
-            }
-        }
-        self.publish_snapshot(now);
-    }
-
-    /// Runs again every drain the state says is running but this process is not running
-    /// (after a restart, or a result that could not be stored).
-    pub(super) fn restart_drains(&mut self, now: DateTime<Utc>) {
-        if self.config.coordinator.dry_run {
-            return;
-        }
-        let running: Vec<(String, String)> = self
-            .fleet
-            .events
-            .iter()
-            .filter_map(|(key, m)| m.drain.as_ref().map(|d| (key, d)))
-            .flat_map(|(key, d)| {
-                d.vms
-                    .iter()
-                    .filter(|(_, state)| *state == "running")
-                    .map(move |(vm, _)| (key.clone(), vm.clone()))
-            })
-            .filter(|running| !self.draining.contains_key(running))
-            .collect();
-        for (key, vm) in running {
-            tracing::info!(event_id = %key, vm = %vm, "Running a drain again (a restart, or its result could not be stored)");
-            self.start_drain(&key, &vm, now);
+            gate: None,
         }
     }
 
@@ -288,8 +245,16 @@ impl Engine {
         }
     }
 
+    /// This instance holds a fresh lease (or runs alone).
+    pub(super) fn may_act(&self) -> bool {
+        self.gate.as_ref().is_none_or(|gate| gate())
+    }
+
     /// Decides and starts what the budget allows.
     pub fn decide(&mut self, now: DateTime<Utc>) {
+        if !self.may_act() {
+            return;
+        }
         let decisions = policy::decide(&self.fleet, &self.policy, now);
         for (key, wait) in decisions.waits {
             let text = wait.to_string();
@@ -410,6 +375,9 @@ impl Engine {
     }
 
     pub(super) fn start_drain(&mut self, key: &str, vm: &str, _now: DateTime<Utc>) {
+        if !self.may_act() {
+            return;
+        }
         let Some(m) = self.fleet.events.get(key) else {
             return;
         };
@@ -445,6 +413,9 @@ impl Engine {
 
     /// Publishes the event's newest request.
     pub(super) fn publish(&mut self, key: &str) {
+        if !self.may_act() {
+            return;
+        }
         let Some(m) = self.fleet.events.get(key) else {
             return;
         };

@@ -1,251 +1,17 @@
-//! `coordinator.toml`: where the fleet's events come from, where approvals go, the signing
-//! key, the drain hook and the groups with their budgets and actions. Loaded like the agent's
-//! configuration (a TOML file, then `SCHED_RELAY_COORDINATOR_<SECTION>__<KEY>` overrides)
-//! and validated in one pass that reports every problem with its key path.
+//! Loading `coordinator.toml` and checking it whole: every problem with its key path, then
+//! the decision policy built from the groups.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use figment::Figment;
 use figment::providers::{Env, Format, Toml};
-use serde::{Deserialize, Serialize};
 
-use super::policy::{Action, Budget, Group, Matcher, Policy, Rule};
+use super::{CoordinatorConfig, ENV_PREFIX, RuleConfig, problem};
 use crate::config::{ConfigErrors, ConfigProblem};
+use crate::coordinator::policy::{Action, Budget, Group, Matcher, Policy, Rule};
 use crate::sinks::SinkKind;
-
-/// The prefix of environment overrides of the coordinator's configuration.
-pub const ENV_PREFIX: &str = "SCHED_RELAY_COORDINATOR_";
-
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct CoordinatorConfig {
-    pub coordinator: General,
-    /// Where the agents publish their events (and approval outcomes).
-    pub input: Input,
-    /// Where each VM's agent reads its approvals: a sink whose subject, routing key or
-    /// Kafka key names the VM (`{vmname}`).
-    pub approvals: SinkKind,
-    pub signing: Signing,
-    #[serde(default)]
-    pub drain: Option<Drain>,
-    #[serde(default)]
-    pub defaults: GroupDefaults,
-    #[serde(default)]
-    pub groups: Vec<GroupConfig>,
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct General {
-    /// The `source` of every approval this coordinator signs.
-    #[serde(default = "default_source")]
-    pub source: String,
-    #[serde(default = "default_state_dir")]
-    pub state_dir: PathBuf,
-    /// `/metrics`, `/fleet`, `/healthz`.
-    #[serde(default = "default_listen")]
-    pub listen: SocketAddr,
-    /// Decide and log, but sign, publish and drain nothing.
-    #[serde(default)]
-    pub dry_run: bool,
-    /// How often decisions, deadlines and unanswered approvals are looked at again (each
-    /// event is also decided as soon as it arrives).
-    #[serde(default = "default_tick", with = "humantime_serde")]
-    pub tick: Duration,
-    /// An approval without an outcome after this long is published again (the same request
-    /// while it is fresh: the agent answers a repeated id with its stored outcome).
-    #[serde(default = "default_outcome_timeout", with = "humantime_serde")]
-    pub outcome_timeout: Duration,
-    /// Approvals sent for one event before the coordinator gives up and alerts.
-    #[serde(default = "default_max_attempts")]
-    pub max_attempts: u32,
-    /// Never approve an event whose NotBefore is closer than this: Azure starts it anyway.
-    #[serde(default = "default_min_lead", with = "humantime_serde")]
-    pub min_lead: Duration,
-    /// An event no agent has reported on for this long is forgotten, and so is an agent
-    /// silent that long (it leaves its group's size). At least an hour.
-    #[serde(default = "default_forget_after", with = "humantime_serde")]
-    pub forget_after: Duration,
-    /// A held or started event stops counting against its budget this long after its
-    /// NotBefore and its last report: a Spot-evicted or deleted VM never reports the end.
-    #[serde(default = "default_max_hold", with = "humantime_serde")]
-    pub max_hold: Duration,
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
-pub enum Input {
-    /// A JetStream durable consumer (the stream must capture `subject`).
-    Nats {
-        url: String,
-        #[serde(default = "default_subject")]
-        subject: String,
-        stream: String,
-        #[serde(default = "default_durable")]
-        durable: String,
-        #[serde(default)]
-        credentials_file: Option<PathBuf>,
-    },
-    /// A durable queue bound to the agents' exchange.
-    Amqp {
-        url: String,
-        #[serde(default = "default_exchange")]
-        exchange: String,
-        #[serde(default = "default_queue")]
-        queue: String,
-        #[serde(default = "default_binding_key")]
-        binding_key: String,
-    },
-    /// Every partition of the agents' topic, offsets committed under `group_id`.
-    Kafka {
-        brokers: String,
-        #[serde(default = "default_topic")]
-        topic: String,
-        #[serde(default = "default_durable")]
-        group_id: String,
-        /// Without a committed offset, start this far back.
-        #[serde(default = "default_since", with = "humantime_serde")]
-        since: Duration,
-    },
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct Signing {
-    /// `ed25519:<base64 seed>` (`sched-relay gen-approval-key`); HMAC keys are refused: the
-    /// agents would have to hold the same secret.
-    pub key_file: PathBuf,
-    pub key_id: String,
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct Drain {
-    /// A command run once per VM (`{vmname}`, `{eventid}`, `{eventtype}` expanded in each
-    /// argument); exit 0 means drained.
-    #[serde(default)]
-    pub command: Option<Vec<String>>,
-    /// Or a URL that gets `POST {"vmName", "eventId", "eventType", "notBefore", "deadline"}`;
-    /// 2xx means drained.
-    #[serde(default)]
-    pub url: Option<String>,
-    /// The drain must finish this long before NotBefore.
-    #[serde(default = "default_margin", with = "humantime_serde")]
-    pub margin: Duration,
-    /// What to do when the hook fails or its deadline passes: `wait` (let NotBefore come;
-    /// the VM stays counted as down) or `approve` anyway.
-    #[serde(default)]
-    pub on_failure: OnFailure,
-}
-
-#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum OnFailure {
-    #[default]
-    Wait,
-    Approve,
-}
-
-/// An event type's action: `"approve"`, or `{ action = "approve", max_duration = "30s" }`.
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
-#[serde(untagged)]
-pub enum RuleConfig {
-    Action(Action),
-    Rule {
-        action: Action,
-        #[serde(default, with = "humantime_serde")]
-        max_duration: Option<Duration>,
-    },
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize, Default)]
-#[serde(deny_unknown_fields)]
-pub struct GroupDefaults {
-    #[serde(default)]
-    pub max_down: Option<u32>,
-    #[serde(default)]
-    pub max_down_percent: Option<u32>,
-    #[serde(default)]
-    pub actions: BTreeMap<String, RuleConfig>,
-}
-
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct GroupConfig {
-    pub name: String,
-    /// A VM-name pattern (`*` any run of characters, `?` one).
-    #[serde(default)]
-    pub vm_name: Option<String>,
-    /// Parts of the VM's Azure resource id (as its agent reports it).
-    #[serde(default)]
-    pub resource_group: Option<String>,
-    /// A uniform scale set (its VMs' ids name it; a flexible scale set's VMs have plain
-    /// VM ids: group those by name).
-    #[serde(default)]
-    pub scale_set: Option<String>,
-    #[serde(default)]
-    pub max_down: Option<u32>,
-    #[serde(default)]
-    pub max_down_percent: Option<u32>,
-    /// Per EventType; types not listed take `[defaults.actions]`, then `never`.
-    #[serde(default)]
-    pub actions: BTreeMap<String, RuleConfig>,
-}
-
-fn default_source() -> String {
-    "urn:sched-relay:coordinator".into()
-}
-fn default_state_dir() -> PathBuf {
-    "/var/lib/sched-relay-coordinator".into()
-}
-fn default_listen() -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], 9465))
-}
-fn default_tick() -> Duration {
-    Duration::from_millis(500)
-}
-fn default_outcome_timeout() -> Duration {
-    Duration::from_secs(20)
-}
-fn default_max_attempts() -> u32 {
-    5
-}
-fn default_min_lead() -> Duration {
-    Duration::from_secs(2)
-}
-fn default_max_hold() -> Duration {
-    Duration::from_secs(3600)
-}
-fn default_forget_after() -> Duration {
-    Duration::from_secs(24 * 3600)
-}
-fn default_subject() -> String {
-    "scheduledevents.>".into()
-}
-fn default_durable() -> String {
-    "sched-relay-coordinator".into()
-}
-fn default_exchange() -> String {
-    "scheduledevents".into()
-}
-fn default_queue() -> String {
-    "sched-relay.coordinator".into()
-}
-fn default_binding_key() -> String {
-    "#".into()
-}
-fn default_topic() -> String {
-    "scheduledevents".into()
-}
-fn default_since() -> Duration {
-    Duration::from_secs(24 * 3600)
-}
-fn default_margin() -> Duration {
-    Duration::from_secs(60)
-}
 
 impl CoordinatorConfig {
     /// Loads `path`, applies `SCHED_RELAY_COORDINATOR_*` overrides and validates.
@@ -253,7 +19,7 @@ impl CoordinatorConfig {
         Self::load_with(path, Env::prefixed(ENV_PREFIX))
     }
 
-    pub(super) fn load_with(
+    pub(in crate::coordinator) fn load_with(
         path: &Path,
         env: Env,
     ) -> Result<(CoordinatorConfig, Policy), ConfigErrors> {
@@ -334,6 +100,31 @@ impl CoordinatorConfig {
                         humantime::format_duration(low),
                         humantime::format_duration(high)
                     ),
+                ));
+            }
+        }
+        if let Some(ha) = &self.ha {
+            if !cfg!(feature = "nats") {
+                problems.push(problem(
+                    "ha",
+                    "this sched-relay was built without NATS support",
+                ));
+            }
+            if ha.lease < Duration::from_secs(2) || ha.lease > Duration::from_secs(300) {
+                problems.push(problem(
+                    "ha.lease",
+                    format!("{} is outside 2s..5m", humantime::format_duration(ha.lease)),
+                ));
+            }
+            if ha.bucket.is_empty()
+                || !ha
+                    .bucket
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+            {
+                problems.push(problem(
+                    "ha.bucket",
+                    format!("{:?}: letters, digits, - and _ only", ha.bucket),
                 ));
             }
         }
@@ -449,10 +240,12 @@ impl CoordinatorConfig {
         let mut groups = Vec::new();
         for (index, group) in self.groups.iter().enumerate() {
             let at = format!("groups[{index}]");
-            if group.name.trim().is_empty() || group.name == super::policy::DEFAULT_GROUP {
+            if group.name.trim().is_empty()
+                || group.name == crate::coordinator::policy::DEFAULT_GROUP
+            {
                 problems.push(problem(
                     format!("{at}.name"),
-                    format!("{:?}: give each group a name of its own (\"{}\" is the group of VMs no group matches)", group.name, super::policy::DEFAULT_GROUP),
+                    format!("{:?}: give each group a name of its own (\"{}\" is the group of VMs no group matches)", group.name, crate::coordinator::policy::DEFAULT_GROUP),
                 ));
             }
             if self.groups[..index].iter().any(|g| g.name == group.name) {
@@ -487,7 +280,7 @@ impl CoordinatorConfig {
             });
         }
         groups.push(Group {
-            name: super::policy::DEFAULT_GROUP.into(),
+            name: crate::coordinator::policy::DEFAULT_GROUP.into(),
             matcher: Matcher::default(),
             budget: default_budget,
             rules: default_actions,
@@ -502,12 +295,5 @@ impl CoordinatorConfig {
         } else {
             Err(ConfigErrors(problems))
         }
-    }
-}
-
-fn problem(path: impl Into<String>, message: impl Into<String>) -> ConfigProblem {
-    ConfigProblem {
-        path: path.into(),
-        message: message.into(),
     }
 }
