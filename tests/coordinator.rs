@@ -73,7 +73,7 @@ fn the_same_wave_through_rabbitmq_queues_keeps_the_budgets() {
 }
 
 #[test]
-fn a_standby_takes_over_within_a_lease_when_the_active_coordinator_is_killed() {
+fn a_standby_takes_over_within_a_lease_when_the_active_coordinator_stalls_and_the_old_one_stops() {
     if broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
         wave(Broker::Nats, 5, true);
     }
@@ -286,21 +286,36 @@ max_down_percent = 20
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    coordinator.kill9();
     match second.take() {
-        // The standby takes over within a lease period (and its renewal rhythm).
+        // The active one stalls (SIGSTOP): the standby takes over within a lease period
+        // (and its renewal rhythm). Woken again, the old one must not act: its lease is
+        // stale, and its next renewal fails, so it exits.
         Some(standby) => {
-            let killed = Instant::now();
+            coordinator.signal("STOP");
+            let stopped = Instant::now();
             wait_for_role(&standby, "active");
-            let took = killed.elapsed();
-            eprintln!("the standby took over {took:?} after the active one was killed");
+            let took = stopped.elapsed();
+            eprintln!("the standby took over {took:?} after the active one stalled");
             assert!(
-                took < LEASE + LEASE / 3 + Duration::from_secs(1),
+                took < LEASE + LEASE / 3 + Duration::from_secs(2),
                 "took over after {took:?}"
+            );
+            coordinator.signal("CONT");
+            let status = coordinator.wait_exit(LEASE * 2);
+            assert!(
+                status.is_some_and(|s| !s.success()),
+                "the stalled coordinator did not stop ({status:?}):\n{}",
+                coordinator.log()
+            );
+            assert!(
+                coordinator.log().contains("Lease lost"),
+                "{}",
+                coordinator.log()
             );
             coordinator = standby;
         }
         None => {
+            coordinator.kill9();
             std::thread::sleep(Duration::from_millis(500));
             coordinator.spawn();
         }

@@ -28,10 +28,13 @@ use super::config::HaConfig;
 use super::fleet::{Fleet, Maintenance, Vm};
 use super::store::Changes;
 
-/// The connection, the two buckets and the lease's state.
+/// The connection, the buckets and the lease's state.
 pub struct Ha {
     state: kv::Store,
+    /// Handled message ids, which expire by themselves after `forget_after`.
+    seen: kv::Store,
     lease: kv::Store,
+    js: jetstream::Context,
     name: String,
     period: Duration,
     origin: Instant,
@@ -41,19 +44,47 @@ pub struct Ha {
 }
 
 impl Ha {
-    pub async fn connect(config: &HaConfig) -> Result<Arc<Ha>, String> {
+    /// Connects (retrying while NATS is unreachable: a broker outage at start must not use
+    /// up the supervisor's restarts) and opens or creates the buckets.
+    pub async fn connect(config: &HaConfig, forget_after: Duration) -> Result<Arc<Ha>, String> {
         let connection = serde_json::from_value(serde_json::json!({
             "url": config.url, "credentials_file": config.credentials_file,
         }))
         .map_err(|e| format!("ha: {e}"))?;
-        let client = sched_relay_nats::connect(&connection)
-            .await
-            .map_err(|e| format!("ha.url: {e}"))?;
+        let client = loop {
+            match sched_relay_nats::connect(&connection).await {
+                Ok(client) => break client,
+                Err(error) => {
+                    tracing::warn!(error = %error, retry_in = "2s", "ha: cannot reach NATS for the lease");
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                }
+            }
+        };
         let js = jetstream::new(client);
+        let replicas = config.replicas;
         let bucket = |name: String, max_age: Duration| {
             let js = js.clone();
             async move {
                 if let Ok(store) = js.get_key_value(&name).await {
+                    // A lease bucket made with another period would expire keys at that
+                    // period, whatever this instance believes.
+                    let mut stream = js
+                        .get_stream(format!("KV_{name}"))
+                        .await
+                        .map_err(|e| format!("ha: KV bucket {name:?}: {e}"))?;
+                    let found = stream
+                        .info()
+                        .await
+                        .map_err(|e| format!("ha: KV bucket {name:?}: {e}"))?
+                        .config
+                        .max_age;
+                    if found != max_age {
+                        return Err(format!(
+                            "ha: KV bucket {name:?} keeps keys for {}, this instance expects {}: give every instance the same lease and forget_after (to change them, delete the stream KV_{name} while no coordinator runs)",
+                            humantime::format_duration(found),
+                            humantime::format_duration(max_age)
+                        ));
+                    }
                     return Ok(store);
                 }
                 // The bucket's stream as the KV design (ADR-8) lays it out, created directly:
@@ -68,7 +99,9 @@ impl Ha {
                     discard: jetstream::stream::DiscardPolicy::New,
                     allow_rollup: true,
                     deny_delete: true,
-                    allow_direct: true,
+                    // Replicas answering reads directly could answer from behind.
+                    allow_direct: replicas == 1,
+                    num_replicas: replicas,
                     duplicate_window: if max_age.is_zero() {
                         Duration::from_secs(120)
                     } else {
@@ -84,6 +117,7 @@ impl Ha {
             }
         };
         let state = bucket(config.bucket.clone(), Duration::ZERO).await?;
+        let seen = bucket(format!("{}-seen", config.bucket), forget_after).await?;
         let lease = bucket(format!("{}-lease", config.bucket), config.lease).await?;
         let name = config.instance.clone().unwrap_or_else(|| {
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -93,7 +127,9 @@ impl Ha {
         });
         Ok(Arc::new(Ha {
             state,
+            seen,
             lease,
+            js,
             name,
             period: config.lease,
             origin: Instant::now(),
@@ -106,9 +142,10 @@ impl Ha {
     pub async fn acquire(&self) -> u64 {
         let mut logged = false;
         loop {
+            let sent = self.now();
             match self.lease.create("leader", self.name.clone().into()).await {
                 Ok(revision) => {
-                    self.mark_renewed();
+                    self.renewed.store(sent, Ordering::SeqCst);
                     self.active.store(true, Ordering::SeqCst);
                     tracing::info!(instance = %self.name, "Lease acquired: this coordinator is active");
                     return revision;
@@ -131,10 +168,14 @@ impl Ha {
         }
     }
 
-    /// Renews every third of a period until a renewal fails; then returns why.
-    pub async fn keep(&self, mut revision: u64) -> String {
+    /// Renews every third of a period, on a task of its own (the engine's work never delays
+    /// it). A renewal counts from when it was sent, so a slow answer only shortens the time
+    /// this instance may act. A failure is tried again while the last renewal is fresh
+    /// (a NATS blip); when it is not, or another instance wrote the key, returns why.
+    pub async fn keep(self: Arc<Self>, mut revision: u64) -> String {
         loop {
             tokio::time::sleep(self.period / 3).await;
+            let sent = self.now();
             match self
                 .lease
                 .update("leader", self.name.clone().into(), revision)
@@ -142,7 +183,10 @@ impl Ha {
             {
                 Ok(next) => {
                     revision = next;
-                    self.mark_renewed();
+                    self.renewed.store(sent, Ordering::SeqCst);
+                }
+                Err(error) if self.may_act() && self.holder().await.is_none() => {
+                    tracing::warn!(error = %error, "ha: the lease could not be renewed; trying again");
                 }
                 Err(error) => {
                     self.active.store(false, Ordering::SeqCst);
@@ -154,21 +198,42 @@ impl Ha {
         }
     }
 
-    fn mark_renewed(&self) {
-        self.renewed
-            .store(self.origin.elapsed().as_millis() as u64, Ordering::SeqCst);
+    /// Who holds the lease, if the key can be read and someone else does.
+    async fn holder(&self) -> Option<String> {
+        let value = self.lease.get("leader").await.ok().flatten()?;
+        let holder = String::from_utf8_lossy(&value).into_owned();
+        (holder != self.name).then_some(holder)
     }
 
-    /// This instance may act: it holds the lease and renewed it less than two thirds of a
-    /// period ago.
+    /// Gives the lease up at a planned stop, so that a standby takes over at once.
+    pub async fn release(&self) {
+        if self.may_act() {
+            self.active.store(false, Ordering::SeqCst);
+            if let Err(error) = self.lease.delete("leader").await {
+                tracing::warn!(error = %error, "ha: cannot release the lease; a standby takes over when it expires");
+            }
+        }
+    }
+
+    fn now(&self) -> u64 {
+        self.origin.elapsed().as_millis() as u64
+    }
+
+    /// This instance may act: it holds the lease and sent its last successful renewal less
+    /// than two thirds of a period ago (the key lives a period from when the server wrote
+    /// it, which is after the renewal was sent).
     pub fn may_act(&self) -> bool {
-        let since = self.origin.elapsed().as_millis() as u64 - self.renewed.load(Ordering::SeqCst);
+        let since = self
+            .now()
+            .saturating_sub(self.renewed.load(Ordering::SeqCst));
         self.active.load(Ordering::SeqCst) && since < (self.period * 2 / 3).as_millis() as u64
     }
 
     pub fn state(&self) -> KvState {
+        let _ = &self.js;
         KvState {
             store: self.state.clone(),
+            seen: self.seen.clone(),
         }
     }
 }
@@ -176,6 +241,7 @@ impl Ha {
 /// The fleet's state in the KV bucket.
 pub struct KvState {
     store: kv::Store,
+    seen: kv::Store,
 }
 
 fn hex(text: &str) -> String {
@@ -222,16 +288,25 @@ impl KvState {
                             .map_err(|e| format!("KV VM {name}: {e}"))?;
                         fleet.vms.insert(name, vm);
                     }
-                    "s" => {
-                        let (source, id) = name.split_once('\n').unwrap_or((&name, ""));
-                        let at: i64 = String::from_utf8_lossy(&value).parse().unwrap_or(0);
-                        fleet.seen.insert(
-                            (source.to_owned(), id.to_owned()),
-                            DateTime::<Utc>::from_timestamp(at, 0).unwrap_or_default(),
-                        );
-                    }
                     _ => {}
                 }
+            }
+            let mut keys = self.seen.keys().await.map_err(|e| e.to_string())?;
+            let mut names = Vec::new();
+            while let Some(key) = keys.next().await {
+                names.push(key.map_err(|e| e.to_string())?);
+            }
+            for key in names {
+                let Some(value) = self.seen.get(&key).await.map_err(|e| e.to_string())? else {
+                    continue;
+                };
+                let name = key.strip_prefix("s.").and_then(unhex).unwrap_or_default();
+                let (source, id) = name.split_once('\n').unwrap_or((&name, ""));
+                let at: i64 = String::from_utf8_lossy(&value).parse().unwrap_or(0);
+                fleet.seen.insert(
+                    (source.to_owned(), id.to_owned()),
+                    DateTime::<Utc>::from_timestamp(at, 0).unwrap_or_default(),
+                );
             }
             Ok(fleet)
         })

@@ -48,7 +48,6 @@ pub async fn run(
     crate::install_crypto_provider();
     // The recorder must exist before the first metric is recorded.
     crate::telemetry::prometheus();
-    describe_metrics();
     let key_text = std::fs::read_to_string(&config.signing.key_file).map_err(|e| {
         format!(
             "signing.key_file {}: {e}",
@@ -78,7 +77,13 @@ pub async fn run(
         None => (store::Store::open(&config.coordinator.state_dir)?, None),
         #[cfg(feature = "nats")]
         Some(ha_config) => {
-            let ha = ha::Ha::connect(ha_config).await?;
+            let ha = tokio::select! {
+                ha = ha::Ha::connect(ha_config, config.coordinator.forget_after) => ha?,
+                _ = &mut stop => {
+                    server.abort();
+                    return Ok(());
+                }
+            };
             *role.write().unwrap_or_else(|e| e.into_inner()) = "standby";
             let revision = tokio::select! {
                 revision = ha.acquire() => revision,
@@ -87,13 +92,15 @@ pub async fn run(
                     return Ok(());
                 }
             };
-            (store::Store::Kv(Box::new(ha.state())), Some((ha, revision)))
+            // Renewals run on a task of their own from now on, the state's load included.
+            let keeper = tokio::spawn(ha.clone().keep(revision));
+            (store::Store::Kv(Box::new(ha.state())), Some((ha, keeper)))
         }
         #[cfg(not(feature = "nats"))]
         Some(_) => return Err("ha: this sched-relay was built without NATS support".into()),
     };
-    *role.write().unwrap_or_else(|e| e.into_inner()) = "active";
     let fleet = store.load()?;
+    *role.write().unwrap_or_else(|e| e.into_inner()) = "active";
     tracing::info!(
         events = fleet.events.len(),
         vms = fleet.vms.len(),
@@ -110,21 +117,24 @@ pub async fn run(
     let mut engine = Engine::new(fleet, policy, config, store, signer, publisher, done_tx);
     engine.snapshot = snapshot;
     #[cfg(feature = "nats")]
-    let kept = {
-        if let Some((ha, _)) = &lease {
-            let ha = ha.clone();
+    let (kept, holder) = {
+        let holder = lease.as_ref().map(|(ha, _)| ha.clone());
+        if let Some(ha) = holder.clone() {
             engine.gate = Some(Arc::new(move || ha.may_act()));
         }
-        async move {
+        let kept = async move {
             match lease {
-                Some((ha, revision)) => ha.keep(revision).await,
+                Some((_, keeper)) => keeper
+                    .await
+                    .unwrap_or_else(|e| format!("the lease's task ended: {e}")),
                 None => std::future::pending().await,
             }
-        }
+        };
+        (kept, holder)
     };
     #[cfg(not(feature = "nats"))]
     let kept = {
-        let _: Option<((), u64)> = lease;
+        let _: Option<((), ())> = lease;
         std::future::pending::<String>()
     };
     tokio::pin!(kept);
@@ -149,74 +159,20 @@ pub async fn run(
     }
     let _ = stop_tx.send(true);
     let _ = tokio::time::timeout(std::time::Duration::from_secs(5), input).await;
+    #[cfg(feature = "nats")]
+    if let Some(ha) = holder {
+        ha.release().await;
+    }
     server.abort();
     tracing::info!("Coordinator stopped");
     result
 }
 
-/// `# HELP` texts of the coordinator's metrics.
-fn describe_metrics() {
-    use metrics::{describe_counter, describe_gauge, describe_histogram};
-    describe_gauge!(
-        "sched_relay_coordinator_budget_in_use",
-        "VMs of the group down now (held by the coordinator, or started), until each reports the end."
-    );
-    describe_gauge!(
-        "sched_relay_coordinator_budget_limit",
-        "VMs of the group that may be down at once."
-    );
-    describe_gauge!(
-        "sched_relay_coordinator_group_size",
-        "VMs known in the group (agents, and VMs named in events)."
-    );
-    describe_counter!(
-        "sched_relay_coordinator_input_total",
-        "Messages read, by result: applied, outcome, document, duplicate, stale, foreign, ignored, invalid."
-    );
-    describe_counter!(
-        "sched_relay_coordinator_decisions_total",
-        "Decisions, by kind: approve, drain, budget, never, too_late, no_agent (a wait counts when its reason changes)."
-    );
-    describe_histogram!(
-        "sched_relay_coordinator_decision_seconds",
-        metrics::Unit::Seconds,
-        "From the message that allowed a decision to its drain started or approval signed and handed to the broker client."
-    );
-    describe_histogram!(
-        "sched_relay_coordinator_drain_seconds",
-        metrics::Unit::Seconds,
-        "Drain hook durations, by result."
-    );
-    describe_counter!(
-        "sched_relay_coordinator_drain_failures_total",
-        "Drain hooks that failed or ran out of time."
-    );
-    describe_counter!(
-        "sched_relay_coordinator_deadline_misses_total",
-        "Drains that had not finished by their deadline (NotBefore minus the margin)."
-    );
-    describe_counter!(
-        "sched_relay_coordinator_approvals_sent_total",
-        "Signed approvals the broker confirmed (repeats of one request included)."
-    );
-    describe_counter!(
-        "sched_relay_coordinator_publish_failures_total",
-        "Approvals the broker did not take (tried again)."
-    );
-    describe_counter!(
-        "sched_relay_coordinator_approval_outcomes_total",
-        "The agents' outcomes of this coordinator's approvals, by outcome and reason."
-    );
-    describe_counter!(
-        "sched_relay_coordinator_approvals_abandoned_total",
-        "Events given up after max_attempts or a refusal a new request cannot mend (alert on it)."
-    );
-    describe_counter!(
-        "sched_relay_coordinator_approvals_after_not_before_total",
-        "Approvals signed after the event's NotBefore (should stay 0)."
-    );
-}
-
+// Without any broker feature, only the refusal uses nothing.
+#[cfg_attr(
+    not(any(feature = "nats", feature = "amqp", feature = "kafka")),
+    allow(unused_variables)
+)]
 fn start_input(
     input: &Input,
     deliveries: sched_relay_transport::inbound::Deliveries,

@@ -29,6 +29,7 @@ pub enum Store {
 pub struct Changes {
     pub events: Vec<(String, Option<Maintenance>)>,
     pub vms: Vec<(String, Vm)>,
+    pub vms_removed: Vec<String>,
     pub seen: Vec<((String, String), DateTime<Utc>)>,
     pub unseen: Vec<(String, String)>,
 }
@@ -37,6 +38,7 @@ impl Changes {
     pub fn is_empty(&self) -> bool {
         self.events.is_empty()
             && self.vms.is_empty()
+            && self.vms_removed.is_empty()
             && self.seen.is_empty()
             && self.unseen.is_empty()
     }
@@ -120,6 +122,9 @@ impl Store {
                 let json = serde_json::to_vec(vm).map_err(|e| e.to_string())?;
                 vms.insert(name.as_str(), json.as_slice())
                     .map_err(|e| e.to_string())?;
+            }
+            for name in &changes.vms_removed {
+                vms.remove(name.as_str()).map_err(|e| e.to_string())?;
             }
             let mut seen = txn.open_table(SEEN).map_err(|e| e.to_string())?;
             for ((source, id), at) in &changes.seen {

@@ -131,10 +131,16 @@ pub struct HaConfig {
     /// This instance's name in the lease (default: host name and process id).
     #[serde(default)]
     pub instance: Option<String>,
+    /// Replicas of the buckets' streams (a clustered NATS); 1 keeps them on one server.
+    #[serde(default = "default_replicas")]
+    pub replicas: usize,
 }
 
 fn default_bucket() -> String {
     "sched-relay-coordinator".into()
+}
+fn default_replicas() -> usize {
+    1
 }
 fn default_lease() -> Duration {
     Duration::from_secs(10)

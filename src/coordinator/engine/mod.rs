@@ -121,6 +121,13 @@ impl Engine {
 
     /// Handles one delivered message: read, apply, commit, answer, decide.
     pub fn deliver(&mut self, delivery: Delivery) {
+        if !self.may_act() {
+            // A standby may be active: leave the message to it (JetStream offers it again).
+            let _ = delivery.handled.send(Answer::NotHandled(
+                "this coordinator's lease is not fresh".into(),
+            ));
+            return;
+        }
         let now = Utc::now();
         let arrived = Instant::now();
         let reply = |outcome: &'static str| {
@@ -154,12 +161,17 @@ impl Engine {
         let applied = self.fleet.apply(incoming, now);
         let mut changes = Changes::default();
         match &applied {
-            Applied::Changed(event_key)
-            | Applied::Outcome(event_key)
-            | Applied::ApprovedElsewhere(event_key) => {
+            Applied::Changed(event_key) | Applied::Outcome(event_key) => {
                 changes
                     .events
                     .push((event_key.clone(), self.fleet.events.get(event_key).cloned()));
+            }
+            Applied::ApprovedElsewhere(keys) => {
+                for event_key in keys {
+                    changes
+                        .events
+                        .push((event_key.clone(), self.fleet.events.get(event_key).cloned()));
+                }
             }
             Applied::Foreign => {
                 tracing::info!(vm = ?vm, id = ?key, "An approval outcome for a request this coordinator did not send (an agent's local policy, or another orchestrator)");
@@ -186,8 +198,8 @@ impl Engine {
         {
             changes.vms.push((vm.0.clone(), vm.1.clone()));
         }
-        if let Applied::ApprovedElsewhere(event_key) = &applied {
-            tracing::info!(event_id = %event_key, vm = ?vm, "Approved by someone else (the agent's local policy, or another orchestrator): its VMs count as down");
+        if let Applied::ApprovedElsewhere(event_keys) = &applied {
+            tracing::info!(event_ids = ?event_keys, vm = ?vm, "Approved by someone else (the agent's local policy, or another orchestrator): its VMs count as down");
         }
         if let (Some(key), false) = (&key, applied == Applied::Duplicate) {
             changes.seen.push((key.clone(), now));
@@ -216,10 +228,17 @@ impl Engine {
         }
     }
 
+    /// After a failed write: the fleet in memory may hold what was not stored, so it is read
+    /// back. If that fails too, the process exits (its supervisor starts it again on what
+    /// is stored): acting on unstored decisions could break a budget after a failover.
     pub(super) fn reload(&mut self) {
         match self.store.load() {
             Ok(fleet) => self.fleet = fleet,
-            Err(error) => tracing::error!(error = %error, "Cannot read the state store back"),
+            Err(error) => {
+                tracing::error!(error = %error, "Cannot read the state store back; exiting so that nothing unstored is acted on");
+                eprintln!("error: cannot read the state store back: {error}");
+                std::process::exit(1);
+            }
         }
     }
 

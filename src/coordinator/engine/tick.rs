@@ -17,13 +17,17 @@ const PRUNE_EVERY: Duration = Duration::from_secs(60);
 impl Engine {
     /// Retries, gives up, forgets, decides again, refreshes `/fleet`.
     pub fn tick(&mut self, now: DateTime<Utc>) {
+        // Without a fresh lease, this instance writes nothing: a standby may be active.
+        if !self.may_act() {
+            return;
+        }
         let forget = chrono::Duration::from_std(self.config.coordinator.forget_after)
             .unwrap_or(chrono::Duration::days(1));
         let mut changes = Changes::default();
         let mut gone = Vec::new();
         if self.pruned.is_none_or(|at| at.elapsed() >= PRUNE_EVERY) {
             self.pruned = Some(Instant::now());
-            (gone, changes.unseen) = self.fleet.prune(now, forget);
+            (gone, changes.unseen, changes.vms_removed) = self.fleet.prune(now, forget);
         }
         for key in gone {
             tracing::info!(event_id = %key, "Forgotten: no agent has reported on it for forget_after");

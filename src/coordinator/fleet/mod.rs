@@ -201,8 +201,8 @@ pub enum Applied {
     /// An outcome of a request the coordinator did not send (an agent's local policy, or
     /// another orchestrator).
     Foreign,
-    /// An accepted outcome of someone else's request for a known event (by key).
-    ApprovedElsewhere(String),
+    /// An accepted outcome of someone else's request for known events (by key).
+    ApprovedElsewhere(Vec<String>),
     /// Contradicts what is known (another EventType for an EventId, another resource id for
     /// a VM name): not applied.
     Conflict(String),
@@ -386,15 +386,15 @@ impl Fleet {
                 }
                 if outcome == "accepted" {
                     // Someone else started these events: their VMs are going down.
-                    let mut changed = None;
+                    let mut changed = Vec::new();
                     for event_id in &event_ids {
                         if let Some(entry) = self.events.get_mut(&key_of(event_id)) {
                             entry.approved_elsewhere = true;
-                            changed = Some(key_of(event_id));
+                            changed.push(key_of(event_id));
                         }
                     }
-                    if let Some(key) = changed {
-                        return Applied::ApprovedElsewhere(key);
+                    if !changed.is_empty() {
+                        return Applied::ApprovedElsewhere(changed);
                     }
                 }
                 Applied::Foreign
@@ -408,7 +408,7 @@ impl Fleet {
         &mut self,
         now: DateTime<Utc>,
         forget_after: chrono::Duration,
-    ) -> (Vec<String>, Vec<(String, String)>) {
+    ) -> (Vec<String>, Vec<(String, String)>, Vec<String>) {
         let gone: Vec<String> = self
             .events
             .iter()
@@ -428,8 +428,16 @@ impl Fleet {
             self.seen.remove(key);
         }
         // Agents silent that long are gone (a scale set shrank): they leave the group sizes.
-        self.vms.retain(|_, vm| now - vm.last_seen <= forget_after);
-        (gone, old)
+        let silent: Vec<String> = self
+            .vms
+            .iter()
+            .filter(|(_, vm)| now - vm.last_seen > forget_after)
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in &silent {
+            self.vms.remove(name);
+        }
+        (gone, old, silent)
     }
 }
 

@@ -54,10 +54,19 @@ impl Incoming {
     }
 }
 
+/// The longest `id`, `source`, `vmname`, `subject` or `requestid` accepted (an Azure
+/// resource id is under 300 bytes).
+pub const MAX_ATTRIBUTE_BYTES: usize = 512;
+
 /// Reads a structured CloudEvent that an agent published. Errors say what is wrong.
 pub fn read(event: &Value) -> Result<Incoming, String> {
     let text = |name: &str| -> Result<String, String> {
         match event.get(name) {
+            // Ids, VM names and sources become state keys: bounded like the agent's own.
+            Some(Value::String(value)) if value.len() > MAX_ATTRIBUTE_BYTES => Err(format!(
+                "attribute {name:?} is {} bytes, more than {MAX_ATTRIBUTE_BYTES}",
+                value.len()
+            )),
             Some(Value::String(value)) if !value.trim().is_empty() => Ok(value.clone()),
             Some(other) => Err(format!(
                 "attribute {name:?} is {other}, expected a non-empty string"

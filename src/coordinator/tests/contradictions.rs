@@ -59,7 +59,7 @@ fn an_event_approved_by_someone_else_counts_against_the_budget_at_once() {
         "requestid": "policy:E1", "subject": "E1", "data": {"eventIds": ["E1"], "reason": "policy"}});
     assert_eq!(
         fleet.apply(read(&outcome).unwrap(), t0()),
-        Applied::ApprovedElsewhere("E1".into())
+        Applied::ApprovedElsewhere(vec!["E1".into()])
     );
     let policy = policy(vec![("web", "web-*", Budget::Count(1))], Budget::Count(1));
     let decisions = decide(&fleet, &policy, t0());
