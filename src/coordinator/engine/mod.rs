@@ -242,28 +242,6 @@ impl Engine {
         }
     }
 
-    /// Logs and counts an agent's answer to one of our requests.
-    pub(super) fn outcome(&mut self, key: &str) {
-        let Some(m) = self.fleet.events.get(key) else {
-            return;
-        };
-        let Some(outcome) = m.approval.as_ref().and_then(|a| a.outcome.as_ref()) else {
-            return;
-        };
-        metrics::counter!("sched_relay_coordinator_approval_outcomes_total", "outcome" => outcome.outcome.clone(), "reason" => outcome.reason.clone()).increment(1);
-        match outcome.outcome.as_str() {
-            "accepted" => {
-                tracing::info!(event_id = %m.event_id, request_id = %outcome.request_id, "Approval accepted by the agent")
-            }
-            "rejected" if DONE_REASONS.contains(&outcome.reason.as_str()) => {
-                tracing::info!(event_id = %m.event_id, reason = %outcome.reason, "Approval not needed any more")
-            }
-            _ => {
-                tracing::warn!(event_id = %m.event_id, outcome = %outcome.outcome, reason = %outcome.reason, request_id = %outcome.request_id, "Approval not accepted")
-            }
-        }
-    }
-
     /// This instance holds a fresh lease (or runs alone).
     pub(super) fn may_act(&self) -> bool {
         self.gate.as_ref().is_none_or(|gate| gate())

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use chrono::Utc;
 
-use super::{Done, Engine, PUBLISH_RETRY};
+use super::{DONE_REASONS, Done, Engine, PUBLISH_RETRY};
 use crate::coordinator::config::OnFailure;
 use crate::coordinator::policy;
 use crate::coordinator::store::Changes;
@@ -117,6 +117,28 @@ impl Engine {
         self.dirty = true;
         if let Some(key) = publish {
             self.publish(&key);
+        }
+    }
+
+    /// Logs and counts an agent's answer to one of our requests.
+    pub(super) fn outcome(&mut self, key: &str) {
+        let Some(m) = self.fleet.events.get(key) else {
+            return;
+        };
+        let Some(outcome) = m.approval.as_ref().and_then(|a| a.outcome.as_ref()) else {
+            return;
+        };
+        metrics::counter!("sched_relay_coordinator_approval_outcomes_total", "outcome" => outcome.outcome.clone(), "reason" => outcome.reason.clone()).increment(1);
+        match outcome.outcome.as_str() {
+            "accepted" => {
+                tracing::info!(event_id = %m.event_id, request_id = %outcome.request_id, "Approval accepted by the agent")
+            }
+            "rejected" if DONE_REASONS.contains(&outcome.reason.as_str()) => {
+                tracing::info!(event_id = %m.event_id, reason = %outcome.reason, "Approval not needed any more")
+            }
+            _ => {
+                tracing::warn!(event_id = %m.event_id, outcome = %outcome.outcome, reason = %outcome.reason, request_id = %outcome.request_id, "Approval not accepted")
+            }
         }
     }
 }
