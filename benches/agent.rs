@@ -620,20 +620,6 @@ impl Meter {
     }
 }
 
-/// (resident, proportional, anonymous) memory in KiB, from `smaps_rollup`.
-fn memory(pid: u32) -> (u64, u64, u64) {
-    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
-    let kib = |key: &str| {
-        rollup
-            .lines()
-            .find(|l| l.starts_with(key))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
-    (kib("Rss:"), kib("Pss:"), kib("Anonymous:"))
-}
-
 /// CPU ticks per thread name, busiest first (where idle CPU goes).
 fn threads(pid: u32) -> Vec<(String, u64)> {
     let mut by_name: HashMap<String, u64> = HashMap::new();
@@ -729,7 +715,7 @@ fn footprint(report: &mut Report, sizes: &Sizes, topology: &Topology, collector:
         let (ns, switches) = meter.totals();
         let (ns, switches) = (ns - starts[i].0, switches - starts[i].1);
         let ms_per_poll = ns as f64 / 1e6 / polls;
-        let (rss, pss, anon) = memory(meter.pid);
+        let (rss, pss, anon) = common::memory(meter.pid);
         let count = std::fs::read_dir(format!("/proc/{}/task", meter.pid))
             .map(|d| d.count())
             .unwrap_or(0);

@@ -117,16 +117,8 @@ fn footprint(pid: u32) -> (u64, u64, u64) {
                 .unwrap_or(0);
         }
     }
-    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
-    let field = |name: &str| {
-        rollup
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(0)
-    };
-    (cpu, field("Rss:"), field("Pss:"))
+    let (rss, pss, _) = common::memory(pid);
+    (cpu, rss, pss)
 }
 
 /// The `q` quantile of a Prometheus histogram, as the upper bound of its bucket.

@@ -101,7 +101,8 @@ impl std::fmt::Display for ConfigProblem {
 #[error("{} configuration problem(s):\n{}", .0.len(), .0.iter().map(|p| format!("  {p}")).collect::<Vec<_>>().join("\n"))]
 pub struct ConfigErrors(pub Vec<ConfigProblem>);
 
-fn problem(path: impl Into<String>, message: impl Into<String>) -> ConfigProblem {
+/// A problem at `path` (also the fleet coordinator's file).
+pub(crate) fn problem(path: impl Into<String>, message: impl Into<String>) -> ConfigProblem {
     ConfigProblem {
         path: path.into(),
         message: message.into(),

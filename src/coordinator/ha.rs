@@ -262,19 +262,27 @@ fn wait<T>(future: impl std::future::Future<Output = T>) -> T {
     tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(future))
 }
 
+/// Every live key of a bucket with its value.
+async fn entries(store: &kv::Store) -> Result<Vec<(String, Vec<u8>)>, String> {
+    let mut keys = store.keys().await.map_err(|e| e.to_string())?;
+    let mut names = Vec::new();
+    while let Some(key) = keys.next().await {
+        names.push(key.map_err(|e| e.to_string())?);
+    }
+    let mut entries = Vec::with_capacity(names.len());
+    for key in names {
+        if let Some(value) = store.get(&key).await.map_err(|e| e.to_string())? {
+            entries.push((key, value.to_vec()));
+        }
+    }
+    Ok(entries)
+}
+
 impl KvState {
     pub fn load(&self) -> Result<Fleet, String> {
         wait(async {
             let mut fleet = Fleet::default();
-            let mut keys = self.store.keys().await.map_err(|e| e.to_string())?;
-            let mut names = Vec::new();
-            while let Some(key) = keys.next().await {
-                names.push(key.map_err(|e| e.to_string())?);
-            }
-            for key in names {
-                let Some(value) = self.store.get(&key).await.map_err(|e| e.to_string())? else {
-                    continue;
-                };
+            for (key, value) in entries(&self.store).await? {
                 let (kind, name) = key.split_once('.').unwrap_or(("", ""));
                 let name = unhex(name).ok_or(format!("KV key {key:?} is not ours"))?;
                 match kind {
@@ -291,15 +299,7 @@ impl KvState {
                     _ => {}
                 }
             }
-            let mut keys = self.seen.keys().await.map_err(|e| e.to_string())?;
-            let mut names = Vec::new();
-            while let Some(key) = keys.next().await {
-                names.push(key.map_err(|e| e.to_string())?);
-            }
-            for key in names {
-                let Some(value) = self.seen.get(&key).await.map_err(|e| e.to_string())? else {
-                    continue;
-                };
+            for (key, value) in entries(&self.seen).await? {
                 let name = key.strip_prefix("s.").and_then(unhex).unwrap_or_default();
                 let (source, id) = name.split_once('\n').unwrap_or((&name, ""));
                 let at: i64 = String::from_utf8_lossy(&value).parse().unwrap_or(0);

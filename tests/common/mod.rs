@@ -534,3 +534,17 @@ pub fn fill(filler: &Path) -> u64 {
     let _ = file.sync_all();
     written
 }
+
+/// (resident, proportional, anonymous) memory in KiB, from `smaps_rollup`.
+pub fn memory(pid: u32) -> (u64, u64, u64) {
+    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+    let kib = |key: &str| {
+        rollup
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    (kib("Rss:"), kib("Pss:"), kib("Anonymous:"))
+}

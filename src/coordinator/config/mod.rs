@@ -11,7 +11,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::policy::Action;
-use crate::config::ConfigProblem;
+pub(super) use crate::config::problem;
 
 mod checks;
 use crate::sinks::SinkKind;
@@ -279,11 +279,4 @@ fn default_since() -> Duration {
 }
 fn default_margin() -> Duration {
     Duration::from_secs(60)
-}
-
-fn problem(path: impl Into<String>, message: impl Into<String>) -> ConfigProblem {
-    ConfigProblem {
-        path: path.into(),
-        message: message.into(),
-    }
 }
