@@ -438,3 +438,50 @@ max_down_percent = 20
         "{metrics}"
     );
 }
+
+#[test]
+fn coordinate_check_prints_each_groups_budget_and_refuses_a_bad_file_with_exit_2() {
+    let example = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/config/examples/coordinator.toml"
+    );
+    let printed = common::stdout_of(Command::new(BINARY).args([
+        "coordinate",
+        "--config",
+        example,
+        "--check",
+    ]));
+    assert!(
+        printed.contains("group web: at most 20 % of its VMs down"),
+        "{printed}"
+    );
+    assert!(
+        printed.contains("group db: at most 1 VM(s) down; freeze approve up to 9 s"),
+        "{printed}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        "[coordinator]\n[input]\nkind = \"nats\"\nurl = \"nats://x\"\nstream = \"S\"\n\
+         [approvals]\nkind = \"nats\"\nurl = \"nats://x\"\nsubject = \"a.b\"\n\
+         [signing]\nkey_file = \"/k\"\nkey_id = \"k\"\n[defaults.actions]\nReboot = \"drain_then_approve\"\n",
+    )
+    .unwrap();
+    let output = Command::new(BINARY)
+        .args(["coordinate", "--config", bad.to_str().unwrap(), "--check"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("config error: approvals.subject: must contain {vmname}"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(
+            "config error: defaults.actions.Reboot: drain_then_approve needs a [drain] section"
+        ),
+        "{stderr}"
+    );
+}

@@ -317,9 +317,29 @@ pub async fn command(
     config.coordinator.dry_run |= dry_run;
     if check {
         for group in &policy.groups {
+            let budget = match group.budget {
+                policy::Budget::Count(count) => format!("at most {count} VM(s) down"),
+                policy::Budget::Percent(percent) => format!("at most {percent} % of its VMs down"),
+            };
+            let rules: Vec<String> = group
+                .rules
+                .iter()
+                .map(|(ty, rule)| {
+                    let action = match rule.action {
+                        policy::Action::Approve => "approve",
+                        policy::Action::DrainThenApprove => "drain_then_approve",
+                        policy::Action::Never => "never",
+                    };
+                    match rule.max_duration {
+                        Some(max) => format!("{ty} {action} up to {} s", max.as_secs()),
+                        None => format!("{ty} {action}"),
+                    }
+                })
+                .collect();
             println!(
-                "group {}: {:?}, {:?}",
-                group.name, group.budget, group.rules
+                "group {}: {budget}; {}; any other type never",
+                group.name,
+                rules.join(", ")
             );
         }
         return ExitCode::SUCCESS;
