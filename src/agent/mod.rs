@@ -10,6 +10,7 @@
 
 mod identity;
 mod local_policy;
+mod poll_timer;
 mod poller;
 
 use std::future::Future;
@@ -52,6 +53,8 @@ pub enum AgentError {
         "the approval checker died ({0}); stopping, so that the supervisor starts the agent afresh with remote approvals working"
     )]
     CheckerDied(String),
+    #[error("the poller stopped: {0}; stopping, so that the supervisor starts the agent afresh")]
+    PollerDied(String),
 }
 
 /// How `run` starts, beyond the configuration.
@@ -230,21 +233,28 @@ pub async fn run(
         (None, None)
     };
     let shutdown_timeout = config.delivery.shutdown_timeout;
-    let mut poller = Poller::new(config, client, factory, fanout, telemetry, latest, previous)
+    let poller = Poller::new(config, client, factory, fanout, telemetry, latest, previous)
         .with_policy(policy);
     let checker_failed = remote.checker_failed();
     let mut checker_died = None;
-    poller
-        .poll_until(async {
-            tokio::select! {
-                () = shutdown => {}
-                why = checker_failed => {
-                    tracing::error!(why = %why, "The approval checker died; stopping the agent so that its supervisor restarts it");
-                    checker_died = Some(why);
-                }
-            }
-        })
-        .await;
+    let (stop_polling, polling_stopped) = tokio::sync::watch::channel(false);
+    let polling = poller.poll_on_own_thread(polling_stopped);
+    tokio::pin!(polling);
+    let polled = tokio::select! {
+        () = shutdown => None,
+        why = checker_failed => {
+            tracing::error!(why = %why, "The approval checker died; stopping the agent so that its supervisor restarts it");
+            checker_died = Some(why);
+            None
+        }
+        polled = &mut polling => Some(polled),
+    };
+    let _ = stop_polling.send(true);
+    let mut poller = match polled {
+        Some(polled) => polled,
+        None => polling.await,
+    }
+    .map_err(AgentError::PollerDied)?;
     // Transitions seen while the store could not be written live only in memory: one last
     // try, then name each one, so a restart to "fix" a full disk never loses them silently.
     // One deadline for everything that stops, taken when the stop begins, so the agent exits

@@ -19,6 +19,7 @@ use sched_relay_core::diff::Observation;
 use sched_relay_core::document::Document;
 use sched_relay_core::event::{EventFactory, events_observed};
 
+use super::poll_timer::PollTimer;
 use crate::config::Config;
 use crate::fanout::Fanout;
 use crate::imds::pacing::{self, GONE_GRACE};
@@ -100,6 +101,58 @@ impl Poller {
         self
     }
 
+    /// Polls on a thread of its own, with a single-threaded runtime, until `stop` is true;
+    /// then gives the poller back (for what is left of the shutdown).
+    ///
+    /// Why a thread: on the agent's multi-threaded runtime every wake-up of the poll loop
+    /// also woke an idle sibling worker to look for work to steal, which made most of what
+    /// an idle poll cost (BENCHMARKS.md, "Idle polls"). Here an idle poll is the timer's wake,
+    /// one request and the answer's wake; the runtime shared with the sinks and approval
+    /// sources sleeps through it, and still has every core for a burst.
+    pub(super) fn poll_on_own_thread(
+        mut self,
+        mut stop: tokio::sync::watch::Receiver<bool>,
+    ) -> impl Future<Output = Result<Poller, String>> {
+        let (done, polled) = tokio::sync::oneshot::channel();
+        let spawned = std::thread::Builder::new()
+            .name("sched-relay-poll".into())
+            .spawn(move || {
+                let runtime = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(runtime) => runtime,
+                    Err(error) => {
+                        let _ = done.send(Err(format!("cannot start its runtime: {error}")));
+                        return;
+                    }
+                };
+                // A task, not the `block_on` future itself: a task woken while it runs (by
+                // hyper's own hand-overs inside a request) is queued on this thread, where the
+                // `block_on` future is woken through the reactor (a write and another wait).
+                let polled = runtime.block_on(runtime.spawn(async move {
+                    self.poll_until(async move {
+                        let _ = stop.wait_for(|stopped| *stopped).await;
+                    })
+                    .await;
+                    self
+                }));
+                // Blocking work it started (noting what the service answered, say) may finish;
+                // none of it is waited for longer than this.
+                runtime.shutdown_timeout(Duration::from_secs(1));
+                // A panic in the poll loop drops `done`: the agent stops (see `run`).
+                if let Ok(poller) = polled {
+                    let _ = done.send(Ok(poller));
+                }
+            });
+        async move {
+            spawned.map_err(|error| format!("cannot start the poll thread: {error}"))?;
+            polled
+                .await
+                .map_err(|_| "the poll thread died (see the error logged before)".to_owned())?
+        }
+    }
+
     pub(super) async fn poll_until(&mut self, shutdown: impl Future<Output = ()>) {
         tokio::pin!(shutdown);
         let interval = self.config.imds.poll_interval;
@@ -112,11 +165,18 @@ impl Poller {
         let mut answer_recorded = false;
         // The last refused document's reason: said once at WARN, not once per poll.
         let mut refusal: Option<String> = None;
+        let mut timer = PollTimer::new();
+        let mut connection = self.client.poll_connection();
         loop {
             let started = Instant::now();
             let fetched = tokio::select! {
                 _ = &mut shutdown => return,
-                fetched = self.client.fetch() => fetched,
+                fetched = async {
+                    match &mut connection {
+                        Some(connection) => self.client.fetch_on(connection).await,
+                        None => self.client.fetch().await,
+                    }
+                } => fetched,
             };
             metrics::counter!("sched_relay_imds_polls_total").increment(1);
             metrics::histogram!("sched_relay_imds_poll_duration_seconds")
@@ -197,16 +257,17 @@ impl Poller {
                     wait
                 }
             };
-            tokio::select! {
+            let posted = tokio::select! {
                 _ = &mut shutdown => return,
-                _ = tokio::time::sleep_until((started + wait).into()) => {}
+                _ = timer.sleep_until(started + wait) => false,
                 // An approval was accepted: the event is about to start, so look again now
                 // (still at most one request per MIN_POLL_INTERVAL, within the IMDS budget).
-                _ = self.client.posted().notified() => {
-                    tokio::select! {
-                        _ = &mut shutdown => return,
-                        _ = tokio::time::sleep_until((started + MIN_POLL_INTERVAL).into()) => {}
-                    }
+                _ = self.client.posted().notified() => true,
+            };
+            if posted {
+                tokio::select! {
+                    _ = &mut shutdown => return,
+                    _ = timer.sleep_until(started + MIN_POLL_INTERVAL) => {}
                 }
             }
         }
@@ -323,18 +384,22 @@ impl Poller {
     }
 
     /// Tells the approval checks about the latest document (a copy only when it changed).
+    /// An unchanged document only renews the fetch time, which readers see without being
+    /// woken: an idle poll wakes nobody else.
     fn share(&self, document: &Document) {
-        self.latest.send_modify(|latest| match latest {
+        self.latest.send_if_modified(|latest| match latest {
             Some(snapshot)
                 if Continuity::of(Some(&snapshot.document), document) == Continuity::Unchanged =>
             {
                 snapshot.fetched = Instant::now();
+                false
             }
             _ => {
                 *latest = Some(Snapshot {
                     document: Arc::new(document.clone()),
                     fetched: Instant::now(),
-                })
+                });
+                true
             }
         });
     }

@@ -16,6 +16,10 @@ use url::Url;
 use sched_relay_core::document::{Document, DocumentError, Parsed};
 use sched_relay_core::event::Identity;
 
+use super::connection::KeptAlive;
+pub use super::error::ImdsError;
+use super::error::newest_versions;
+
 /// The Scheduled Events api-versions Azure has published, oldest first.
 pub const KNOWN_API_VERSIONS: [&str; 7] = [
     "2017-03-01",
@@ -32,66 +36,6 @@ const ACCEPTED_REMEMBERED: usize = 256;
 
 /// The api-version used for `/metadata/instance/compute` (independent of Scheduled Events).
 const COMPUTE_API_VERSION: &str = "2021-02-01";
-
-/// Why a request to the metadata service failed. Each variant says what to check.
-#[derive(Debug, thiserror::Error)]
-pub enum ImdsError {
-    #[error("no answer from {url} within {timeout:?}")]
-    Timeout { url: String, timeout: Duration },
-    #[error("cannot reach {url}: {reason} (is this an Azure VM, and is imds.endpoint right?)")]
-    Unreachable { url: String, reason: String },
-    #[error(
-        "{url} does not accept api-version {version}; the service's newest versions are {newest:?}: \
-         set imds.api_version to one of them"
-    )]
-    BadApiVersion {
-        url: String,
-        version: String,
-        newest: Vec<String>,
-    },
-    #[error("{url} answered 400 Bad Request: {body}")]
-    BadRequest { url: String, body: String },
-    #[error(
-        "{url} answered 429 Too Many Requests (retry after {retry_after:?}); is another process on this VM polling the metadata service too?"
-    )]
-    Throttled {
-        url: String,
-        retry_after: Option<Duration>,
-    },
-    #[error("{url} answered {status}: {body}")]
-    Status {
-        url: String,
-        status: u16,
-        body: String,
-    },
-    #[error("{url} returned a malformed document: {error}")]
-    Malformed { url: String, error: DocumentError },
-}
-
-impl ImdsError {
-    /// A short stable label for metrics and logs.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            ImdsError::Timeout { .. } => "timeout",
-            ImdsError::Unreachable { .. } => "unreachable",
-            ImdsError::BadApiVersion { .. } => "bad_api_version",
-            ImdsError::BadRequest { .. } => "bad_request",
-            ImdsError::Throttled { .. } => "throttled",
-            ImdsError::Status { status: 410, .. } => "gone",
-            ImdsError::Status { status, .. } if *status >= 500 => "server_error",
-            ImdsError::Status { .. } => "http_status",
-            ImdsError::Malformed { .. } => "malformed",
-        }
-    }
-
-    /// Whether repeating the request can succeed (a refused approval body never will).
-    pub fn is_retriable(&self) -> bool {
-        !matches!(
-            self,
-            ImdsError::BadApiVersion { .. } | ImdsError::BadRequest { .. }
-        )
-    }
-}
 
 /// `base` + `path` + `?api-version=...`.
 fn url(base: &Url, path: &str, api_version: &str) -> String {
@@ -196,8 +140,48 @@ impl ImdsClient {
         let body = self
             .send_scheduled_events(self.http.get(self.scheduled_events.clone()), url)
             .await?;
-        Document::parse(&body).map_err(|error| ImdsError::Malformed {
-            url: url.to_owned(),
+        self.parse(&body)
+    }
+
+    /// A kept-alive connection for [`ImdsClient::fetch_on`], for the one task that polls;
+    /// `None` for an `https` endpoint (then [`ImdsClient::fetch`] is the way).
+    pub fn poll_connection(&self) -> Option<KeptAlive> {
+        KeptAlive::new(
+            &self.scheduled_events,
+            self.request_timeout.min(Duration::from_secs(5)),
+        )
+    }
+
+    /// As [`ImdsClient::fetch`], through the poller's own kept-alive connection: the same
+    /// pacing, timeouts and answers, without handing the exchange to the shared client's
+    /// connection task (see [`KeptAlive`]).
+    pub async fn fetch_on(&self, connection: &mut KeptAlive) -> Result<Parsed, ImdsError> {
+        let url = self.scheduled_events.as_str();
+        let timeout = self.scheduled_events_timeout();
+        self.pacer.turn().await;
+        let answered = match tokio::time::timeout(timeout, connection.get()).await {
+            Err(_) => Err(ImdsError::Timeout {
+                url: url.to_owned(),
+                timeout,
+            }),
+            Ok(Err(reason)) => Err(ImdsError::Unreachable {
+                url: url.to_owned(),
+                reason,
+            }),
+            Ok(Ok(answer)) => self.judge(
+                url,
+                answer.status,
+                answer.retry_after.as_deref(),
+                &answer.body,
+            ),
+        };
+        self.note_answered(&answered);
+        self.parse(&answered?)
+    }
+
+    fn parse(&self, body: &[u8]) -> Result<Parsed, ImdsError> {
+        Document::parse(body).map_err(|error| ImdsError::Malformed {
+            url: self.scheduled_events.as_str().to_owned(),
             error,
         })
     }
@@ -295,14 +279,18 @@ impl ImdsClient {
         let result = self
             .send(request, url, self.scheduled_events_timeout())
             .await;
-        // Any HTTP answer, even an error, proves the service is enabled and responsive.
+        self.note_answered(&result);
+        result
+    }
+
+    /// Any HTTP answer, even an error, proves the service is enabled and responsive.
+    fn note_answered<T>(&self, result: &Result<T, ImdsError>) {
         if !matches!(
             result,
             Err(ImdsError::Timeout { .. } | ImdsError::Unreachable { .. })
         ) {
             self.answered.store(true, Ordering::Relaxed);
         }
-        result
     }
 
     async fn send(
@@ -318,13 +306,30 @@ impl ImdsClient {
             .send()
             .await
             .map_err(|e| self.transport_error(url, timeout, e))?;
-        let status = response.status();
-        if status == StatusCode::TOO_MANY_REQUESTS {
-            let retry_after = response
-                .headers()
-                .get(header::RETRY_AFTER)
-                .and_then(|value| value.to_str().ok())
-                .and_then(sched_relay_transport::parse_retry_after);
+        let status = response.status().as_u16();
+        let retry_after = response
+            .headers()
+            .get(header::RETRY_AFTER)
+            .and_then(|value| value.to_str().ok())
+            .map(str::to_owned);
+        let body = response
+            .bytes()
+            .await
+            .map_err(|e| self.transport_error(url, timeout, e))?;
+        self.judge(url, status, retry_after.as_deref(), &body)
+    }
+
+    /// What an answer of the service means: the body of a success, or the error that says
+    /// what to check (a 429 also holds back every request of this client, as asked).
+    fn judge(
+        &self,
+        url: &str,
+        status: u16,
+        retry_after: Option<&str>,
+        body: &[u8],
+    ) -> Result<Vec<u8>, ImdsError> {
+        if status == StatusCode::TOO_MANY_REQUESTS.as_u16() {
+            let retry_after = retry_after.and_then(sched_relay_transport::parse_retry_after);
             if let Some(wait) = retry_after {
                 self.pacer.throttled(wait);
             }
@@ -333,16 +338,12 @@ impl ImdsClient {
                 retry_after,
             });
         }
-        let body = response
-            .bytes()
-            .await
-            .map_err(|e| self.transport_error(url, timeout, e))?;
-        if status.is_success() {
+        if (200..300).contains(&status) {
             return Ok(body.to_vec());
         }
-        let text = String::from_utf8_lossy(&body).trim().to_owned();
-        if status == StatusCode::BAD_REQUEST {
-            if let Some(newest) = newest_versions(&body) {
+        let text = String::from_utf8_lossy(body).trim().to_owned();
+        if status == StatusCode::BAD_REQUEST.as_u16() {
+            if let Some(newest) = newest_versions(body) {
                 return Err(ImdsError::BadApiVersion {
                     url: url.to_owned(),
                     version: self.api_version.clone(),
@@ -356,7 +357,7 @@ impl ImdsClient {
         }
         Err(ImdsError::Status {
             url: url.to_owned(),
-            status: status.as_u16(),
+            status,
             body: text,
         })
     }
@@ -375,31 +376,9 @@ impl ImdsClient {
     }
 }
 
-/// The service answers a bad or missing api-version with 400 and a `newest-versions` list.
-fn newest_versions(body: &[u8]) -> Option<Vec<String>> {
-    let value: Value = serde_json::from_slice(body).ok()?;
-    let versions = value.get("newest-versions")?.as_array()?;
-    Some(
-        versions
-            .iter()
-            .filter_map(|v| v.as_str().map(str::to_owned))
-            .collect(),
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_bad_api_version_answer_lists_the_newest_versions() {
-        let body = br#"{"error": "Bad request. api-version is invalid", "newest-versions": ["2020-07-01", "2019-08-01"]}"#;
-        assert_eq!(
-            newest_versions(body),
-            Some(vec!["2020-07-01".to_owned(), "2019-08-01".to_owned()])
-        );
-        assert_eq!(newest_versions(b"Bad Request"), None);
-    }
 
     #[test]
     fn accepted_event_ids_are_remembered_bounded_until_they_leave_the_document() {
@@ -422,21 +401,5 @@ mod tests {
             "E299",
             "the oldest go first"
         );
-    }
-
-    #[test]
-    fn refused_requests_are_not_retried_but_outages_are() {
-        let bad = ImdsError::BadRequest {
-            url: "u".into(),
-            body: "b".into(),
-        };
-        assert!(!bad.is_retriable());
-        let down = ImdsError::Status {
-            url: "u".into(),
-            status: 503,
-            body: String::new(),
-        };
-        assert!(down.is_retriable());
-        assert_eq!(down.kind(), "server_error");
     }
 }

@@ -4,12 +4,15 @@
 
 mod client;
 mod config;
+mod connection;
 mod discovery;
+mod error;
 mod identity;
 pub mod pacing;
 
 pub use client::{ImdsClient, ImdsError, KNOWN_API_VERSIONS};
 pub use config::{ImdsConfig, MIN_POLL_INTERVAL, is_api_version};
+pub use connection::KeptAlive;
 pub use discovery::resolve_endpoint;
 pub use discovery::{DEFAULT_LEASE_PATHS, discover_endpoint, lease_option_245};
 pub use identity::{

@@ -1,0 +1,332 @@
+//! The poller's own kept-alive HTTP/1.1 connection to the metadata service, for the one GET
+//! it makes every poll interval.
+//!
+//! Why not the shared client (`reqwest`, hyper's pooled client): it runs each connection as a
+//! task of its own and hands every request and answer across tasks, so an idle poll woke the
+//! runtime three or four times. Here the connection is hyper's connection-level client,
+//! driven inside the request's own future: a poll is one write and one wake for the answer
+//! (BENCHMARKS.md, "Idle polls"). Everything else (StartRequests, the VM's identity, the
+//! approval checks' fresh documents) still goes through the shared client.
+//!
+//! Faults: a connection the service closed while idle is found out on the next request, and
+//! the GET (idempotent) is sent once more on a new connection before it counts as failed. A
+//! request that fails, times out or is abandoned takes its connection with it (its state is
+//! unknown), so the next one starts clean. Proved by the tests below against a server that
+//! closes every connection after one answer, one that hangs, and one that is not there.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper::client::conn::http1;
+use hyper::header::{HOST, HeaderValue, RETRY_AFTER, USER_AGENT};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use url::Url;
+
+/// More than any Scheduled Events document (a thousand events are about half a megabyte):
+/// an endless answer is refused, not buffered until memory runs out.
+pub const MAX_BODY: usize = 16 * 1024 * 1024;
+
+/// What the service answered.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: u16,
+    /// The `Retry-After` header, as sent.
+    pub retry_after: Option<String>,
+    pub body: Bytes,
+}
+
+type Sender = http1::SendRequest<Empty<Bytes>>;
+type Driver = http1::Connection<TokioIo<TcpStream>, Empty<Bytes>>;
+
+/// One HTTP/1.1 connection to a plain-HTTP endpoint, opened on first use and kept between
+/// requests. Owned by one task (the poller): `&mut self`, no lock.
+pub struct KeptAlive {
+    /// `host:port`, to connect to.
+    authority: String,
+    host: HeaderValue,
+    /// The request target: path and query.
+    target: hyper::Uri,
+    connect_timeout: Duration,
+    open: Option<(Sender, Driver)>,
+}
+
+impl KeptAlive {
+    /// A connection for `GET url`; `None` unless `url` is plain `http` (an `https` endpoint
+    /// is left to the shared client, which does TLS).
+    pub fn new(url: &Url, connect_timeout: Duration) -> Option<KeptAlive> {
+        if url.scheme() != "http" {
+            return None;
+        }
+        let host = url.host_str()?;
+        let port = url.port_or_known_default()?;
+        // An IPv6 literal keeps its brackets in both the Host header and the address.
+        let host = match url.host()? {
+            url::Host::Ipv6(_) => format!("[{}]", host.trim_matches(|c| c == '[' || c == ']')),
+            _ => host.to_owned(),
+        };
+        let authority = format!("{host}:{port}");
+        let host_header = match url.port() {
+            Some(port) => format!("{host}:{port}"),
+            None => host,
+        };
+        let target = match url.query() {
+            Some(query) => format!("{}?{query}", url.path()),
+            None => url.path().to_owned(),
+        };
+        Some(KeptAlive {
+            authority,
+            host: HeaderValue::from_str(&host_header).ok()?,
+            target: target.parse().ok()?,
+            connect_timeout,
+            open: None,
+        })
+    }
+
+    /// `GET` with `Metadata: true`. A connection reused from an earlier request that fails
+    /// is replaced and the request sent once more; a new connection that fails is the
+    /// answer. Never times out by itself: the caller bounds it (dropping the future drops the
+    /// connection too).
+    pub async fn get(&mut self) -> Result<Answer, String> {
+        let reused = self.open.is_some();
+        match self.get_once().await {
+            Err(error) if reused => {
+                tracing::debug!(error = %error, "The kept-alive connection to the metadata service failed; sending again on a new one");
+                self.get_once().await
+            }
+            answered => answered,
+        }
+    }
+
+    async fn get_once(&mut self) -> Result<Answer, String> {
+        // Taken out for the exchange, and put back only when it ends well: a request that
+        // fails or is abandoned half-way (a timeout drops this future) leaves no connection
+        // in an unknown state behind.
+        let (mut sender, mut driver) = match self.open.take() {
+            Some(open) => open,
+            None => self.connect().await?,
+        };
+        let request = hyper::Request::get(self.target.clone())
+            .header(HOST, self.host.clone())
+            .header("Metadata", "true")
+            .header(
+                USER_AGENT,
+                concat!("sched-relay/", env!("CARGO_PKG_VERSION")),
+            )
+            .body(Empty::new())
+            .map_err(|e| format!("cannot build the request: {e}"))?;
+        let mut closed = false;
+        let answer = {
+            let exchange = async {
+                let response = sender
+                    .send_request(request)
+                    .await
+                    .map_err(|e| sched_relay_transport::error_chain(&e))?;
+                let status = response.status().as_u16();
+                let retry_after = response
+                    .headers()
+                    .get(RETRY_AFTER)
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned);
+                let body = Limited::new(response.into_body(), MAX_BODY)
+                    .collect()
+                    .await
+                    .map_err(|e| format!("reading the answer failed: {e} (answers over {MAX_BODY} bytes are refused)"))?
+                    .to_bytes();
+                Ok::<_, String>(Answer {
+                    status,
+                    retry_after,
+                    body,
+                })
+            };
+            tokio::pin!(exchange);
+            // The connection does its reading and writing only while it is polled: drive it
+            // here, beside the exchange, until the answer is read whole.
+            tokio::select! {
+                biased;
+                answer = &mut exchange => answer?,
+                ended = std::future::poll_fn(|cx| driver.poll_without_shutdown(cx)) => {
+                    ended.map_err(|error| sched_relay_transport::error_chain(&error))?;
+                    // The connection finished: the service said `Connection: close` after its
+                    // answer, which is then complete, or it had closed the connection (idle,
+                    // between two polls) and no answer will ever come.
+                    closed = true;
+                    let now = std::future::poll_fn(|cx| {
+                        std::task::Poll::Ready(exchange.as_mut().poll(cx))
+                    })
+                    .await;
+                    match now {
+                        std::task::Poll::Ready(answer) => answer?,
+                        std::task::Poll::Pending => {
+                            return Err("the service closed the connection without answering".into());
+                        }
+                    }
+                }
+            }
+        };
+        if !closed && !sender.is_closed() {
+            self.open = Some((sender, driver));
+        }
+        Ok(answer)
+    }
+
+    async fn connect(&self) -> Result<(Sender, Driver), String> {
+        let stream = tokio::time::timeout(
+            self.connect_timeout,
+            TcpStream::connect(self.authority.as_str()),
+        )
+        .await
+        .map_err(|_| format!("no connection within {:?}", self.connect_timeout))?
+        .map_err(|e| format!("cannot connect to {}: {e}", self.authority))?;
+        // One small request, one small answer: never wait to fill a segment.
+        let _ = stream.set_nodelay(true);
+        http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| sched_relay_transport::error_chain(&e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    const OK: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}";
+
+    /// A server that answers each request on a connection with `answer`, and closes every
+    /// connection after `per_connection` answers; returns its URL and how many connections
+    /// it accepted.
+    async fn server(
+        answer: &'static [u8],
+        per_connection: usize,
+    ) -> (Url, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = Url::parse(&format!(
+            "http://{}/metadata/scheduledevents?api-version=2020-07-01",
+            listener.local_addr().unwrap()
+        ))
+        .unwrap();
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = accepted.clone();
+        tokio::spawn(async move {
+            loop {
+                let (mut socket, _) = listener.accept().await.unwrap();
+                counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut buffer = vec![0u8; 4096];
+                    for _ in 0..per_connection {
+                        let mut read = 0;
+                        while !buffer[..read].windows(4).any(|w| w == b"\r\n\r\n") {
+                            match socket.read(&mut buffer[read..]).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => read += n,
+                            }
+                        }
+                        let request = String::from_utf8_lossy(&buffer[..read]).to_lowercase();
+                        assert!(
+                            request.starts_with(
+                                "get /metadata/scheduledevents?api-version=2020-07-01 http/1.1"
+                            ),
+                            "{request}"
+                        );
+                        assert!(request.contains("metadata: true"), "{request}");
+                        assert!(request.contains("host: 127.0.0.1:"), "{request}");
+                        if socket.write_all(answer).await.is_err() {
+                            return;
+                        }
+                    }
+                    // Closed a little after the last answer, as an idle keep-alive connection
+                    // is: the client has put it back by then.
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                });
+            }
+        });
+        (url, accepted)
+    }
+
+    #[tokio::test]
+    async fn one_connection_serves_every_poll() {
+        let (url, accepted) = server(OK, usize::MAX).await;
+        let mut connection = KeptAlive::new(&url, Duration::from_secs(1)).unwrap();
+        for _ in 0..5 {
+            let answer = connection.get().await.unwrap();
+            assert_eq!((answer.status, &answer.body[..]), (200, &b"{}"[..]));
+        }
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_connection_the_service_closed_while_idle_is_replaced_without_a_failed_poll() {
+        let (url, accepted) = server(OK, 1).await;
+        let mut connection = KeptAlive::new(&url, Duration::from_secs(1)).unwrap();
+        for _ in 0..3 {
+            // The server closes each connection 10 ms after its answer, while it is idle
+            // here: the next poll finds it closed.
+            let answer = connection.get().await.unwrap();
+            assert_eq!(answer.status, 200);
+            assert!(connection.open.is_some(), "kept after a keep-alive answer");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn connection_close_answers_are_read_whole_and_the_connection_is_not_reused() {
+        const CLOSE: &[u8] =
+            b"HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\nretry-after: 7\r\ncontent-length: 4\r\n\r\nbusy";
+        let (url, accepted) = server(CLOSE, 1).await;
+        let mut connection = KeptAlive::new(&url, Duration::from_secs(1)).unwrap();
+        for _ in 0..2 {
+            let answer = connection.get().await.unwrap();
+            assert_eq!(answer.status, 503);
+            assert_eq!(answer.retry_after.as_deref(), Some("7"));
+            assert_eq!(&answer.body[..], b"busy");
+        }
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn an_abandoned_request_does_not_leave_its_connection_for_the_next_one() {
+        // A server that reads the request and never answers: the caller's timeout drops
+        // the exchange half-way.
+        let (url, accepted) = server(b"", usize::MAX).await;
+        let mut connection = KeptAlive::new(&url, Duration::from_secs(1)).unwrap();
+        for _ in 0..2 {
+            let timed_out =
+                tokio::time::timeout(Duration::from_millis(100), connection.get()).await;
+            assert!(timed_out.is_err());
+        }
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn an_endpoint_nobody_listens_on_is_a_clear_failure() {
+        let port = sched_relay_transport::testing::free_port();
+        let url = Url::parse(&format!("http://127.0.0.1:{port}/metadata/scheduledevents")).unwrap();
+        let error = KeptAlive::new(&url, Duration::from_secs(1))
+            .unwrap()
+            .get()
+            .await
+            .unwrap_err();
+        assert!(
+            error.contains(&format!("cannot connect to 127.0.0.1:{port}")),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn only_plain_http_endpoints_get_a_kept_alive_connection() {
+        let https = Url::parse("https://169.254.169.254/metadata/scheduledevents").unwrap();
+        assert!(KeptAlive::new(&https, Duration::from_secs(1)).is_none());
+        let ipv6 = Url::parse("http://[fd00::1]:8080/metadata/scheduledevents?a=b").unwrap();
+        let connection = KeptAlive::new(&ipv6, Duration::from_secs(1)).unwrap();
+        assert_eq!(connection.authority, "[fd00::1]:8080");
+        assert_eq!(connection.host, "[fd00::1]:8080");
+        assert_eq!(connection.target, "/metadata/scheduledevents?a=b");
+        let default_port = Url::parse("http://169.254.169.254/metadata/scheduledevents").unwrap();
+        let connection = KeptAlive::new(&default_port, Duration::from_secs(1)).unwrap();
+        assert_eq!(connection.authority, "169.254.169.254:80");
+        assert_eq!(connection.host, "169.254.169.254");
+    }
+}
