@@ -3,16 +3,22 @@
 //! incarnation epoch ([`epoch`]).
 //!
 //! A document's events are written for every sink, and the document marked processed, in one
-//! fsync'd transaction before any sink sees them. So a crash at any moment loses nothing that
-//! was derived from a fetched document: either the transaction committed (the events will be
-//! delivered, after a restart if need be) or it did not (the document was not processed: the
-//! poller keeps its events for the next commit, and after a crash the next document is diffed
-//! against the last one stored). An event leaves the outbox only when its sink confirmed it,
-//! or was dead-lettered.
+//! fsync'd transaction. So a crash at any moment loses nothing that was derived from a
+//! fetched document: either the transaction committed (the events will be delivered, after a
+//! restart if need be) or it did not (the document was not processed: the poller keeps its
+//! events for the next commit, and after a crash the document is fetched and diffed again,
+//! yielding the same ids). The sinks get the events while that transaction is written (the
+//! fan-out's tail, handed over by [`Outbox::commit_placing`] once they are numbered), so a
+//! crash or a failed commit can mean an event delivered twice, never one lost. An event
+//! leaves the outbox only when its sink confirmed it (or it was dead-lettered) and its
+//! commit is durable; removals are made durable in batches ([`Outbox::remove_below`],
+//! [`Outbox::flush`]): a crash in between delivers them again.
 //!
 //! Faults it survives, and the test that proves each:
 //! - a crash between any two writes: the transaction above; `tests/recovery.rs`
 //!   (`kill_minus_9_at_random_moments_loses_and_invents_nothing`);
+//! - a commit that fails after its events were handed over, and one the disk is slow to
+//!   make durable: `fanout::tests_handover`;
 //! - a damaged file: opening fails with the path and `--fresh-state` moves it aside
 //!   (`a_damaged_store_is_reported_and_fresh_state_moves_it_aside`);
 //! - a full disk, or any I/O error, that later clears: redb then fails every transaction
@@ -37,6 +43,7 @@
 mod config;
 mod error;
 mod faults;
+mod queue;
 mod recovery;
 mod requests;
 mod sinks;
@@ -44,6 +51,8 @@ mod sinks;
 pub use config::{StateConfig, check_state_dir};
 pub use error::StoreError;
 pub use faults::DiskFaults;
+use queue::Counter;
+pub use queue::Placement;
 use recovery::open_database;
 pub use requests::{Seen, StoredOutcome};
 
@@ -54,8 +63,7 @@ pub use meta::{ACCEPTED_EVENT_IDS, IDENTITY, IMDS_ANSWERED};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
-use cloudevents::AttributesReader;
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{Database, ReadableDatabase, TableDefinition};
 use sched_relay_core::Event;
 use serde_json::Value;
 
@@ -102,13 +110,9 @@ pub struct Outbox {
     /// sink's whole backlog. Emptied on a reopen: a commit that reported an error may still
     /// have reached the disk. Lock order: this, then `db`.
     counters: std::sync::Mutex<std::collections::HashMap<String, Counter>>,
-}
-
-/// Where one sink's queue stands.
-#[derive(Debug, Clone, Copy, Default)]
-struct Counter {
-    next: u64,
-    depth: usize,
+    /// How many times the file was opened anew after an I/O error: what was not durable
+    /// before a reopen (removals of delivered events) is back in the table after it.
+    generation: std::sync::atomic::AtomicU64,
 }
 
 /// What an operation does to the file, for the writability record.
@@ -170,6 +174,7 @@ impl Outbox {
             faults,
             health: Default::default(),
             counters: Default::default(),
+            generation: Default::default(),
         };
         // Create the tables, and read what a restart needs, so damage shows at start.
         outbox.with_db(Access::Write, |db| {
@@ -240,12 +245,22 @@ impl Outbox {
         let result = match open_database(&self.path, self.faults.as_ref()) {
             Ok(reopened) => {
                 *db = Some(reopened);
-                counters.clear();
+                // The file holds what its last durable commit held: count again.
+                for counter in counters.values_mut() {
+                    counter.stale = true;
+                }
+                self.generation
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 Ok(())
             }
             Err(error) => Err(error.to_string()),
         };
         self.health.reopen_tried(&shown, result);
+    }
+
+    /// Counts the reopens after an I/O error (see [`Outbox::remove_below`]).
+    pub fn generation(&self) -> u64 {
+        self.generation.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Why the store cannot be written (and since when), while it cannot.
@@ -274,185 +289,6 @@ impl Outbox {
                 what: "last document",
                 reason: e.to_string(),
             })
-    }
-
-    /// Stores `events` for each of `sinks` and, when given, `document` (with its epoch) as
-    /// the last processed one, in one durable transaction. A sink already holding `capacity`
-    /// events gets none of them; they are returned as (sink, event) for the dead-letter file.
-    pub fn commit(
-        &self,
-        sinks: &[String],
-        events: &[Event],
-        document: Option<Processed>,
-    ) -> Result<Vec<(String, Event)>, StoreError> {
-        let encoded: Vec<Vec<u8>> = events
-            .iter()
-            .map(|e| {
-                serde_json::to_vec(e)
-                    .map_err(|error| self.io(format!("cannot encode {}: {error}", e.id())))
-            })
-            .collect::<Result<_, _>>()?;
-        let document = document
-            .map(|processed| {
-                serde_json::to_vec(processed.document).map(|bytes| (bytes, processed.epoch_bytes()))
-            })
-            .transpose()
-            .map_err(|e| self.io(e))?;
-        self.reopen_if_due();
-        let mut counters = self.lock_counters();
-        let (overflow, updated) = self.with_db(Access::Write, |db| {
-            let mut overflow = Vec::new();
-            let mut updated = Vec::with_capacity(sinks.len());
-            let txn = self.write(db)?;
-            {
-                let mut table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
-                for sink in sinks {
-                    let Counter {
-                        mut next,
-                        mut depth,
-                    } = match counters.get(sink) {
-                        Some(counter) => *counter,
-                        None => self.count(&table, sink)?,
-                    };
-                    for (event, bytes) in events.iter().zip(&encoded) {
-                        if depth >= self.capacity {
-                            overflow.push((sink.clone(), event.clone()));
-                            continue;
-                        }
-                        table
-                            .insert((sink.as_str(), next), bytes.as_slice())
-                            .map_err(|e| self.io(e))?;
-                        next += 1;
-                        depth += 1;
-                    }
-                    updated.push((sink.clone(), Counter { next, depth }));
-                }
-                if let Some((bytes, epoch)) = &document {
-                    let mut meta = txn.open_table(META).map_err(|e| self.io(e))?;
-                    meta.insert(LAST_DOCUMENT, bytes.as_slice())
-                        .map_err(|e| self.io(e))?;
-                    meta.insert(EPOCH, epoch.as_slice())
-                        .map_err(|e| self.io(e))?;
-                }
-            }
-            txn.commit().map_err(|e| self.io(e))?;
-            Ok((overflow, updated))
-        })?;
-        counters.extend(updated);
-        Ok(overflow)
-    }
-
-    /// Up to `max` of `sink`'s oldest events, in order.
-    pub fn pending(&self, sink: &str, max: usize) -> Result<Vec<Stored>, StoreError> {
-        self.reopen_if_due();
-        self.with_db(Access::Read, |db| {
-            let txn = db.begin_read().map_err(|e| self.io(e))?;
-            let table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
-            let range = table
-                .range((sink, 0)..=(sink, u64::MAX))
-                .map_err(|e| self.io(e))?;
-            let mut stored = Vec::new();
-            for entry in range.take(max) {
-                let (key, value) = entry.map_err(|e| self.io(e))?;
-                let event = serde_json::from_slice(value.value()).map_err(|e| {
-                    format!(
-                        "{e}; stored bytes: {}",
-                        String::from_utf8_lossy(value.value())
-                    )
-                });
-                stored.push(Stored {
-                    seq: key.value().1,
-                    event,
-                });
-            }
-            Ok(stored)
-        })
-    }
-
-    /// Forgets `sink`'s events with these sequence numbers (delivered or dead-lettered).
-    pub fn remove(&self, sink: &str, seqs: &[u64]) -> Result<(), StoreError> {
-        self.reopen_if_due();
-        let mut counters = self.lock_counters();
-        let removed = self.with_db(Access::Write, |db| {
-            let txn = self.write(db)?;
-            let mut removed = 0;
-            {
-                let mut table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
-                for seq in seqs {
-                    if table
-                        .remove((sink, *seq))
-                        .map_err(|e| self.io(e))?
-                        .is_some()
-                    {
-                        removed += 1;
-                    }
-                }
-            }
-            txn.commit().map_err(|e| self.io(e))?;
-            Ok(removed)
-        })?;
-        if let Some(counter) = counters.get_mut(sink) {
-            counter.depth = counter.depth.saturating_sub(removed);
-        }
-        Ok(())
-    }
-
-    fn lock_counters(
-        &self,
-    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, Counter>> {
-        self.counters.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Reads a sink's queue position from the table (once per sink and process).
-    fn count(
-        &self,
-        table: &impl ReadableTable<(&'static str, u64), &'static [u8]>,
-        sink: &str,
-    ) -> Result<Counter, StoreError> {
-        let mut range = table
-            .range((sink, 0)..=(sink, u64::MAX))
-            .map_err(|e| self.io(e))?;
-        let next = match range.next_back() {
-            Some(last) => last.map_err(|e| self.io(e))?.0.value().1 + 1,
-            None => 0,
-        };
-        let depth = table
-            .range((sink, 0)..=(sink, u64::MAX))
-            .map_err(|e| self.io(e))?
-            .count();
-        Ok(Counter { next, depth })
-    }
-
-    /// How many undelivered events each sink may hold.
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
-    /// The CloudEvents ids `sink` has not confirmed yet, oldest first, with each event's
-    /// `time` (when it was observed).
-    pub fn pending_ids(&self, sink: &str, max: usize) -> Result<Vec<PendingId>, StoreError> {
-        Ok(self
-            .pending(sink, max)?
-            .into_iter()
-            .filter_map(|stored| stored.event.ok())
-            .map(|event| (event.id().to_owned(), event.time().copied()))
-            .collect())
-    }
-
-    /// How many events `sink` has not confirmed yet.
-    pub fn depth(&self, sink: &str) -> Result<usize, StoreError> {
-        self.reopen_if_due();
-        let mut counters = self.lock_counters();
-        if let Some(counter) = counters.get(sink) {
-            return Ok(counter.depth);
-        }
-        let counter = self.with_db(Access::Read, |db| {
-            let txn = db.begin_read().map_err(|e| self.io(e))?;
-            let table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
-            self.count(&table, sink)
-        })?;
-        counters.insert(sink.to_owned(), counter);
-        Ok(counter.depth)
     }
 }
 

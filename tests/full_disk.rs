@@ -143,9 +143,17 @@ async fn an_event_seen_while_the_state_disk_is_full_is_delivered_once_it_frees_w
     }
     tokio::time::sleep(Duration::from_millis(2500)).await;
     assert!(faults.refused() > 0, "the agent hit the full disk");
+    // The sinks get a document's events while its commit is written: the commit that found
+    // the disk full had handed its Freeze over already. Once the store is known not to take
+    // commits, nothing more is handed over until one succeeds (no event every poll).
+    let meanwhile = delivered(&events);
     assert!(
-        !delivered(&events).iter().any(|id| id.starts_with(EVENT)),
-        "nothing can have been stored while the disk was full"
+        !meanwhile.contains(&format!("{EVENT}:cancelled")),
+        "nothing is handed over while the store is known to be full: {meanwhile:?}"
+    );
+    assert!(
+        meanwhile.iter().filter(|id| id.starts_with(EVENT)).count() <= 1,
+        "{meanwhile:?}"
     );
     let (status, body) = readyz(port).await;
     assert_eq!(status, 503, "{body}");
@@ -375,9 +383,12 @@ async fn local_policy_approves_while_the_state_disk_is_full_and_reports_it_once_
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(faults.refused() > 0, "the agent hit the full disk");
+    // The commit that found the disk full may have handed the Reboot's `scheduled` over
+    // already; the approval's outcome, published once the store was known to be full, waits.
+    let meanwhile = delivered(&events);
     assert!(
-        !delivered(&events).iter().any(|id| id.contains(REBOOT)),
-        "nothing can have been stored while the disk was full"
+        !meanwhile.iter().any(|id| id.starts_with("policy:")),
+        "nothing is handed over while the store is known to be full: {meanwhile:?}"
     );
     faults.free();
     let events_path = events.clone();

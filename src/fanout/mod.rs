@@ -17,12 +17,19 @@ use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
 
 use crate::store::{Outbox, Processed, StoreError};
-use worker::{DeadLetter, Worker};
+use dead_letter::DeadLetter;
+use tail::{Tail, Ticket};
+use worker::Worker;
 
+mod dead_letter;
+mod settle;
+mod tail;
 mod worker;
 
 /// The longest `Retry-After` a destination can impose.
 const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
+/// At most this much of the shutdown deadline is kept for making the last removals durable.
+const FLUSH_AT_STOP: Duration = Duration::from_millis(200);
 /// How long a task waits before reading the outbox again after a store error.
 const STORE_RETRY: Duration = Duration::from_secs(1);
 
@@ -160,6 +167,7 @@ pub struct Fanout {
 pub struct Publisher {
     outbox: Arc<Outbox>,
     names: Arc<[String]>,
+    tails: Arc<[Arc<Tail>]>,
     wakers: Arc<[Arc<Notify>]>,
     dead_letter_dir: PathBuf,
 }
@@ -177,10 +185,12 @@ impl Fanout {
         let (mode, mode_rx) = watch::channel(Mode::Run);
         let mut tasks = JoinSet::new();
         let mut names = Vec::new();
+        let mut tails = Vec::new();
         let mut wakers = Vec::new();
         let mut health = Vec::new();
         for NamedSink { name, sink } in sinks {
             let wake = Arc::new(Notify::new());
+            let tail = Arc::new(Tail::default());
             let status = Arc::new(SinkHealth::default());
             health.push((name.clone(), status.clone()));
             let worker = Worker {
@@ -189,18 +199,27 @@ impl Fanout {
                 name: name.clone(),
                 sink,
                 outbox: outbox.clone(),
+                tail: tail.clone(),
                 wake: wake.clone(),
                 delivery: delivery.clone(),
                 mode: mode_rx.clone(),
+                cursor: 0,
+                removed_below: 0,
+                removed_in: outbox.generation(),
+                volatile_since: None,
+                committing: Vec::new(),
+                sent_unstored: Default::default(),
             };
             tasks.spawn(worker.run());
             names.push(name);
+            tails.push(tail);
             wakers.push(wake);
         }
         Fanout {
             publisher: Publisher {
                 outbox: outbox.clone(),
                 names: names.clone().into(),
+                tails: tails.into(),
                 wakers: wakers.into(),
                 dead_letter_dir,
             },
@@ -244,7 +263,10 @@ impl Fanout {
     /// once its sink confirmed it.
     pub async fn shutdown_by(mut self, deadline: tokio::time::Instant) {
         let _ = self.mode.send(Mode::Drain);
-        let drained = tokio::time::timeout_at(deadline, async {
+        // The last slice of the time is kept for making the last removals durable.
+        let now = tokio::time::Instant::now();
+        let reserve = FLUSH_AT_STOP.min(deadline.saturating_duration_since(now) / 2);
+        let drained = tokio::time::timeout_at(deadline - reserve, async {
             while self.tasks.join_next().await.is_some() {}
         })
         .await;
@@ -259,6 +281,13 @@ impl Fanout {
                 }
             }
         }
+        // What the tasks removed last becomes durable, so the next start does not deliver it
+        // again (within the deadline: a disk that hangs is not waited for).
+        let outbox = self.outbox.clone();
+        let flushed = tokio::task::spawn_blocking(move || outbox.flush());
+        if let Ok(Ok(Err(error))) = tokio::time::timeout_at(deadline, flushed).await {
+            tracing::debug!(error = %error, "Cannot make the last removals durable; their events are delivered again after the restart");
+        }
     }
 }
 
@@ -269,18 +298,18 @@ impl Publisher {
     }
 
     /// Stores events for every sink (with the document they came from and its epoch, which
-    /// is then processed) durably, and wakes the sinks. Never waits for a sink. When this
-    /// returns an error nothing was stored: the caller must not treat the document as processed.
+    /// is then processed) durably, and hands them to the sinks (see [`tail`]): as soon as
+    /// they are numbered, while the commit is written. Never waits for a sink. When this
+    /// returns an error nothing was stored: the caller must not treat the document as
+    /// processed (and must publish its events again, with the same ids).
     pub async fn publish(
         &self,
         events: &[Event],
         document: Option<Processed<'_>>,
     ) -> Result<(), StoreError> {
-        let outbox = self.outbox.clone();
-        let names = self.names.to_vec();
-        let events_owned = events.to_vec();
+        let publisher = self.clone();
+        let events: Arc<[Event]> = events.into();
         let document = document.map(|processed| (processed.document.clone(), processed.epoch));
-        let dead_letter_dir = self.dead_letter_dir.clone();
         // The commit and the dead-letter writes of what did not fit both fsync: off the
         // async threads.
         tokio::task::spawn_blocking(move || {
@@ -288,14 +317,47 @@ impl Publisher {
                 document,
                 epoch: *epoch,
             });
-            let overflow = outbox.commit(&names, &events_owned, document)?;
+            let ticket = Ticket::new();
+            let committed = publisher.outbox.commit_placing(
+                &publisher.names,
+                &events,
+                document,
+                |placements| {
+                    // While the store cannot be written, its commits are expected to fail: the
+                    // sinks then wait for one that does not, rather than get the same events
+                    // from every poll's attempt.
+                    if publisher.outbox.unwritable().is_some() {
+                        return;
+                    }
+                    for placement in placements {
+                        publisher.tails[placement.sink].push(
+                            placement.first_seq,
+                            &events,
+                            placement.stored,
+                            &ticket,
+                        );
+                        publisher.wakers[placement.sink].notify_one();
+                    }
+                },
+            );
+            ticket.settle(committed.is_ok());
+            let overflow = match committed {
+                Ok(overflow) => overflow,
+                Err(error) => {
+                    for tail in publisher.tails.iter() {
+                        tail.discard(&ticket);
+                    }
+                    return Err(error);
+                }
+            };
             for (sink, event) in overflow {
                 let reason =
                     "outbox full for this sink (raise delivery.queue_capacity or fix the sink)";
                 tracing::error!(sink = %sink, event_id = %event.id(), reason, "Event not stored for this sink, written to its dead-letter file");
                 metrics::counter!("sched_relay_sink_dead_lettered_total", "sink" => sink.clone())
                     .increment(1);
-                DeadLetter::new(&dead_letter_dir, &sink).write(std::slice::from_ref(&event), reason);
+                DeadLetter::new(&publisher.dead_letter_dir, &sink)
+                    .write(std::slice::from_ref(&event), reason);
             }
             Ok::<_, StoreError>(())
         })
@@ -304,6 +366,7 @@ impl Publisher {
             path: "outbox".into(),
             reason: format!("store task failed: {e}"),
         })??;
+        // Sinks that are behind read the outbox: now it holds these too.
         for wake in self.wakers.iter() {
             wake.notify_one();
         }
@@ -326,3 +389,5 @@ pub fn dead_letter(
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_handover;

@@ -165,11 +165,13 @@ async fn a_full_outbox_dead_letters_instead_of_blocking() {
     fanout.shutdown(Duration::from_millis(50)).await;
 }
 
-/// A sink that fills the state disk while delivering its first batch: the batch arrives, and
+/// A sink that fills the state disk while delivering its first batch, once the batch's
+/// commit is durable (it is handed over while the commit is written): the batch arrives, and
 /// then its removal from the outbox fails.
 struct FillsTheDiskOnDelivery {
     sink: RecordingSink,
     faults: Arc<crate::store::DiskFaults>,
+    outbox: Arc<Outbox>,
     filled: std::sync::atomic::AtomicBool,
 }
 
@@ -177,6 +179,9 @@ struct FillsTheDiskOnDelivery {
 impl Sink for FillsTheDiskOnDelivery {
     async fn deliver(&self, batch: &[Event]) -> Result<(), DeliveryError> {
         if !self.filled.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            while self.outbox.depth("s").unwrap_or(0) < batch.len() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
             self.faults.fill();
         }
         self.sink.deliver(batch).await
@@ -192,6 +197,7 @@ async fn a_delivered_batch_that_cannot_be_removed_is_not_delivered_again_while_t
     let sink = FillsTheDiskOnDelivery {
         sink: recorded.clone(),
         faults: faults.clone(),
+        outbox: outbox.clone(),
         filled: false.into(),
     };
     let fanout = Fanout::start(

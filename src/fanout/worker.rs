@@ -1,27 +1,78 @@
-//! One sink's delivery task: reads the sink's part of the outbox in order, delivers in
-//! batches, retries what may succeed later, dead-letters what never will, and removes events
-//! only once the sink confirmed them.
+//! One sink's delivery task: delivers the sink's events in order, in batches, from its tail
+//! in memory when it is caught up and from the outbox when it is behind (after an outage, a
+//! restart); retries what may succeed later, dead-letters what never will, and removes events
+//! from the outbox only once the sink confirmed them and their commit is durable.
+//!
+//! Removals are not fsync'd one by one: the task makes them durable when it has nothing left
+//! to deliver, and at least every [`FLUSH_EVERY`] while it drains a backlog. A crash in
+//! between delivers those events once more (at least once), where an fsync per batch would cap
+//! a backlog's drain at the disk's fsync rate.
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use cloudevents::AttributesReader;
 use sched_relay_transport::{Event, Sink, SinkError};
 use tokio::sync::{Notify, watch};
 
+use super::dead_letter::DeadLetter;
+use super::tail::{Next, Tail, Ticket};
 use super::{DeliveryConfig, MAX_RETRY_AFTER, Mode, STORE_RETRY, SinkHealth};
 use crate::retry::Backoff;
 use crate::store::{Outbox, StoreError};
+
+/// The longest a drain goes on with removals that are not durable yet.
+const FLUSH_EVERY: Duration = Duration::from_secs(1);
+/// How many ids of events sent before their commit failed are remembered (a disk that filled
+/// under a burst); beyond, the oldest may be sent again (at least once).
+pub(super) const SENT_UNSTORED_KEPT: usize = 10_000;
 
 pub(super) struct Worker {
     pub(super) name: String,
     pub(super) sink: Box<dyn Sink>,
     pub(super) outbox: Arc<Outbox>,
+    pub(super) tail: Arc<Tail>,
     pub(super) wake: Arc<Notify>,
     pub(super) delivery: DeliveryConfig,
     pub(super) dead_letter: DeadLetter,
     pub(super) mode: watch::Receiver<Mode>,
     pub(super) health: Arc<SinkHealth>,
+    /// The first outbox number this task has not delivered (nor dead-lettered).
+    pub(super) cursor: u64,
+    /// Everything below this number has left the outbox (in the store generation
+    /// `removed_in`: a reopen brings back what was not durable yet).
+    pub(super) removed_below: u64,
+    pub(super) removed_in: u64,
+    /// Since when removals are not durable.
+    pub(super) volatile_since: Option<Instant>,
+    /// The commits of passed events handed over from memory that are not settled yet, with
+    /// the ids of those events.
+    pub(super) committing: Vec<(Arc<Ticket>, Vec<String>)>,
+    /// Ids of events the sink got from memory whose commit then failed: when the poller
+    /// stores them again (with the same ids) they are passed, not sent a second time.
+    pub(super) sent_unstored: std::collections::HashSet<String>,
+}
+
+/// A batch of one sink's events and their outbox numbers.
+struct Batch {
+    events: Events,
+    seqs: Vec<u64>,
+    /// The commit of events handed over from memory, which may still be in flight.
+    ticket: Option<Arc<Ticket>>,
+}
+
+enum Events {
+    Memory(Arc<[Event]>, std::ops::Range<usize>),
+    Read(Vec<Event>),
+}
+
+impl Batch {
+    fn events(&self) -> &[Event] {
+        match &self.events {
+            Events::Memory(events, range) => &events[range.clone()],
+            Events::Read(events) => events,
+        }
+    }
 }
 
 impl Worker {
@@ -48,30 +99,25 @@ impl Worker {
             }
             None => return,
         }
-        // Delivered (or dead-lettered) but not yet removed, because the store failed: removed
-        // before anything is read again, so a full disk does not deliver the batch over and
-        // over (a restart meanwhile delivers it once more: at least once).
-        let mut unremoved: Vec<u64> = Vec::new();
         loop {
             if *self.mode.borrow() == Mode::Stop {
                 return;
             }
-            if !unremoved.is_empty() {
-                if self.forget(&unremoved).await {
-                    unremoved.clear();
-                } else {
-                    tokio::select! {
-                        _ = tokio::time::sleep(STORE_RETRY) => continue,
-                        _ = self.stopped() => return,
-                    }
+            // Delivered (or dead-lettered), and its commit durable: it leaves the outbox. If the
+            // store fails, before anything else is read, while the cursor keeps it from being
+            // delivered again (a restart meanwhile delivers it once more: at least once).
+            if !self.remove_passed(false).await {
+                tokio::select! {
+                    _ = tokio::time::sleep(STORE_RETRY) => continue,
+                    _ = self.stopped() => return,
                 }
             }
             // Register for a wake-up before reading, so an event stored in between is not missed.
             let wake = self.wake.clone();
             let woken = wake.notified();
             tokio::pin!(woken);
-            let pending = match self.read().await {
-                Ok(pending) => pending,
+            let batch = match self.next_batch().await {
+                Ok(batch) => batch,
                 Err(error) => {
                     // A store that cannot be written has said so once (at ERROR) and is in
                     // /readyz; its reads fail too until it is reopened.
@@ -86,7 +132,18 @@ impl Worker {
                     }
                 }
             };
-            if pending.is_empty() {
+            let Some(batch) = batch else {
+                // Nothing left: what was delivered leaves the outbox, durably, now rather than
+                // at the next document (a commit that hangs is given up at a stop).
+                let stopped = self.stopped();
+                let removed = tokio::select! {
+                    removed = self.remove_passed(true) => removed,
+                    _ = stopped => return,
+                };
+                if !removed {
+                    continue;
+                }
+                self.flush().await;
                 if *self.mode.borrow() == Mode::Drain {
                     // Events stored while the read ran (just before the drain began) woke
                     // us: drain them too rather than leave them for the next start.
@@ -101,67 +158,103 @@ impl Worker {
                     _ = mode.changed() => {}
                 }
                 continue;
-            }
-            let mut batch = Vec::with_capacity(pending.len());
-            let mut seqs = Vec::with_capacity(pending.len());
-            for stored in pending {
-                match stored.event {
-                    Ok(event) => {
-                        batch.push(event);
-                        seqs.push(stored.seq);
-                    }
-                    Err(reason) => {
-                        tracing::error!(sink = %self.name, seq = stored.seq, reason = %reason, "An unreadable event in the outbox; dropped from it and logged here in full");
-                        if !self.forget(&[stored.seq]).await {
-                            unremoved.push(stored.seq);
-                        }
-                    }
-                }
-            }
-            if batch.is_empty() {
-                continue;
-            }
-            if !self.deliver(&batch, &seqs, &mut unremoved).await {
+            };
+            if !self.deliver(&batch).await {
                 return; // stopped: the unconfirmed rest stays in the outbox
             }
+            if self
+                .volatile_since
+                .is_some_and(|since| since.elapsed() >= FLUSH_EVERY)
+            {
+                self.flush().await;
+            }
         }
     }
 
-    /// Removes delivered (or dead-lettered) events now, or before the next read if the store
-    /// fails.
-    async fn settle(&self, seqs: &[u64], unremoved: &mut Vec<u64>) {
-        if !self.forget(seqs).await {
-            unremoved.extend_from_slice(seqs);
-        }
-    }
-
-    async fn read(&self) -> Result<Vec<crate::store::Stored>, StoreError> {
-        let outbox = self.outbox.clone();
-        let name = self.name.clone();
+    /// The next events to deliver, from the tail when they are there, else from the outbox;
+    /// `None` when there is nothing to deliver.
+    async fn next_batch(&mut self) -> Result<Option<Batch>, StoreError> {
         let max = self.delivery.batch_size;
-        tokio::task::spawn_blocking(move || outbox.pending(&name, max))
+        loop {
+            let until = match self.tail.next(self.cursor, max) {
+                Next::Memory(mut fresh) => {
+                    let taken = &fresh.events[fresh.range.clone()];
+                    match taken
+                        .iter()
+                        .position(|e| self.sent_unstored.contains(e.id()))
+                    {
+                        Some(0) => {
+                            self.pass_sent_unstored(fresh.first_seq, &taken[0]);
+                            continue;
+                        }
+                        Some(cut) => fresh.range.end = fresh.range.start + cut,
+                        None => {}
+                    }
+                    let seqs = (fresh.first_seq..).take(fresh.range.len()).collect();
+                    return Ok(Some(Batch {
+                        events: Events::Memory(fresh.events, fresh.range),
+                        seqs,
+                        ticket: Some(fresh.ticket),
+                    }));
+                }
+                Next::Outbox { until } => until,
+            };
+            let outbox = self.outbox.clone();
+            let name = self.name.clone();
+            let from = self.cursor;
+            let stored = tokio::task::spawn_blocking(move || {
+                outbox.pending_between(&name, from, until, max)
+            })
             .await
             .map_err(|e| StoreError::Io {
                 path: "outbox".into(),
                 reason: format!("store task failed: {e}"),
-            })?
-    }
-
-    /// Removes delivered (or dead-lettered) events; false when the store failed (the caller
-    /// tries again before reading).
-    async fn forget(&self, seqs: &[u64]) -> bool {
-        let outbox = self.outbox.clone();
-        let name = self.name.clone();
-        let seqs = seqs.to_vec();
-        let removed = tokio::task::spawn_blocking(move || outbox.remove(&name, &seqs)).await;
-        if let Ok(Err(error)) | Err(error) = removed.map_err(|e| StoreError::Io {
-            path: "outbox".into(),
-            reason: e.to_string(),
-        }) {
-            tracing::warn!(sink = %self.name, error = %error, "Cannot remove delivered events from the outbox yet; will try again before reading more");
-            return false;
+            })??;
+            if stored.is_empty() {
+                match until {
+                    // Nothing is stored before the tail begins (a failed commit's gap).
+                    Some(first) => {
+                        if self.removed() {
+                            self.removed_below = first;
+                        }
+                        self.cursor = first;
+                        continue;
+                    }
+                    None => return Ok(None),
+                }
+            }
+            let mut events = Vec::with_capacity(stored.len());
+            let mut seqs = Vec::with_capacity(stored.len());
+            for stored in stored {
+                match stored.event {
+                    // Sent already, from a commit that failed: passed, not sent again.
+                    Ok(event) if self.sent_unstored.contains(event.id()) => {
+                        if !events.is_empty() {
+                            break;
+                        }
+                        self.pass_sent_unstored(stored.seq, &event);
+                    }
+                    Ok(event) => {
+                        events.push(event);
+                        seqs.push(stored.seq);
+                    }
+                    // An unreadable event ends the batch before it; first in one, it is logged
+                    // whole and passed (it leaves the outbox with the next removal).
+                    Err(_) if !events.is_empty() => break,
+                    Err(reason) => {
+                        tracing::error!(sink = %self.name, seq = stored.seq, reason = %reason, "An unreadable event in the outbox; dropped from it and logged here in full");
+                        self.cursor = stored.seq + 1;
+                    }
+                }
+            }
+            if !events.is_empty() {
+                return Ok(Some(Batch {
+                    events: Events::Read(events),
+                    seqs,
+                    ticket: None,
+                }));
+            }
         }
-        true
     }
 
     /// Completes when the fan-out is told to stop now.
@@ -176,13 +269,14 @@ impl Worker {
         }
     }
 
-    /// Delivers one batch (`seqs` are its events' outbox sequence numbers), retrying while
-    /// retrying can help, and removes each event from the outbox as soon as the sink confirmed
-    /// it or it was dead-lettered, so a retry never sends a confirmed event again. An event the
-    /// sink refuses for good is dead-lettered alone and the rest goes on, in order; a refusal
-    /// of the rest as a whole (one request for the batch) is retried event by event first.
-    /// Returns false when told to stop before the whole batch was settled.
-    async fn deliver(&mut self, batch: &[Event], seqs: &[u64], unremoved: &mut Vec<u64>) -> bool {
+    /// Delivers one batch, retrying while retrying can help, and passes each event (see
+    /// [`Worker::passed`]) as soon as the sink confirmed it or it was dead-lettered, so a
+    /// retry never sends a confirmed event again. An event the sink refuses for good is
+    /// dead-lettered alone and the rest goes on, in order; a refusal of the rest as a whole
+    /// (one request for the batch) is retried event by event first. Returns false when told
+    /// to stop before the whole batch was settled.
+    async fn deliver(&mut self, whole: &Batch) -> bool {
+        let (batch, seqs, ticket) = (whole.events(), &whole.seqs, whole.ticket.as_ref());
         let mut attempt: u32 = 0;
         let mut start = 0;
         let mut one_by_one = false;
@@ -205,7 +299,7 @@ impl Worker {
                         tracing::info!(sink = %self.name, attempts = attempt + 1, "Sink recovered, batch delivered");
                     }
                     self.confirmed(part);
-                    self.settle(&seqs[start..end], unremoved).await;
+                    self.passed(seqs[end - 1] + 1, part, ticket).await;
                     start = end;
                     attempt = 0;
                     continue;
@@ -217,7 +311,7 @@ impl Worker {
             let confirmed = error.confirmed.min(part.len());
             if confirmed > 0 {
                 self.confirmed(&part[..confirmed]);
-                self.settle(&seqs[start..start + confirmed], unremoved)
+                self.passed(seqs[start + confirmed - 1] + 1, &part[..confirmed], ticket)
                     .await;
                 start += confirmed;
                 attempt = 0;
@@ -246,9 +340,14 @@ impl Worker {
                     tracing::warn!(sink = %self.name, attempt = attempt + 1, retry_in = ?wait, error = %error, "Delivery failed, will retry");
                 }
                 attempt = attempt.saturating_add(1);
+                // What was confirmed leaves the outbox before the wait, not after the batch.
+                let stopped = self.stopped();
                 tokio::select! {
-                    _ = tokio::time::sleep(wait) => {}
-                    _ = self.stopped() => return false,
+                    _ = async {
+                        self.remove_passed(true).await;
+                        tokio::time::sleep(wait).await;
+                    } => {}
+                    _ = stopped => return false,
                 }
             } else if error.names_event || rest == 1 {
                 let refused = batch[start].clone();
@@ -257,6 +356,13 @@ impl Worker {
                 // off the async threads): on a full disk it waits there, not nowhere.
                 let reason = error.to_string();
                 let mut said = false;
+                // What was confirmed before it leaves the outbox now, whatever the dead
+                // letter's write does.
+                let stopped = self.stopped();
+                tokio::select! {
+                    _ = self.remove_passed(true) => {}
+                    _ = stopped => return false,
+                }
                 loop {
                     let file = self.dead_letter.clone();
                     let (refused, reason) = (refused.clone(), reason.clone());
@@ -278,7 +384,8 @@ impl Worker {
                 metrics::counter!("sched_relay_sink_dead_lettered_total", "sink" => self.name.clone())
                     .increment(1);
                 tracing::error!(sink = %self.name, event_id = %event_id, error = %error, "Delivery refused, event written to the dead-letter file; the events after it go on");
-                self.settle(&seqs[start..start + 1], unremoved).await;
+                self.passed(seqs[start] + 1, &batch[start..start + 1], ticket)
+                    .await;
                 start += 1;
                 attempt = 0;
             } else {
@@ -306,64 +413,5 @@ impl Worker {
                 .record(latency as f64 / 1e6);
             tracing::debug!(sink = %self.name, event_id = %event.id(), latency_us = latency, "Delivered");
         }
-    }
-}
-
-/// The dead-letter file of one sink.
-#[derive(Clone)]
-pub(super) struct DeadLetter {
-    pub(super) path: PathBuf,
-}
-
-impl DeadLetter {
-    pub(super) fn new(dir: &Path, sink: &str) -> Self {
-        DeadLetter {
-            path: dir.join(format!("{sink}.jsonl")),
-        }
-    }
-
-    /// Appends one line per event: `{"sink", "reason", "at", "event"}`. If even that fails,
-    /// the event is logged in full so an operator can still recover it from the logs.
-    pub(super) fn write(&self, events: &[Event], reason: &str) {
-        let entries: Vec<Result<Event, String>> = events.iter().cloned().map(Ok).collect();
-        if let Err(error) = self.try_write(&entries, reason) {
-            let lost = self.lines(&entries, reason);
-            tracing::error!(path = %self.path.display(), error = %error, lost = %String::from_utf8_lossy(&lost), "Cannot write the dead-letter file");
-        }
-    }
-
-    /// Appends and fsyncs one line per entry; an entry that could not be read from the
-    /// outbox is kept as `{"sink", "reason", "at", "unreadable"}` with what was stored.
-    pub(super) fn try_write(
-        &self,
-        entries: &[Result<Event, String>],
-        reason: &str,
-    ) -> Result<(), SinkError> {
-        sched_relay_file::append(&self.path, &self.lines(entries, reason), true)
-    }
-
-    fn lines(&self, entries: &[Result<Event, String>], reason: &str) -> Vec<u8> {
-        let sink = self
-            .path
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let at = chrono::Utc::now().to_rfc3339();
-        // Dead-letter files are read by people and shipped to log stores: no credentials.
-        let reason = sched_relay_transport::redact::text(reason);
-        let mut lines = Vec::new();
-        for entry in entries {
-            let record = match entry {
-                Ok(event) => {
-                    serde_json::json!({"sink": sink, "reason": reason, "at": at, "event": event})
-                }
-                Err(unreadable) => {
-                    serde_json::json!({"sink": sink, "reason": reason, "at": at, "unreadable": unreadable})
-                }
-            };
-            lines.extend_from_slice(record.to_string().as_bytes());
-            lines.push(b'\n');
-        }
-        lines
     }
 }

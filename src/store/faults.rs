@@ -1,6 +1,7 @@
 //! An in-process fault injector for the state store: a redb `StorageBackend` over the real
 //! file that fails every write, sync and resize with ENOSPC while [`DiskFaults::fill`] is on,
-//! as a full disk does, and passes everything through once [`DiskFaults::free`] is called.
+//! as a full disk does, and passes everything through once [`DiskFaults::free`] is called;
+//! and that holds every sync while [`DiskFaults::hold_syncs`] is on, as a slow disk does.
 //! Tests (and rehearsals) use it to prove the store survives a full disk without restarting
 //! the process; production opens the file without it.
 
@@ -17,6 +18,7 @@ use redb::{BackendError, StorageBackend};
 pub struct DiskFaults {
     full: AtomicBool,
     refused: AtomicU64,
+    syncs_held: AtomicBool,
 }
 
 impl DiskFaults {
@@ -32,6 +34,23 @@ impl DiskFaults {
     /// Space is back: writes pass through again.
     pub fn free(&self) {
         self.full.store(false, Ordering::SeqCst);
+    }
+
+    /// From now on every sync waits until [`DiskFaults::release_syncs`] (a commit is then
+    /// written but not durable, as on a slow disk).
+    pub fn hold_syncs(&self) {
+        self.syncs_held.store(true, Ordering::SeqCst);
+    }
+
+    /// Syncs go through again, held ones first.
+    pub fn release_syncs(&self) {
+        self.syncs_held.store(false, Ordering::SeqCst);
+    }
+
+    fn wait_while_syncs_held(&self) {
+        while self.syncs_held.load(Ordering::SeqCst) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
     }
 
     /// How many operations were refused so far (to show a test really hit the fault).
@@ -85,6 +104,7 @@ impl StorageBackend for FaultInjectingBackend {
         self.file.set_len(len)
     }
     fn sync_data(&self) -> Result<(), std::io::Error> {
+        self.faults.wait_while_syncs_held();
         self.faults.check()?;
         self.file.sync_data()
     }

@@ -1,6 +1,7 @@
 //! The outbox on its own, and on a disk that fills and frees (the in-process fault injector).
 
 use super::*;
+use cloudevents::AttributesReader;
 use cloudevents::{EventBuilder, EventBuilderV10};
 
 #[test]

@@ -1,0 +1,224 @@
+//! Events handed to the sinks from memory while their commit is written (see `tail`): what
+//! a slow disk, a commit that fails after the hand-over, and a sink far behind do to it.
+
+use super::*;
+use crate::store::DiskFaults;
+use cloudevents::{EventBuilder, EventBuilderV10};
+use sched_relay_transport::{RecordingSink, SinkError};
+
+fn event(id: &str) -> Event {
+    EventBuilderV10::new()
+        .id(id)
+        .source("urn:test")
+        .ty("t")
+        .build()
+        .unwrap()
+        .into()
+}
+
+fn events(ids: impl IntoIterator<Item = usize>) -> Vec<Event> {
+    ids.into_iter().map(|i| event(&i.to_string())).collect()
+}
+
+fn ids(events: &[Event]) -> Vec<String> {
+    events.iter().map(|e| e.id().to_owned()).collect()
+}
+
+fn delivery() -> DeliveryConfig {
+    DeliveryConfig {
+        retry_initial: Duration::from_millis(1),
+        retry_max: Duration::from_millis(5),
+        ..DeliveryConfig::default()
+    }
+}
+
+/// Lets held syncs go when a test ends, even by a panic: the runtime waits for its blocking
+/// threads, so a sync held forever would hang the test instead of failing it.
+struct ReleasedAtEnd(Arc<DiskFaults>);
+
+impl Drop for ReleasedAtEnd {
+    fn drop(&mut self) {
+        self.0.free();
+        self.0.release_syncs();
+    }
+}
+
+fn start_on_faults(
+    dir: &Path,
+    sink: &RecordingSink,
+) -> (Fanout, Arc<Outbox>, Arc<DiskFaults>, ReleasedAtEnd) {
+    let faults = DiskFaults::new();
+    let outbox = Arc::new(Outbox::open_with_faults(dir, 100_000, faults.clone()).unwrap());
+    let fanout = Fanout::start(
+        vec![NamedSink {
+            name: "s".into(),
+            sink: Box::new(sink.clone()),
+        }],
+        &delivery(),
+        dir,
+        outbox.clone(),
+    );
+    let released = ReleasedAtEnd(faults.clone());
+    (fanout, outbox, faults, released)
+}
+
+async fn until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(std::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_reach_the_sinks_while_their_commit_is_written_and_leave_the_outbox_once_it_is_durable()
+ {
+    let dir = tempfile::tempdir().unwrap();
+    let sink = RecordingSink::new();
+    let (fanout, outbox, faults, _released) = start_on_faults(dir.path(), &sink);
+    faults.hold_syncs();
+    let publisher = fanout.publisher();
+    let committing = tokio::spawn(async move { publisher.publish(&events(1..=2), None).await });
+    until("delivered while the commit waits on the disk", || {
+        sink.delivered().len() == 2
+    })
+    .await;
+    assert!(
+        !committing.is_finished(),
+        "the commit is still being written"
+    );
+    faults.release_syncs();
+    committing.await.unwrap().unwrap();
+    // Removed only after the commit landed: a removal before it would leave the events
+    // stored (and delivered again after a restart).
+    until("removed once durable", || outbox.depth("s").unwrap() == 0).await;
+    fanout.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(ids(&sink.delivered()), ["1", "2"]);
+    assert_eq!(outbox.pending("s", 10).unwrap().len(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_that_fails_after_the_hand_over_loses_nothing_sends_nothing_twice_and_skips_no_later_event()
+ {
+    let dir = tempfile::tempdir().unwrap();
+    let sink = RecordingSink::new();
+    let (fanout, outbox, faults, _released) = start_on_faults(dir.path(), &sink);
+    faults.hold_syncs();
+    let publisher = fanout.publisher();
+    let committing = tokio::spawn(async move { publisher.publish(&events(1..=2), None).await });
+    until("handed over", || sink.delivered().len() == 2).await;
+    // The disk fills before the commit is durable: it fails, and nothing is stored.
+    faults.fill();
+    faults.release_syncs();
+    assert!(committing.await.unwrap().is_err());
+    faults.free();
+    // An approval's outcome comes next (new numbers, past the failed commit's), then the
+    // poller stores what it kept, with the same ids.
+    // The store reopens with backoff; until then a commit is refused before anything is
+    // numbered or handed over (so nothing is delivered twice by these tries).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while fanout.publish(&events(3..=3), None).await.is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the store never reopened"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    fanout.publish(&events(1..=2), None).await.unwrap();
+    until("all delivered and removed", || {
+        sink.delivered().len() >= 3 && outbox.depth("s").unwrap() == 0
+    })
+    .await;
+    fanout.publish(&events(4..=4), None).await.unwrap();
+    until("the next one delivered", || sink.delivered().len() >= 4).await;
+    fanout.shutdown(Duration::from_secs(5)).await;
+    // None lost, and the failed commit's events not sent again when stored again.
+    assert_eq!(ids(&sink.delivered()), ["1", "2", "3", "4"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sink_far_behind_gets_its_backlog_from_the_outbox_then_the_new_events_once_each_in_order()
+{
+    let dir = tempfile::tempdir().unwrap();
+    let sink = RecordingSink::new();
+    sink.fail_next((0..40).map(|_| SinkError::Retriable("down".into())));
+    let (fanout, outbox, _faults, _released) = start_on_faults(dir.path(), &sink);
+    // More than a tail holds, while the sink is down; then more once it is back.
+    let total = tail::TAIL_EVENTS * 2 + 500;
+    for chunk in (0..total).collect::<Vec<_>>().chunks(700) {
+        fanout
+            .publish(&events(chunk.iter().copied()), None)
+            .await
+            .unwrap();
+    }
+    until("the sink is back", || sink.delivered().len() > 100).await;
+    fanout
+        .publish(&events(total..total + 10), None)
+        .await
+        .unwrap();
+    until("all delivered", || sink.delivered().len() >= total + 10).await;
+    until("all removed", || outbox.depth("s").unwrap() == 0).await;
+    fanout.shutdown(Duration::from_secs(5)).await;
+    let expected: Vec<String> = (0..total + 10).map(|i| i.to_string()).collect();
+    assert_eq!(ids(&sink.delivered()), expected);
+}
+
+#[test]
+fn removals_not_yet_durable_come_back_after_a_reopen_and_the_generation_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let faults = DiskFaults::new();
+    let outbox = Outbox::open_with_faults(dir.path(), 100, faults.clone()).unwrap();
+    let sinks = ["s".to_owned()];
+    outbox.commit(&sinks, &events(1..=2), None).unwrap();
+    outbox.remove_below("s", 2).unwrap();
+    assert_eq!(outbox.depth("s").unwrap(), 0);
+    let generation = outbox.generation();
+    // An I/O error latches the database; the store reopens the file from its last durable
+    // commit, which still holds the two events.
+    faults.fill();
+    assert!(outbox.commit(&sinks, &events(3..=3), None).is_err());
+    faults.free();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let back = loop {
+        if let Ok(back) = outbox.pending("s", 10) {
+            break back;
+        }
+        assert!(std::time::Instant::now() < deadline, "never reopened");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(back.len(), 2);
+    assert_eq!(outbox.generation(), generation + 1);
+    assert_eq!(outbox.depth("s").unwrap(), 2);
+    // Numbers are not handed out twice: the failed commit's stays used.
+    outbox.commit(&sinks, &events(4..=4), None).unwrap();
+    let seqs: Vec<u64> = outbox
+        .pending("s", 10)
+        .unwrap()
+        .iter()
+        .map(|s| s.seq)
+        .collect();
+    assert_eq!(seqs, [0, 1, 3]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_restart_new_events_are_delivered_even_once_the_old_backlog_has_left_the_outbox() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let outbox = Outbox::open(dir.path(), 100, false).unwrap();
+        outbox
+            .commit(&["s".to_owned()], &events(1..=3), None)
+            .unwrap();
+    }
+    // The next start: the backlog is delivered and removed before anything new is stored,
+    // so the new events must not be numbered as if the queue had always been empty.
+    let sink = RecordingSink::new();
+    let (fanout, outbox, _faults, _released) = start_on_faults(dir.path(), &sink);
+    until("the backlog delivered and removed", || {
+        sink.delivered().len() == 3 && outbox.depth("s").unwrap() == 0
+    })
+    .await;
+    fanout.publish(&events(4..=5), None).await.unwrap();
+    until("the new events delivered", || sink.delivered().len() >= 5).await;
+    fanout.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(ids(&sink.delivered()), ["1", "2", "3", "4", "5"]);
+}

@@ -1,0 +1,335 @@
+//! Each sink's queue in the outbox's events table: numbering a commit's events for every
+//! sink (within `delivery.queue_capacity`), reading a sink's events in order, removing what its
+//! task delivered, and the per-sink counters that spare a scan of the table per document.
+
+use cloudevents::AttributesReader;
+use redb::{Database, ReadableDatabase, ReadableTable};
+use sched_relay_core::Event;
+
+use super::{
+    Access, EPOCH, EVENTS, LAST_DOCUMENT, META, Outbox, PendingId, Processed, StoreError, Stored,
+};
+
+/// Where one sink's queue stands.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Counter {
+    pub(super) next: u64,
+    pub(super) depth: usize,
+    /// Read again from the table before use (after a reopen); `next` then stays a floor, so
+    /// a sequence number is never handed out twice in one process (a sink's task may have
+    /// delivered events under numbers whose commit failed).
+    pub(super) stale: bool,
+}
+
+/// Where one commit put a sink's events: the first `stored` events of the commit, numbered
+/// from `first_seq` (a sink at capacity gets fewer, or none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placement {
+    /// The sink's index in the `sinks` given to [`Outbox::commit_placing`].
+    pub sink: usize,
+    pub first_seq: u64,
+    pub stored: usize,
+}
+
+impl Outbox {
+    /// Stores `events` for each of `sinks` and, when given, `document` (with its epoch) as
+    /// the last processed one, in one durable transaction. A sink already holding `capacity`
+    /// events gets none of them; they are returned as (sink, event) for the dead-letter file.
+    pub fn commit(
+        &self,
+        sinks: &[String],
+        events: &[Event],
+        document: Option<Processed>,
+    ) -> Result<Vec<(String, Event)>, StoreError> {
+        self.commit_placing(sinks, events, document, |_| {})
+    }
+
+    /// As [`Outbox::commit`], and tells `placed` where each sink's events go once their
+    /// sequence numbers are known, before the durable commit: the fan-out hands them to the
+    /// sinks from memory while the commit is written. Numbers are handed out in commit
+    /// order and never twice in one process, even when the commit fails (a failed commit
+    /// leaves a gap).
+    pub fn commit_placing(
+        &self,
+        sinks: &[String],
+        events: &[Event],
+        document: Option<Processed>,
+        placed: impl FnOnce(&[Placement]),
+    ) -> Result<Vec<(String, Event)>, StoreError> {
+        self.reopen_if_due();
+        let mut counters = self.lock_counters();
+        // Numbered before the transaction, so that a commit that fails half-way still uses
+        // its numbers up (below).
+        let mut placements = Vec::with_capacity(sinks.len());
+        let mut overflow = Vec::new();
+        self.with_db(Access::Read, |db| {
+            for (index, sink) in sinks.iter().enumerate() {
+                let counter = self.counter(db, &mut counters, sink)?;
+                let stored = events
+                    .len()
+                    .min(self.capacity.saturating_sub(counter.depth));
+                overflow.extend(events[stored..].iter().map(|e| (sink.clone(), e.clone())));
+                placements.push(Placement {
+                    sink: index,
+                    first_seq: counter.next,
+                    stored,
+                });
+            }
+            Ok(())
+        })?;
+        for placement in &placements {
+            let counter = counters.entry(sinks[placement.sink].clone()).or_default();
+            counter.next = placement.first_seq + placement.stored as u64;
+        }
+        placed(&placements);
+        // Encoded once the sinks have the events: for a burst this is milliseconds.
+        let encoded: Vec<Vec<u8>> = events
+            .iter()
+            .map(|e| {
+                serde_json::to_vec(e)
+                    .map_err(|error| self.io(format!("cannot encode {}: {error}", e.id())))
+            })
+            .collect::<Result<_, _>>()?;
+        let document = document
+            .map(|processed| {
+                serde_json::to_vec(processed.document).map(|bytes| (bytes, processed.epoch_bytes()))
+            })
+            .transpose()
+            .map_err(|e| self.io(e))?;
+        self.with_db(Access::Write, |db| {
+            let txn = self.write(db)?;
+            {
+                let mut table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
+                for placement in &placements {
+                    let sink = sinks[placement.sink].as_str();
+                    for (seq, bytes) in (placement.first_seq..).zip(&encoded[..placement.stored]) {
+                        table
+                            .insert((sink, seq), bytes.as_slice())
+                            .map_err(|e| self.io(e))?;
+                    }
+                }
+                if let Some((bytes, epoch)) = &document {
+                    let mut meta = txn.open_table(META).map_err(|e| self.io(e))?;
+                    meta.insert(LAST_DOCUMENT, bytes.as_slice())
+                        .map_err(|e| self.io(e))?;
+                    meta.insert(EPOCH, epoch.as_slice())
+                        .map_err(|e| self.io(e))?;
+                }
+            }
+            txn.commit().map_err(|e| self.io(e))?;
+            Ok(())
+        })?;
+        for placement in &placements {
+            if let Some(counter) = counters.get_mut(&sinks[placement.sink]) {
+                counter.depth += placement.stored;
+            }
+        }
+        Ok(overflow)
+    }
+
+    /// A sink's counter, read from the table the first time (and after a reopen).
+    fn counter(
+        &self,
+        db: &Database,
+        counters: &mut std::collections::HashMap<String, Counter>,
+        sink: &str,
+    ) -> Result<Counter, StoreError> {
+        if let Some(counter) = counters.get(sink).filter(|c| !c.stale) {
+            return Ok(*counter);
+        }
+        let floor = counters.get(sink).map(|c| c.next).unwrap_or(0);
+        let txn = db.begin_read().map_err(|e| self.io(e))?;
+        let table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
+        let mut counted = self.count(&table, sink)?;
+        counted.next = counted.next.max(floor);
+        counters.insert(sink.to_owned(), counted);
+        Ok(counted)
+    }
+
+    /// Up to `max` of `sink`'s oldest events, in order.
+    pub fn pending(&self, sink: &str, max: usize) -> Result<Vec<Stored>, StoreError> {
+        self.reopen_if_due();
+        self.with_db(Access::Read, |db| {
+            let txn = db.begin_read().map_err(|e| self.io(e))?;
+            let table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
+            let range = table
+                .range((sink, 0)..=(sink, u64::MAX))
+                .map_err(|e| self.io(e))?;
+            let mut stored = Vec::new();
+            for entry in range.take(max) {
+                let (key, value) = entry.map_err(|e| self.io(e))?;
+                stored.push(Stored {
+                    seq: key.value().1,
+                    event: decode(value.value()),
+                });
+            }
+            Ok(stored)
+        })
+    }
+
+    /// Up to `max` of `sink`'s events numbered from `from` and below `until`, in order.
+    pub fn pending_between(
+        &self,
+        sink: &str,
+        from: u64,
+        until: Option<u64>,
+        max: usize,
+    ) -> Result<Vec<Stored>, StoreError> {
+        self.reopen_if_due();
+        let until = until.unwrap_or(u64::MAX);
+        if from >= until {
+            return Ok(Vec::new());
+        }
+        self.with_db(Access::Read, |db| {
+            let txn = db.begin_read().map_err(|e| self.io(e))?;
+            let table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
+            let range = table
+                .range((sink, from)..(sink, until))
+                .map_err(|e| self.io(e))?;
+            let mut stored = Vec::new();
+            for entry in range.take(max) {
+                let (key, value) = entry.map_err(|e| self.io(e))?;
+                stored.push(Stored {
+                    seq: key.value().1,
+                    event: decode(value.value()),
+                });
+            }
+            Ok(stored)
+        })
+    }
+
+    /// Forgets every event of `sink` numbered below `below` (its task delivered, or
+    /// dead-lettered, everything before it). Not durable by itself: a crash before the next
+    /// durable commit ([`Outbox::flush`], or any commit of events) delivers those events once
+    /// more (at least once), and saves an fsync per delivered batch.
+    pub fn remove_below(&self, sink: &str, below: u64) -> Result<(), StoreError> {
+        self.reopen_if_due();
+        let mut counters = self.lock_counters();
+        let removed = self.with_db(Access::Write, |db| {
+            // Counted before anything leaves: numbers after a removal must go on from the
+            // highest ever stored (a sink's task is past the removed ones), not restart from
+            // what is left (after a restart, the backlog is often delivered before anything
+            // new is stored).
+            self.counter(db, &mut counters, sink)?;
+            let mut txn = self.write(db)?;
+            txn.set_durability(redb::Durability::None)
+                .map_err(|e| self.io(e))?;
+            let mut removed = 0;
+            {
+                let mut table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
+                table
+                    .retain_in((sink, 0)..(sink, below), |_, _| {
+                        removed += 1;
+                        false
+                    })
+                    .map_err(|e| self.io(e))?;
+            }
+            txn.commit().map_err(|e| self.io(e))?;
+            Ok(removed)
+        })?;
+        if let Some(counter) = counters.get_mut(sink) {
+            counter.depth = counter.depth.saturating_sub(removed);
+        }
+        Ok(())
+    }
+
+    /// Makes every earlier commit durable (the removals of [`Outbox::remove_below`]).
+    pub fn flush(&self) -> Result<(), StoreError> {
+        self.reopen_if_due();
+        self.with_db(Access::Write, |db| {
+            self.write(db)?.commit().map_err(|e| self.io(e))
+        })
+    }
+
+    /// Forgets `sink`'s events with these sequence numbers (delivered or dead-lettered).
+    pub fn remove(&self, sink: &str, seqs: &[u64]) -> Result<(), StoreError> {
+        self.reopen_if_due();
+        let mut counters = self.lock_counters();
+        let removed = self.with_db(Access::Write, |db| {
+            self.counter(db, &mut counters, sink)?;
+            let txn = self.write(db)?;
+            let mut removed = 0;
+            {
+                let mut table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
+                for seq in seqs {
+                    if table
+                        .remove((sink, *seq))
+                        .map_err(|e| self.io(e))?
+                        .is_some()
+                    {
+                        removed += 1;
+                    }
+                }
+            }
+            txn.commit().map_err(|e| self.io(e))?;
+            Ok(removed)
+        })?;
+        if let Some(counter) = counters.get_mut(sink) {
+            counter.depth = counter.depth.saturating_sub(removed);
+        }
+        Ok(())
+    }
+
+    pub(super) fn lock_counters(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, Counter>> {
+        self.counters.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Reads a sink's queue position from the table (once per sink and process).
+    pub(super) fn count(
+        &self,
+        table: &impl ReadableTable<(&'static str, u64), &'static [u8]>,
+        sink: &str,
+    ) -> Result<Counter, StoreError> {
+        let mut range = table
+            .range((sink, 0)..=(sink, u64::MAX))
+            .map_err(|e| self.io(e))?;
+        let next = match range.next_back() {
+            Some(last) => last.map_err(|e| self.io(e))?.0.value().1 + 1,
+            None => 0,
+        };
+        let depth = table
+            .range((sink, 0)..=(sink, u64::MAX))
+            .map_err(|e| self.io(e))?
+            .count();
+        Ok(Counter {
+            next,
+            depth,
+            stale: false,
+        })
+    }
+
+    /// How many undelivered events each sink may hold.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// The CloudEvents ids `sink` has not confirmed yet, oldest first, with each event's
+    /// `time` (when it was observed).
+    pub fn pending_ids(&self, sink: &str, max: usize) -> Result<Vec<PendingId>, StoreError> {
+        Ok(self
+            .pending(sink, max)?
+            .into_iter()
+            .filter_map(|stored| stored.event.ok())
+            .map(|event| (event.id().to_owned(), event.time().copied()))
+            .collect())
+    }
+
+    /// How many events `sink` has not confirmed yet.
+    pub fn depth(&self, sink: &str) -> Result<usize, StoreError> {
+        self.reopen_if_due();
+        let mut counters = self.lock_counters();
+        if let Some(counter) = counters.get(sink).filter(|c| !c.stale) {
+            return Ok(counter.depth);
+        }
+        let counter = self.with_db(Access::Read, |db| self.counter(db, &mut counters, sink))?;
+        Ok(counter.depth)
+    }
+}
+
+/// A stored event, or why it cannot be read (with what was stored, for the log).
+fn decode(bytes: &[u8]) -> Result<Event, String> {
+    serde_json::from_slice(bytes)
+        .map_err(|e| format!("{e}; stored bytes: {}", String::from_utf8_lossy(bytes)))
+}
