@@ -7,6 +7,7 @@
 mod common;
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -34,6 +35,14 @@ struct Sizes {
 }
 
 fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(url) = args
+        .iter()
+        .position(|a| a == "--floor")
+        .and_then(|i| args.get(i + 1))
+    {
+        floor(url);
+    }
     let quick = std::env::args().any(|a| a == "--quick");
     let sizes = if quick {
         Sizes {
@@ -354,16 +363,16 @@ fn agent(sim: &SimProcess, extra: &str, poll: &str) -> AgentProcess {
 }
 
 fn agent_logging(sim: &SimProcess, extra: &str, poll: &str, level: &str) -> AgentProcess {
-    AgentProcess::start_with_env(
-        &sim.url,
-        extra,
-        &[
-            ("SCHED_RELAY_IMDS__POLL_INTERVAL", poll),
-            ("SCHED_RELAY_IMDS__MAX_BACKOFF", "5s"),
-            ("SCHED_RELAY_LOG__FORMAT", "json"),
-            ("SCHED_RELAY_LOG__LEVEL", level),
-        ],
-    )
+    AgentProcess::start_with_env(&sim.url, extra, &agent_env(poll, level))
+}
+
+fn agent_env<'a>(poll: &'a str, level: &'a str) -> [(&'static str, &'a str); 4] {
+    [
+        ("SCHED_RELAY_IMDS__POLL_INTERVAL", poll),
+        ("SCHED_RELAY_IMDS__MAX_BACKOFF", "5s"),
+        ("SCHED_RELAY_LOG__FORMAT", "json"),
+        ("SCHED_RELAY_LOG__LEVEL", level),
+    ]
 }
 
 fn python_agent(sim: &SimProcess, webhook: &str, poll: &str) -> Child {
@@ -534,6 +543,11 @@ fn approvals(
             if round > 0 {
                 samples.push(arrived - sent);
             }
+            // Approvals a second apart, as an orchestrator sends them: back to back, each
+            // POST would wait for the metadata service's request budget (5 a second: the
+            // poll that follows every accepted POST, then this POST, 210 ms apart each),
+            // which is the service's pace, not the agent's.
+            std::thread::sleep(Duration::from_millis(1100));
         }
         let (median, p99, n) = stats(&mut samples);
         let goal = if source == "kafka" {
@@ -547,7 +561,7 @@ fn approvals(
     }
     ours.stop();
     report.add(format!(
-        "## Approval round trip\n\nFrom the orchestrator publishing a signed approval (NATS core publish, RabbitMQ publish with confirm, Kafka produce with acks=all, HTTP POST) to the simulator receiving the StartRequests POST. The agent checks the HMAC signature, records the request id durably (fsync), fetches a fresh document when its copy is older than the poll interval, and POSTs. One request at a time; the first per source (connection set-up) is not counted.\n\n| source | samples | median ms | p99 ms | goal (p99) |\n|---|---|---|---|---|\n{rows}"
+        "## Approval round trip\n\nFrom the orchestrator publishing a signed approval (NATS core publish, RabbitMQ publish with confirm, Kafka produce with acks=all, HTTP POST) to the simulator receiving the StartRequests POST. The agent checks the HMAC signature, records the request id durably (fsync), fetches a fresh document when its copy is older than the poll interval, and POSTs. One request at a time, 1.1 s apart (back to back, each POST would wait for the metadata service's budget of 5 requests a second behind the poll that follows the previous one); the first per source (connection set-up) is not counted.\n\n| source | samples | median ms | p99 ms | goal (p99) |\n|---|---|---|---|---|\n{rows}"
     ));
 }
 
@@ -646,8 +660,9 @@ fn threads(pid: u32) -> Vec<(String, u64)> {
     list
 }
 
-/// Footprint while idle (part 3): three set-ups of the agent and the Python sample agent, at
-/// once, each against its own simulator, polling every second.
+/// Footprint while idle (part 3): set-ups of the agent, the Python sample agent and the
+/// reference loop, at once, each against its own simulator, polling every second (one agent
+/// every 250 ms).
 fn footprint(report: &mut Report, sizes: &Sizes, topology: &Topology, collector: &Collector) {
     let dir = tempfile::tempdir().unwrap();
     let (path, _) = scenario(
@@ -658,107 +673,197 @@ fn footprint(report: &mut Report, sizes: &Sizes, topology: &Topology, collector:
         Duration::ZERO,
     );
     let identity = "[identity]\nvm_name = \"WestNO_0\"\n";
-    let nats_port = sched_relay_transport::testing::free_port();
-    let all_port = sched_relay_transport::testing::free_port();
-    let setups = [
-        ("file sink".to_owned(), identity.to_owned()),
+    let nats = |port: u16| {
+        format!(
+            "{identity}\n[telemetry]\nlisten = \"127.0.0.1:{port}\"\n\n\
+             [[approvals.keys]]\nid = \"bench\"\nalgorithm = \"hmac-sha256\"\nsecret = \"{HMAC}\"\n\n\
+             [[sinks]]\nname = \"nats\"\nkind = \"nats\"\nurl = \"{NATS_URL}\"\njetstream = true\n\
+             subject = \"{prefix}.{{vmname}}.{{transition}}\"\n\n\
+             [approvals.nats]\nsink = \"nats\"\nsubject = \"{prefix}-approvals.{{vmname}}\"\n",
+            prefix = topology.prefix,
+        )
+    };
+    let free_port = sched_relay_transport::testing::free_port;
+    // The default-feature binary (NATS, RabbitMQ, webhook; no librdkafka), when scripts/bench
+    // built one: what most users install from source.
+    let default_binary = std::env::var_os("SCHED_RELAY_DEFAULT_BINARY").map(PathBuf::from);
+    let mut setups: Vec<(String, String, &str, Option<PathBuf>)> = vec![
+        ("file sink".into(), identity.into(), "1s", None),
         (
-            "NATS JetStream sink + NATS approval source".to_owned(),
-            format!(
-                "{identity}\n[telemetry]\nlisten = \"127.0.0.1:{nats_port}\"\n\n\
-                 [[approvals.keys]]\nid = \"bench\"\nalgorithm = \"hmac-sha256\"\nsecret = \"{HMAC}\"\n\n\
-                 [[sinks]]\nname = \"nats\"\nkind = \"nats\"\nurl = \"{NATS_URL}\"\njetstream = true\n\
-                 subject = \"{prefix}.{{vmname}}.{{transition}}\"\n\n\
-                 [approvals.nats]\nsink = \"nats\"\nsubject = \"{prefix}-approvals.{{vmname}}\"\n",
-                prefix = topology.prefix,
-            ),
+            "file sink, polling every 250 ms".into(),
+            identity.into(),
+            "250ms",
+            None,
         ),
         (
-            "4 broker sinks + 4 approval sources".to_owned(),
-            format!(
-                "{}\n{}",
-                topology.sinks(&collector.url),
-                topology.approvals(all_port)
-            ),
+            "NATS JetStream sink + NATS approval source".into(),
+            nats(free_port()),
+            "1s",
+            None,
         ),
     ];
+    if let Some(binary) = &default_binary {
+        setups.push((
+            "default features, NATS JetStream sink + NATS approval source".into(),
+            nats(free_port()),
+            "1s",
+            Some(binary.clone()),
+        ));
+    }
+    setups.push((
+        "4 broker sinks + 4 approval sources".into(),
+        format!(
+            "{}\n{}",
+            topology.sinks(&collector.url),
+            topology.approvals(free_port())
+        ),
+        "1s",
+        None,
+    ));
     let mut agents = Vec::new();
-    for (name, extra) in &setups {
+    for (name, extra, poll, binary) in &setups {
         let sim = SimProcess::start(&path, 1.0);
-        let agent = agent_logging(&sim, extra, "1s", "info");
-        agents.push((name.clone(), sim, agent));
+        let agent = match binary {
+            None => agent_logging(&sim, extra, poll, "info"),
+            Some(binary) => {
+                let mut agent =
+                    AgentProcess::configure_with_env(&sim.url, extra, &agent_env(poll, "info"));
+                agent.spawn_binary(binary, &[]);
+                agent
+            }
+        };
+        let polls_per_second = 1.0 / humantime::parse_duration(poll).unwrap().as_secs_f64();
+        agents.push((format!("sched-relay, {name}"), polls_per_second, sim, agent));
     }
     let python_sim = SimProcess::start(&path, 1.0);
     let mut python = python_agent(&python_sim, &collector.url, "1s");
+    // The least a process pays on this machine for the same request once a second.
+    let floor_sim = SimProcess::start(&path, 1.0);
+    let mut floor = Command::new(std::env::current_exe().unwrap())
+        .args(["--floor", &floor_sim.url])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
     // Connections made, first documents stored: the steady state.
     std::thread::sleep(Duration::from_secs(10));
-    let mut meters: Vec<Meter> = agents.iter().map(|(_, _, a)| Meter::new(a.pid())).collect();
-    meters.push(Meter::new(python.id()));
-    let starts: Vec<(u64, u64)> = meters.iter().map(Meter::totals).collect();
+    let mut measured: Vec<(String, f64, Meter)> = agents
+        .iter()
+        .map(|(name, rate, _, agent)| (name.clone(), *rate, Meter::new(agent.pid())))
+        .collect();
+    measured.push((
+        "Python sample agent, webhook".into(),
+        1.0,
+        Meter::new(python.id()),
+    ));
+    measured.push((
+        "reference: a blocking loop, one kept-alive GET a second, nothing else".into(),
+        1.0,
+        Meter::new(floor.id()),
+    ));
+    let starts: Vec<(u64, u64)> = measured.iter().map(|(_, _, m)| m.totals()).collect();
     let started = Instant::now();
     while started.elapsed() < sizes.idle {
         std::thread::sleep(Duration::from_secs(1));
-        for meter in &mut meters {
+        for (_, _, meter) in &mut measured {
             meter.sample();
         }
     }
     let elapsed = started.elapsed().as_secs_f64();
-    let polls = elapsed; // one per second
-    let mut rows = Vec::new();
-    let mut python_ms = 0.0;
-    let names: Vec<String> = agents
-        .iter()
-        .map(|(name, _, _)| format!("sched-relay, {name}"))
-        .chain(["Python sample agent, webhook".to_owned()])
-        .collect();
-    for (i, meter) in meters.iter().enumerate() {
+    let python_per_hour = {
+        let index = measured.len() - 2;
+        let (ns, _) = measured[index].2.totals();
+        (ns - starts[index].0) as f64 / 1e9 / elapsed * 3600.0
+    };
+    let mut table = String::from(
+        "| | CPU ms per poll | CPU s per hour | Python / this (CPU per hour) | context switches per poll | threads | RSS MiB | PSS MiB | anonymous MiB |\n|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for (i, (name, rate, meter)) in measured.iter().enumerate() {
         let (ns, switches) = meter.totals();
         let (ns, switches) = (ns - starts[i].0, switches - starts[i].1);
-        let ms_per_poll = ns as f64 / 1e6 / polls;
+        let polls = elapsed * rate;
+        let per_hour = ns as f64 / 1e9 / elapsed * 3600.0;
         let (rss, pss, anon) = common::memory(meter.pid);
-        let count = std::fs::read_dir(format!("/proc/{}/task", meter.pid))
+        let threads = std::fs::read_dir(format!("/proc/{}/task", meter.pid))
             .map(|d| d.count())
             .unwrap_or(0);
-        if i == meters.len() - 1 {
-            python_ms = ms_per_poll;
-        }
-        rows.push((
-            names[i].clone(),
-            ms_per_poll,
+        table.push_str(&format!(
+            "| {name} | {:.3} | {per_hour:.2} | {:.1}x | {:.1} | {threads} | {:.1} | {:.1} | {:.1} |\n",
+            ns as f64 / 1e6 / polls,
+            ratio(python_per_hour, per_hour),
             switches as f64 / polls,
-            count,
-            rss,
-            pss,
-            anon,
+            rss as f64 / 1024.0,
+            pss as f64 / 1024.0,
+            anon as f64 / 1024.0,
         ));
     }
-    let (_, _, all) = &agents[2];
+    let all = &agents.last().unwrap().3;
     eprintln!("CPU ms by thread, 4 sinks: {:?}", threads(all.pid()));
     let _ = python.kill();
     let _ = python.wait();
-    for (_, _, agent) in &mut agents {
+    let _ = floor.kill();
+    let _ = floor.wait();
+    for (_, _, _, agent) in &mut agents {
         agent.stop();
     }
-    let binary = std::fs::metadata(common::BINARY)
-        .map(|m| m.len())
-        .unwrap_or(0);
-    let mut table = String::from(
-        "| | CPU ms per poll | CPU s per hour | Python / this (CPU) | context switches per poll | threads | RSS MiB | PSS MiB | anonymous MiB |\n|---|---|---|---|---|---|---|---|---|\n",
+    let size = |path: &std::path::Path| {
+        std::fs::metadata(path)
+            .map(|m| m.len() as f64 / 1e6)
+            .unwrap_or(0.0)
+    };
+    let mut binaries = format!(
+        "Binary (stripped release): every sink {:.1} MB",
+        size(std::path::Path::new(common::BINARY))
     );
-    for (name, ms, switches, count, rss, pss, anon) in &rows {
-        table.push_str(&format!(
-            "| {name} | {ms:.3} | {:.2} | {:.1}x | {switches:.1} | {count} | {:.1} | {:.1} | {:.1} |\n",
-            ms * 3600.0 / 1000.0,
-            ratio(python_ms, *ms),
-            *rss as f64 / 1024.0,
-            *pss as f64 / 1024.0,
-            *anon as f64 / 1024.0,
+    if let Some(binary) = &default_binary {
+        binaries.push_str(&format!(
+            ", default features (NATS, RabbitMQ, webhook) {:.1} MB",
+            size(binary)
         ));
     }
     report.add(format!(
-        "## Footprint while idle\n\nFour processes at once, each against its own simulator, polling every second for {elapsed:.0} s after a 10 s settling time: the agent with a file sink; with a NATS JetStream sink and a NATS approval source; with four broker sinks (NATS JetStream, RabbitMQ, Kafka, webhook) and four approval sources (HTTP, NATS, RabbitMQ, Kafka); and the Python sample agent posting to a webhook. Every agent also has the benchmark's file sink, logs JSON at info. CPU is the sum of the threads' `schedstat` run time (nanoseconds); context switches, voluntary and not, from each thread's `status`; memory from `smaps_rollup` at the end. Goals (issue 15): at most 0.1 ms per poll with a file sink, 0.2 ms with one broker sink and its source, at least 10x less than Python, at most 4 context switches per poll; anonymous memory at most 3 MiB and RSS at most 10 MiB with one broker sink.\n\n{table}\nBinary (stripped release, every sink): {:.1} MB.",
-        binary as f64 / 1e6,
+        "## Footprint while idle\n\nAt once, each against its own simulator, for {elapsed:.0} s after a 10 s settling time: the agent (release build with every sink unless said) with a file sink; the same polling every 250 ms; with a NATS JetStream sink and a NATS approval source{}; with four broker sinks (NATS JetStream, RabbitMQ, Kafka, webhook) and four approval sources (HTTP, NATS, RabbitMQ, Kafka); the Python sample agent posting to a webhook; and a reference, the least any process pays here for the same poll: a blocking loop (std::net, this benchmark's binary) that sends the same GET on one kept-alive connection once a second and does nothing else. Every agent also has the benchmark's file sink and logs JSON at info. CPU is the sum of the threads' `schedstat` run time (nanoseconds); context switches, voluntary and not, from each thread's `status`; memory from `smaps_rollup` at the end. Goals (issue 15): at most 0.1 ms per poll with a file sink, 0.2 ms with one broker sink and its source, at least 10x less than Python, at most 4 context switches per poll; anonymous memory at most 3 MiB and RSS at most 10 MiB for the default-feature binary with one broker sink; at 250 ms, less CPU per hour than Python at 1 s.\n\n{table}\n{binaries}.",
+        if default_binary.is_some() {
+            " (also with the default-feature binary)"
+        } else {
+            ""
+        },
     ));
+}
+
+/// The reference of the footprint run: `GET` the scheduled-events document of `url` on one
+/// kept-alive connection once a second, with blocking std I/O and nothing else, forever.
+fn floor(url: &str) -> ! {
+    use std::io::{Read, Write};
+    let address = url.trim_start_matches("http://").trim_end_matches('/');
+    let request = format!(
+        "GET /metadata/scheduledevents?api-version=2020-07-01 HTTP/1.1\r\nHost: {address}\r\nMetadata: true\r\n\r\n"
+    );
+    let mut stream = std::net::TcpStream::connect(address).unwrap();
+    stream.set_nodelay(true).unwrap();
+    let mut buffer = vec![0u8; 1 << 16];
+    loop {
+        let started = Instant::now();
+        stream.write_all(request.as_bytes()).unwrap();
+        let mut read = 0;
+        loop {
+            read += stream.read(&mut buffer[read..]).unwrap();
+            let text = String::from_utf8_lossy(&buffer[..read]);
+            if let Some(end) = text.find("\r\n\r\n") {
+                let length: usize = text[..end]
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("content-length:")
+                            .map(|v| v.trim().parse().unwrap())
+                    })
+                    .unwrap_or(0);
+                if read >= end + 4 + length {
+                    break;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_secs(1).saturating_sub(started.elapsed()));
+    }
 }
 
 /// 4a. A document with many events at once (a large placement group).

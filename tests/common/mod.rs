@@ -136,15 +136,9 @@ impl AgentProcess {
 
     /// As `start`, with environment variables (e.g. `SCHED_RELAY_*` overrides).
     pub fn start_with_env(endpoint: &str, extra: &str, env: &[(&str, &str)]) -> AgentProcess {
-        let imds = format!(
-            r#"[imds]
-endpoint = "{endpoint}"
-poll_interval = "200ms"
-request_timeout = "1s"
-first_call_timeout = "5s"
-max_backoff = "500ms""#
-        );
-        AgentProcess::launch(&imds, extra, env)
+        let mut agent = AgentProcess::configure_with_env(endpoint, extra, env);
+        agent.spawn(&[]);
+        agent
     }
 
     /// An agent on the shipped `[imds]` defaults (1 s polls, 10 s timeouts, 5 s backoff
@@ -166,10 +160,15 @@ max_backoff = "500ms""#
 
     /// As `start`, without starting it: for a test that starts the binary its own way.
     pub fn configure(endpoint: &str, extra: &str) -> AgentProcess {
+        AgentProcess::configure_with_env(endpoint, extra, &[])
+    }
+
+    /// As `start_with_env`, without starting it (see `spawn_binary`).
+    pub fn configure_with_env(endpoint: &str, extra: &str, env: &[(&str, &str)]) -> AgentProcess {
         let imds = format!(
             "[imds]\nendpoint = \"{endpoint}\"\npoll_interval = \"200ms\"\nrequest_timeout = \"1s\"\nfirst_call_timeout = \"5s\"\nmax_backoff = \"500ms\""
         );
-        AgentProcess::prepare(&imds, extra, &[])
+        AgentProcess::prepare(&imds, extra, env)
     }
 
     fn launch(imds: &str, extra: &str, env: &[(&str, &str)]) -> AgentProcess {
@@ -241,13 +240,18 @@ path = "{events}"
 
     /// Starts the binary with this agent's configuration and state (again, after a stop).
     pub fn spawn(&mut self, extra_args: &[&str]) {
+        self.spawn_binary(Path::new(BINARY), extra_args);
+    }
+
+    /// As `spawn`, with another build of the agent (the benchmark's default-feature binary).
+    pub fn spawn_binary(&mut self, binary: &Path, extra_args: &[&str]) {
         assert!(self.child.is_none(), "the agent is already running");
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&self.stderr_file)
             .unwrap();
-        let child = Command::new(BINARY)
+        let child = Command::new(binary)
             .args(["run", "--config"])
             .arg(&self.config_path)
             .args(extra_args)
