@@ -203,6 +203,11 @@ impl Topology {
     }
 
     fn sinks(&self, webhook: &str) -> String {
+        self.sinks_with(webhook, "")
+    }
+
+    /// As `sinks`, with more keys for the webhook sink (e.g. `batch = true`).
+    fn sinks_with(&self, webhook: &str, webhook_keys: &str) -> String {
         format!(
             r#"
 [identity]
@@ -231,6 +236,7 @@ topic = "{topic}"
 name = "webhook"
 kind = "webhook"
 url = "{webhook}"
+{webhook_keys}
 "#,
             prefix = self.prefix,
             exchange = self.exchange,
@@ -288,8 +294,14 @@ impl Collector {
                 let now = chrono::Utc::now().timestamp_micros();
                 // sched-relay's webhook sink sends binary mode (`ce-id`); the Python agent
                 // sends structured events, kept apart as `py:<id>`.
+                let batch = headers
+                    .get("content-type")
+                    .is_some_and(|v| v.as_bytes().starts_with(b"application/cloudevents-batch"));
                 let id = match headers.get("ce-id").and_then(|v| v.to_str().ok()) {
                     Some(id) => id.to_owned(),
+                    // Batches are posted only by the backlog run, which times the outbox, not
+                    // arrivals: not parsed, so the receiver takes little of the machine.
+                    None if batch => return axum::http::StatusCode::NO_CONTENT,
                     None => serde_json::from_slice::<Value>(&body)
                         .ok()
                         .and_then(|event| event["id"].as_str().map(|id| format!("py:{id}")))
@@ -949,11 +961,13 @@ async fn backlog(report: &mut Report, sizes: &Sizes, topology: &Topology, collec
     one_document_at_full += probe.elapsed();
     let config: sched_relay::Config = toml::from_str(&format!(
         "{}\n[delivery]\nbatch_size = 100\n",
-        topology.sinks(&collector.url)
+        topology.sinks_with(&collector.url, "batch = true")
     ))
     .unwrap();
     let sinks = config.sinks.iter().map(registry::named).collect();
     let outbox = Arc::new(outbox);
+    let rss_before = own_rss_kib();
+    let mut rss_peak = rss_before;
     let started = Instant::now();
     let fanout = Fanout::start(sinks, &config.delivery, dir.path(), outbox.clone());
     let mut drained: HashMap<String, Duration> = HashMap::new();
@@ -963,6 +977,7 @@ async fn backlog(report: &mut Report, sizes: &Sizes, topology: &Topology, collec
                 drained.insert(name.clone(), started.elapsed());
             }
         }
+        rss_peak = rss_peak.max(own_rss_kib());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     fanout.shutdown(Duration::from_secs(5)).await;
@@ -977,10 +992,22 @@ async fn backlog(report: &mut Report, sizes: &Sizes, topology: &Topology, collec
         ));
     }
     report.add(format!(
-        "## Backlog: {total} stored events per sink after an outage\n\nThe outbox holds {total} events for each of four sinks; the fan-out then drains them against the real brokers, all sinks at once, batches of 100. Filling it took {:.1} s; storing one more document into the full backlog took {:.2} ms.\n\n| sink | drained in s | events/s |\n|---|---|---|\n{rows}",
+        "## Backlog: {total} stored events per sink after an outage\n\nThe outbox holds {total} events for each of four sinks; the fan-out then drains them against the real brokers, all sinks at once, batches of 100 (the webhook with `batch = true`: one POST per batch). Filling it took {:.1} s; storing one more document into the full backlog took {:.2} ms. Memory while draining (RSS of the benchmark process, which holds the fan-out, its outbox and the webhook's receiver): {:.1} MiB before, {:.1} MiB at its peak.\n\n| sink | drained in s | events/s |\n|---|---|---|\n{rows}",
         fill.as_secs_f64(),
-        one_document_at_full.as_secs_f64() * 1000.0
+        one_document_at_full.as_secs_f64() * 1000.0,
+        rss_before as f64 / 1024.0,
+        rss_peak as f64 / 1024.0,
     ));
+}
+
+/// This process's resident set, in KiB.
+fn own_rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
 }
 
 /// 2b. IMDS outages on the shipped `[imds]` defaults: for each outage (503 for its length),

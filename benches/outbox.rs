@@ -1,6 +1,9 @@
 //! What storing one more document costs once the outbox holds a backlog: the poller pays this
 //! on every new document while a sink is down. `cargo bench --bench outbox -- N` prints the
-//! mean over 50 documents with N events stored per sink (4 sinks). For instruction counts:
+//! mean over 50 documents with N events stored per sink (4 sinks), then what reading one
+//! sink's backlog back costs (in batches of 100, as its task reads it), and what decoding one
+//! stored event costs, by cloudevents-sdk's `Deserialize` and by `Event::from_json_slice`
+//! (the outbox's). For instruction counts:
 //!   cargo bench --profile dev --bench outbox --no-run
 //!   valgrind --tool=callgrind --toggle-collect='*Outbox*commit*' target/debug/deps/outbox-* 20000
 
@@ -39,5 +42,45 @@ fn main() {
     let per_document = started.elapsed() / documents as u32;
     println!(
         "backlog {backlog} per sink: filled in {fill:.2?}; one 3-event document stored in {per_document:.2?} (mean of {documents})"
+    );
+    let started = Instant::now();
+    let (mut from, mut read) = (0, 0);
+    loop {
+        let batch = outbox.pending_between("nats", from, None, 100).unwrap();
+        let Some(last) = batch.last() else { break };
+        from = last.seq + 1;
+        read += batch.len();
+    }
+    let elapsed = started.elapsed();
+    println!(
+        "read back one sink's {read} events in batches of 100: {elapsed:.2?} ({:.0} events/s)",
+        read as f64 / elapsed.as_secs_f64()
+    );
+    let stored: Vec<Vec<u8>> = template
+        .iter()
+        .map(|e| serde_json::to_vec(e).unwrap())
+        .collect();
+    let rounds = 20_000;
+    let time = |decode: &dyn Fn(&[u8])| {
+        let started = Instant::now();
+        for _ in 0..rounds {
+            for bytes in &stored {
+                decode(bytes);
+            }
+        }
+        started.elapsed() / (rounds * stored.len()) as u32
+    };
+    let sdk = |bytes: &[u8]| {
+        std::hint::black_box(serde_json::from_slice::<sched_relay_core::Event>(bytes).unwrap());
+    };
+    let fast = |bytes: &[u8]| {
+        std::hint::black_box(sched_relay_core::Event::from_json_slice(bytes).unwrap());
+    };
+    // Each measured twice, alternately; the second rounds are reported (the first warm up).
+    let (_, _) = (time(&sdk), time(&fast));
+    let (sdk, fast) = (time(&sdk), time(&fast));
+    println!(
+        "decoding one stored event ({} bytes on average): cloudevents-sdk {sdk:.2?}, Event::from_json_slice {fast:.2?}",
+        stored.iter().map(Vec::len).sum::<usize>() / stored.len()
     );
 }

@@ -330,6 +330,6 @@ impl Outbox {
 
 /// A stored event, or why it cannot be read (with what was stored, for the log).
 fn decode(bytes: &[u8]) -> Result<Event, String> {
-    serde_json::from_slice(bytes)
+    Event::from_json_slice(bytes)
         .map_err(|e| format!("{e}; stored bytes: {}", String::from_utf8_lossy(bytes)))
 }

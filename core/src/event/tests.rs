@@ -192,3 +192,122 @@ fn document_ids_carry_the_epoch_only_after_a_reset() {
     let events = events_for_document(&factory(), None, &current, true, Utc::now());
     assert_eq!(events[0].id(), "document:4");
 }
+
+mod decoding {
+    //! `Event::from_json_slice` is a faster path to exactly what the SDK's decoding gives.
+    use super::*;
+    use proptest::prelude::*;
+
+    /// What the SDK's own `Deserialize` makes of the bytes (an error as `None`).
+    fn by_the_sdk(bytes: &[u8]) -> Option<Event> {
+        serde_json::from_slice::<Event>(bytes).ok()
+    }
+
+    fn by_the_fast_path(bytes: &[u8]) -> Option<Event> {
+        Event::from_json_slice(bytes).ok()
+    }
+
+    fn json_value() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            (-1e9f64..1e9).prop_map(Value::from),
+            "[a-zA-Z0-9 :./+=-]{0,12}".prop_map(Value::from),
+        ];
+        leaf.prop_recursive(3, 24, 4, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+                prop::collection::btree_map("[a-z]{1,6}", inner, 0..4)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    /// An attribute that is absent, or one of a few values (good ones and wrong ones).
+    fn attribute(values: &'static [&'static str]) -> impl Strategy<Value = Option<Value>> {
+        prop_oneof![
+            2 => Just(None),
+            6 => prop::sample::select(values).prop_map(|v| Some(Value::from(v))),
+            1 => any::<i64>().prop_map(|n| Some(Value::from(n))),
+            1 => Just(Some(Value::Null)),
+        ]
+    }
+
+    prop_compose! {
+        fn structured_event()(
+            specversion in attribute(&["1.0", "0.3", "2.0"]),
+            id in attribute(&["E1:scheduled", "document:7~e2", ""]),
+            source in attribute(&["urn:sched-relay:vm:WestNO_0", "/subscriptions/x"]),
+            ty in attribute(&["com.azure.scheduledevents.scheduled", "x"]),
+            subject in attribute(&["E1", "7"]),
+            time in attribute(&["2026-11-25T10:00:00Z", "2026-11-25T10:00:00.123456+01:00", "yesterday"]),
+            content_type in attribute(&["application/json", "text/plain", "application/cloudevents+json", "text/json; charset=utf-8"]),
+            dataschema in attribute(&["https://example.com/schema", "not a url"]),
+            data in prop::option::of(json_value()),
+            data_base64 in attribute(&["eyJhIjoxfQ==", "aGVsbG8=", "%%%"]),
+            extensions in prop::collection::btree_map("[a-z]{1,10}", json_value(), 0..5),
+        ) -> Vec<u8> {
+            let mut map = serde_json::Map::new();
+            for (name, value) in [
+                ("specversion", specversion), ("id", id), ("source", source), ("type", ty),
+                ("subject", subject), ("time", time), ("datacontenttype", content_type),
+                ("dataschema", dataschema), ("data", data), ("data_base64", data_base64),
+            ] {
+                if let Some(value) = value {
+                    map.insert(name.into(), value);
+                }
+            }
+            for (name, value) in extensions {
+                map.entry(name).or_insert(value);
+            }
+            serde_json::to_vec(&map).unwrap()
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2048))]
+        #[test]
+        fn decoding_fast_gives_what_the_sdk_gives_or_fails_where_it_fails(bytes in structured_event()) {
+            prop_assert_eq!(by_the_fast_path(&bytes), by_the_sdk(&bytes), "{}", String::from_utf8_lossy(&bytes));
+        }
+
+        #[test]
+        fn decoding_fast_fails_on_what_is_not_json_as_the_sdk_does(bytes in prop::collection::vec(any::<u8>(), 0..64)) {
+            prop_assert_eq!(by_the_fast_path(&bytes), by_the_sdk(&bytes));
+        }
+    }
+
+    #[test]
+    fn an_event_with_both_data_and_data_base64_is_refused_either_way() {
+        let bytes = br#"{"specversion":"1.0","id":"1","source":"s","type":"t","datacontenttype":"application/json","data":{"a":1},"data_base64":"eyJhIjoxfQ=="}"#;
+        assert!(by_the_sdk(bytes).is_none());
+        assert!(Event::from_json_slice(bytes).is_err());
+    }
+
+    #[test]
+    fn every_event_this_agent_makes_decodes_the_same_either_way() {
+        let before = document(json!({"DocumentIncarnation": 1, "Events": []}));
+        let after = document(json!({"DocumentIncarnation": 2, "Events": [{
+            "EventId": "E1", "EventType": "Freeze", "ResourceType": "VirtualMachine",
+            "Resources": ["WestNO_0", "WestNO_1"], "EventStatus": "Scheduled",
+            "NotBefore": "Mon, 11 Apr 2022 22:26:58 GMT", "Description": "Live migration",
+            "EventSource": "Platform", "DurationInSeconds": 5}]}));
+        let observation = Observation::at(Utc::now());
+        let mut events = events_observed(&factory(), Some(&before), &after, false, &observation);
+        events.extend(events_for_document(
+            &factory(),
+            Some(&before),
+            &after,
+            true,
+            Utc::now(),
+        ));
+        assert!(events.len() >= 2, "a scheduled event and the document");
+        for event in events {
+            let bytes = serde_json::to_vec(&event).unwrap();
+            let decoded = Event::from_json_slice(&bytes).unwrap();
+            assert_eq!(decoded, event);
+            assert_eq!(Some(decoded), by_the_sdk(&bytes));
+        }
+    }
+}
