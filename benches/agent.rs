@@ -859,19 +859,8 @@ fn floor(url: &str) -> ! {
         let mut read = 0;
         loop {
             read += stream.read(&mut buffer[read..]).unwrap();
-            let text = String::from_utf8_lossy(&buffer[..read]);
-            if let Some(end) = text.find("\r\n\r\n") {
-                let length: usize = text[..end]
-                    .lines()
-                    .find_map(|l| {
-                        l.to_ascii_lowercase()
-                            .strip_prefix("content-length:")
-                            .map(|v| v.trim().parse().unwrap())
-                    })
-                    .unwrap_or(0);
-                if read >= end + 4 + length {
-                    break;
-                }
+            if common::http_message_is_whole(&buffer[..read]).unwrap() {
+                break;
             }
         }
         std::thread::sleep(Duration::from_secs(1).saturating_sub(started.elapsed()));

@@ -75,19 +75,9 @@ fn webhook_receiver() -> u16 {
                         return;
                     }
                     request.extend_from_slice(&buffer[..n]);
-                    let text = String::from_utf8_lossy(&request).to_string();
-                    if let Some(end) = text.find("\r\n\r\n") {
-                        let length: usize = text[..end]
-                            .lines()
-                            .find_map(|l| {
-                                l.to_ascii_lowercase()
-                                    .strip_prefix("content-length:")
-                                    .map(|v| v.trim().parse().unwrap_or(0))
-                            })
-                            .unwrap_or(0);
-                        if request.len() >= end + 4 + length {
-                            break;
-                        }
+                    // A length that is not a number counts as no body.
+                    if common::http_message_is_whole(&request).unwrap_or(true) {
+                        break;
                     }
                 }
                 let text = String::from_utf8_lossy(&request).to_string();

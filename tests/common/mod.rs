@@ -552,3 +552,23 @@ pub fn memory(pid: u32) -> (u64, u64, u64) {
     };
     (kib("Rss:"), kib("Pss:"), kib("Anonymous:"))
 }
+
+/// Whether `bytes` hold a whole HTTP/1.1 message: its headers and a body as long as its
+/// `Content-Length` (none means no body). `Err` is a `Content-Length` that is not a number,
+/// left to the caller: a test's stand-in server may shrug it off, a benchmark should stop.
+pub fn http_message_is_whole(bytes: &[u8]) -> Result<bool, std::num::ParseIntError> {
+    let Some(end) = bytes.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return Ok(false);
+    };
+    let headers = String::from_utf8_lossy(&bytes[..end]);
+    let length = headers
+        .lines()
+        .find_map(|line| {
+            line.to_ascii_lowercase()
+                .strip_prefix("content-length:")
+                .map(|value| value.trim().parse::<usize>())
+        })
+        .transpose()?
+        .unwrap_or(0);
+    Ok(bytes.len() >= end + 4 + length)
+}
