@@ -61,9 +61,12 @@ enum Command {
         listen: SocketAddr,
         /// A scenario file, or a built-in one: live-migration (default), user-reboot,
         /// redeploy, spot-preempt, scaleset-terminate, host-failure, cancelled-maintenance,
-        /// multi-vm, imds-faults, demo.
+        /// multi-vm, imds-faults, demo. Given several times, one process serves each VM on
+        /// its own port (--listen's and the next ones, or free ones with port 0), and an
+        /// EventId in several scenarios is one event that lists several VMs: approving it
+        /// on one starts it on all.
         #[arg(long, default_value = "live-migration")]
-        scenario: String,
+        scenario: Vec<String>,
         /// Multiplies every offset of the scenario (0.01 plays 15 minutes in 9 seconds).
         #[arg(long)]
         time_scale: Option<f64>,
@@ -293,31 +296,45 @@ async fn run_command() -> ExitCode {
             time_scale,
         } => {
             let _log = logging::init("info", format);
-            let mut scenario = match Scenario::load(&scenario) {
-                Ok(scenario) => scenario,
-                Err(error) => {
-                    eprintln!("error: {error}");
-                    return ExitCode::from(2);
+            let mut scenarios = Vec::with_capacity(scenario.len());
+            for name in &scenario {
+                match Scenario::load(name) {
+                    Ok(scenario) => scenarios.push(scenario),
+                    Err(error) => {
+                        eprintln!("error: {error}");
+                        return ExitCode::from(2);
+                    }
                 }
-            };
+            }
             if let Some(scale) = time_scale {
                 if !(scale > 0.0 && scale.is_finite()) {
                     eprintln!("error: --time-scale {scale} must be a positive number");
                     return ExitCode::from(2);
                 }
-                scenario.time_scale = scale;
+                for scenario in &mut scenarios {
+                    scenario.time_scale = scale;
+                }
             }
-            let simulator = match Simulator::start(scenario, listen).await {
-                Ok(simulator) => simulator,
+            let simulators = match Simulator::start_fleet(scenarios, listen).await {
+                Ok(simulators) => simulators,
+                Err(error @ sched_relay::simulator::FleetError::SharedEventDiffers { .. }) => {
+                    eprintln!("error: {error}");
+                    return ExitCode::from(2);
+                }
                 Err(error) => {
-                    eprintln!("error: cannot listen on {listen}: {error}");
+                    eprintln!("error: {error}");
                     return ExitCode::FAILURE;
                 }
             };
-            // Tests and scripts read this line to find the port.
-            println!("sched-relay simulator listening on {}", simulator.url());
+            // Tests and scripts read these lines (one per VM, in --scenario order) to find
+            // the ports.
+            for simulator in &simulators {
+                println!("sched-relay simulator listening on {}", simulator.url());
+            }
             shutdown_signal().await;
-            simulator.stop().await;
+            for simulator in simulators {
+                simulator.stop().await;
+            }
             ExitCode::SUCCESS
         }
         Command::Watch { from, once, settle } => {

@@ -1,5 +1,6 @@
 //! The fleet coordinator end to end, on a small fleet: 20 real agents (the shipped `[imds]`
-//! defaults), each against its own simulated IMDS, publishing to the machine's real NATS
+//! defaults), each against its own VM of one simulator process (which shares a host-level
+//! Reboot between two VMs of different groups), publishing to the machine's real NATS
 //! JetStream (and 8 through its RabbitMQ); the real `sched-relay coordinate` reading them,
 //! draining through a command, and approving over each VM's own approval channel. Killed
 //! with SIGKILL a third of the way and started again on the same state.
@@ -7,7 +8,8 @@
 //! What is checked comes from the simulators, not the coordinator: every approvable event
 //! got exactly one accepted POST, before its NotBefore; the VMs physically down at once
 //! (from an approval's POST until the event's end) never exceed a group's budget; an event
-//! whose action is `never` got no POST; every VM was drained before its approval.
+//! whose action is `never` got no POST; every VM was drained before its approval; the
+//! event listing two VMs got one POST, through one of them, and started on both.
 
 mod common;
 
@@ -31,14 +33,20 @@ const LEASE: Duration = Duration::from_secs(3);
 /// The notice of every event: the wave must be done well within it.
 const NOTICE: Duration = Duration::from_secs(120);
 
-fn scenario(vm: &str, events: &[(&str, &str, i64)]) -> String {
+/// A VM's scenario: its own events, and those it shares with other VMs (`resources`).
+fn scenario(vm: &str, events: &[(&str, &str, i64, &[&str])]) -> String {
     let mut text = format!(
         "[vm]\nname = \"{vm}\"\nresource_id = \"/subscriptions/s/resourceGroups/rg-{group}/providers/Microsoft.Compute/virtualMachines/{vm}\"\n",
         group = vm.split('-').next().unwrap()
     );
-    for (id, ty, duration) in events {
+    for (id, ty, duration, resources) in events {
+        let resources = if resources.is_empty() {
+            vec![vm]
+        } else {
+            resources.to_vec()
+        };
         text.push_str(&format!(
-            "\n[[events]]\nid = \"{id}\"\ntype = \"{ty}\"\nresources = [\"{vm}\"]\nappear_after = \"1s\"\nnotice = \"{}s\"\nduration_in_seconds = {duration}\nstarted_for = \"{}s\"\n",
+            "\n[[events]]\nid = \"{id}\"\ntype = \"{ty}\"\nresources = {resources:?}\nappear_after = \"1s\"\nnotice = \"{}s\"\nduration_in_seconds = {duration}\nstarted_for = \"{}s\"\n",
             NOTICE.as_secs(),
             DOWN_FOR.as_secs()
         ));
@@ -160,32 +168,48 @@ fn wave(broker: Broker, per_group: usize, standby: bool) {
         .chain((0..per_group).map(|i| format!("db-{i}")))
         .collect();
     let last_db = format!("db-{}", per_group - 1);
-    let approvable = 2 * per_group + 1;
-    let mut sims = BTreeMap::new();
-    let mut agents = Vec::new();
+    // A host-level Reboot listing a VM of each group: one approval, through one of them,
+    // releases both, and each counts against its own group.
+    let host = event_id(999, 4);
+    let host_vms = ["web-1", "db-1"];
+    let approvable = 2 * per_group + 2;
+    let mut paths = Vec::new();
     for (n, vm) in vms.iter().enumerate() {
         let reboot = event_id(n, 1);
-        let mut events = vec![(reboot.as_str(), "Reboot", -1)];
+        let mut events = vec![(reboot.as_str(), "Reboot", -1, &[][..])];
         let freeze = event_id(n, 2);
         let terminate = event_id(n, 3);
         if vm == "web-0" {
-            events.push((freeze.as_str(), "Freeze", 5));
+            events.push((freeze.as_str(), "Freeze", 5, &[]));
         }
         if *vm == last_db {
-            events.push((terminate.as_str(), "Terminate", 0));
+            events.push((terminate.as_str(), "Terminate", 0, &[]));
+        }
+        if host_vms.contains(&vm.as_str()) {
+            events.push((host.as_str(), "Reboot", -1, &host_vms));
         }
         let path = dir.path().join(format!("{vm}.toml"));
         std::fs::write(&path, scenario(vm, &events)).unwrap();
-        let sim = SimProcess::start(path.to_str().unwrap(), 1.0);
-        let agent = AgentProcess::start_on_defaults(
-            &sim.url,
-            &format!(
-                "{agent_config}\n[[approvals.keys]]\nid = \"coordinator\"\nalgorithm = \"ed25519\"\npublic_key = \"{public_key}\"\n"
-            ),
-        );
-        sims.insert(vm.clone(), sim);
-        agents.push(agent);
+        paths.push(path.to_str().unwrap().to_owned());
     }
+    // One simulator process serves every VM, so that the shared event is one event.
+    let paths: Vec<&str> = paths.iter().map(String::as_str).collect();
+    let sims: BTreeMap<String, SimProcess> = vms
+        .iter()
+        .cloned()
+        .zip(SimProcess::start_fleet(&paths, 1.0))
+        .collect();
+    let _agents: Vec<AgentProcess> = vms
+        .iter()
+        .map(|vm| {
+            AgentProcess::start_on_defaults(
+                &sims[vm].url,
+                &format!(
+                    "{agent_config}\n[[approvals.keys]]\nid = \"coordinator\"\nalgorithm = \"ed25519\"\npublic_key = \"{public_key}\"\n"
+                ),
+            )
+        })
+        .collect();
 
     let drains = dir.path().join("drains.log");
     let drain_script = dir.path().join("drain.sh");
@@ -390,6 +414,56 @@ max_down_percent = 20
             "{vm}: approved before it was drained"
         );
     }
+    // The host-level Reboot: one POST in all, through a VM it lists, after both were
+    // drained; both VMs down from then on, each in its own group.
+    let host_posts: Vec<(String, String, i64, u64)> = sims
+        .iter()
+        .flat_map(|(vm, sim)| {
+            posts(sim)
+                .into_iter()
+                .filter(|(body, _, _)| body.contains(&host))
+                .map(|(body, at, status)| (vm.clone(), body, at, status))
+        })
+        .collect();
+    assert_eq!(
+        host_posts.len(),
+        1,
+        "one POST releases the event of several VMs: {host_posts:?}"
+    );
+    // Through a VM it lists: the first whose agent had reported it when it was decided.
+    let (approver, _, host_at, status) = &host_posts[0];
+    assert!(
+        host_vms.contains(&approver.as_str()) && *status == 200,
+        "{host_posts:?}"
+    );
+    for vm in host_vms {
+        let drained_at: i64 = drained
+            .lines()
+            .find(|line| line.starts_with(&format!("{vm} ")) && line.contains(&host))
+            .unwrap_or_else(|| panic!("{vm} was not drained for {host}:\n{drained}"))
+            .rsplit(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(
+            drained_at < *host_at,
+            "{vm}: released before it was drained"
+        );
+        let state = sims[vm].state();
+        assert!(
+            state["phases"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|p| p[0] == host.as_str() && p[1] != "scheduled"),
+            "{vm}: the approval through {approver} did not start it: {state}"
+        );
+        groups
+            .entry(if vm.starts_with("web") { "web" } else { "db" })
+            .or_default()
+            .push((vm.to_owned(), *host_at));
+    }
     let fleet = coordinator.fleet();
     let budgets: BTreeMap<String, usize> = fleet["groups"]
         .as_array()
@@ -413,17 +487,24 @@ max_down_percent = 20
             budgets[*group]
         );
     }
-    // `watch` reads the coordinator: a row per VM and event, and the budgets.
-    let table = common::stdout_of(Command::new(BINARY).args([
-        "watch",
-        "--from",
-        &format!("http://127.0.0.1:{}", coordinator.port),
-        "--once",
-    ]));
-    assert!(
-        table.contains(&format!("group web: 0 of 2 down ({per_group} VMs)")),
-        "{table}"
-    );
+    // `watch` reads the coordinator: a row per VM and event, and the budgets, back to 0
+    // once the last completions (published at the agents' next polls) have reached it.
+    let watch = || {
+        common::stdout_of(Command::new(BINARY).args([
+            "watch",
+            "--from",
+            &format!("http://127.0.0.1:{}", coordinator.port),
+            "--once",
+        ]))
+    };
+    let idle = format!("group web: 0 of 2 down ({per_group} VMs)");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut table = watch();
+    while !table.contains(&idle) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(500));
+        table = watch();
+    }
+    assert!(table.contains(&idle), "{table}");
     let terminate = table
         .lines()
         .find(|line| line.contains(&event_id(vms.len() - 1, 3)))

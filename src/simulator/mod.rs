@@ -59,9 +59,41 @@ pub struct Snapshot {
 impl Simulator {
     /// Binds `listen` (port 0 picks a free one) and serves the scenario.
     pub async fn start(scenario: Scenario, listen: SocketAddr) -> std::io::Result<Simulator> {
+        Simulator::serve(State::new(scenario), listen).await
+    }
+
+    /// Serves several VMs from one process, each on its own port: `listen`'s port and the
+    /// ones after it, or each a free one when it is 0. An EventId found in several scenarios
+    /// is one Azure event that lists several VMs: it must be the same in each, and a
+    /// StartRequest from any of them starts it for all.
+    pub async fn start_fleet(
+        scenarios: Vec<Scenario>,
+        listen: SocketAddr,
+    ) -> Result<Vec<Simulator>, FleetError> {
+        check_shared_events(&scenarios)?;
+        let (started, started_wall) = (Instant::now(), chrono::Utc::now());
+        let released = state::Released::default();
+        let mut simulators = Vec::with_capacity(scenarios.len());
+        for (index, scenario) in scenarios.into_iter().enumerate() {
+            let mut address = listen;
+            if listen.port() != 0 {
+                let port = u16::try_from(usize::from(listen.port()) + index)
+                    .map_err(|_| FleetError::Ports(listen))?;
+                address.set_port(port);
+            }
+            let state = State::in_fleet(scenario, started, started_wall, released.clone());
+            let simulator = Simulator::serve(state, address)
+                .await
+                .map_err(|error| FleetError::Listen(address, error))?;
+            simulators.push(simulator);
+        }
+        Ok(simulators)
+    }
+
+    async fn serve(state: State, listen: SocketAddr) -> std::io::Result<Simulator> {
         let listener = tokio::net::TcpListener::bind(listen).await?;
         let addr = listener.local_addr()?;
-        let state = Arc::new(Mutex::new(State::new(scenario)));
+        let state = Arc::new(Mutex::new(state));
         let app = axum::Router::new()
             .fallback(server::handle)
             .with_state(state.clone());
@@ -105,6 +137,47 @@ impl Simulator {
         let _ = self.stop.send(());
         let _ = self.task.await;
     }
+}
+
+/// Why a fleet of simulated VMs could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum FleetError {
+    #[error(
+        "event {id} is in the scenarios of {first} and {second}, differently: an event that lists several VMs must be the same in each of their scenarios (type, times, resources, updates)"
+    )]
+    SharedEventDiffers {
+        id: String,
+        first: String,
+        second: String,
+    },
+    #[error("cannot listen on {0}: {1}")]
+    Listen(SocketAddr, std::io::Error),
+    #[error("not enough ports after {0} for every VM (use port 0 for free ones)")]
+    Ports(SocketAddr),
+}
+
+/// Every event found in several scenarios is the same in each.
+fn check_shared_events(scenarios: &[Scenario]) -> Result<(), FleetError> {
+    let mut seen: std::collections::HashMap<&str, (&SimEvent, &str)> = Default::default();
+    for scenario in scenarios {
+        for event in &scenario.events {
+            let vm = scenario.vm.name.as_str();
+            match seen.get(event.id.as_str()) {
+                Some((first, first_vm)) if *first != event => {
+                    return Err(FleetError::SharedEventDiffers {
+                        id: event.id.clone(),
+                        first: (*first_vm).to_owned(),
+                        second: vm.to_owned(),
+                    });
+                }
+                Some(_) => {}
+                None => {
+                    seen.insert(&event.id, (event, vm));
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 fn snapshot(state: &State) -> Snapshot {

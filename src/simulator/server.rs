@@ -183,11 +183,7 @@ async fn respond(
                         "Bad request. Unknown EventId(s): {unknown:?}"
                     )));
                 }
-                for event in state.events.iter_mut() {
-                    if ids.contains(&event.spec.id) && event.phase == Phase::Scheduled {
-                        event.approved_at.get_or_insert(now);
-                    }
-                }
+                state.approve(&ids, now);
                 state.advance(now);
                 (StatusCode::OK, Reply::Text(String::new()))
             }

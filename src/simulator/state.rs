@@ -2,7 +2,8 @@
 //! plan, and the log of requests received. Everything here is computed from the scenario and
 //! the instant given, so a state can be driven without a server or a clock.
 
-use std::sync::Mutex;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -68,10 +69,29 @@ pub(super) struct State {
     incarnation_reset_done: bool,
     pub(super) last_served_incarnation: Option<u64>,
     pub(super) requests: Vec<RecordedRequest>,
+    /// When each event was approved, by EventId, shared by every VM this process serves: one
+    /// Azure event that lists several VMs is in each one's document under the same EventId,
+    /// and a StartRequest from any of them starts it for all, as Azure does. Locked only
+    /// while this VM's state is locked (never the other way round).
+    released: Released,
 }
+
+/// Approvals by EventId, shared by the VMs of one simulator process.
+pub(super) type Released = Arc<Mutex<HashMap<String, Instant>>>;
 
 impl State {
     pub(super) fn new(scenario: Scenario) -> State {
+        State::in_fleet(scenario, Instant::now(), Utc::now(), Released::default())
+    }
+
+    /// One VM of several served by one process: the same clock origin for all, so that an
+    /// event they share appears for each at the same instant, and approvals shared.
+    pub(super) fn in_fleet(
+        scenario: Scenario,
+        started: Instant,
+        started_wall: DateTime<Utc>,
+        released: Released,
+    ) -> State {
         let events = scenario
             .events
             .iter()
@@ -98,15 +118,28 @@ impl State {
             .collect();
         State {
             incarnation: scenario.start_incarnation,
-            started: Instant::now(),
-            started_wall: Utc::now(),
+            started,
+            started_wall,
             events,
             faults,
             first_get_done: false,
             incarnation_reset_done: false,
             last_served_incarnation: None,
             requests: Vec::new(),
+            released,
             scenario,
+        }
+    }
+
+    /// A StartRequest for `ids` at `now`: each that is Scheduled here is approved, here and
+    /// on every VM of this process whose document has it.
+    pub(super) fn approve(&mut self, ids: &[String], now: Instant) {
+        let mut released = lock(&self.released);
+        for event in self.events.iter_mut() {
+            if ids.contains(&event.spec.id) && event.phase == Phase::Scheduled {
+                let at = *event.approved_at.get_or_insert(now);
+                released.entry(event.spec.id.clone()).or_insert(at);
+            }
         }
     }
 
@@ -120,6 +153,17 @@ impl State {
 
     /// Applies everything due by `now`; one incarnation bump per call that changed anything.
     pub(super) fn advance(&mut self, now: Instant) {
+        {
+            // Approved through another VM that has the same event.
+            let released = lock(&self.released);
+            for event in self.events.iter_mut() {
+                if event.approved_at.is_none()
+                    && let Some(at) = released.get(&event.spec.id)
+                {
+                    event.approved_at = Some(*at);
+                }
+            }
+        }
         let scale = self.scenario.time_scale;
         let start = self.started;
         if let Some(reset) = self.scenario.incarnation_reset_after
@@ -283,8 +327,8 @@ impl State {
     }
 }
 
-pub(super) fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
-    state
+pub(super) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }

@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use super::Scenario;
 use super::server::start_requests;
-use super::state::State;
+use super::state::{Released, State};
+use super::{FleetError, Scenario, Simulator};
 
 fn scenario(text: &str) -> Scenario {
     Scenario::from_toml(text).unwrap()
@@ -118,5 +118,86 @@ fn start_requests_are_parsed_strictly() {
             "{}",
             String::from_utf8_lossy(bad)
         );
+    }
+}
+
+/// One Azure event in the documents of two VMs (a host-level Reboot listing both).
+fn shared_reboot(vm: &str, notice: &str) -> Scenario {
+    scenario(&format!(
+        "[vm]\nname = '{vm}'\n[[events]]\nid = 'H'\ntype = 'Reboot'\nresources = ['vm-a', 'vm-b']\nappear_after = '1s'\nnotice = '{notice}'\nstarted_for = '1m'\n"
+    ))
+}
+
+#[test]
+fn an_event_listing_several_vms_started_by_one_of_them_is_started_on_every_vm() {
+    let (t0, wall, released) = (
+        std::time::Instant::now(),
+        chrono::Utc::now(),
+        Released::default(),
+    );
+    let mut a = State::in_fleet(shared_reboot("vm-a", "15m"), t0, wall, released.clone());
+    let mut b = State::in_fleet(shared_reboot("vm-b", "15m"), t0, wall, released);
+    let status = |state: &State| state.document("2020-07-01")["Events"][0]["EventStatus"].clone();
+    let approved_at = t0 + Duration::from_secs(5);
+    a.advance(approved_at);
+    b.advance(approved_at);
+    assert_eq!(
+        (status(&a), status(&b)),
+        (json!("Scheduled"), json!("Scheduled"))
+    );
+    a.approve(&["H".to_owned()], approved_at);
+    b.advance(approved_at + Duration::from_millis(1));
+    assert_eq!(
+        status(&b),
+        "Started",
+        "one StartRequest releases every VM the event lists"
+    );
+    a.advance(approved_at + Duration::from_millis(1));
+    assert_eq!(status(&a), "Started");
+    // Both end together: started at the approval, not when each VM next looked.
+    a.advance(approved_at + Duration::from_secs(61));
+    b.advance(approved_at + Duration::from_secs(61));
+    assert_eq!(a.document("2020-07-01")["Events"], json!([]));
+    assert_eq!(b.document("2020-07-01")["Events"], json!([]));
+}
+
+#[test]
+fn vms_of_separate_simulators_do_not_share_approvals() {
+    let mut a = State::new(shared_reboot("vm-a", "15m"));
+    let mut b = State::new(shared_reboot("vm-b", "15m"));
+    let later = a.started.max(b.started) + Duration::from_secs(5);
+    a.advance(later);
+    a.approve(&["H".to_owned()], later);
+    b.advance(later + Duration::from_millis(1));
+    assert_eq!(
+        b.document("2020-07-01")["Events"][0]["EventStatus"],
+        "Scheduled"
+    );
+}
+
+#[tokio::test]
+async fn a_fleet_whose_shared_event_differs_between_vms_is_refused_with_both_names() {
+    let listen = "127.0.0.1:0".parse().unwrap();
+    let error = Simulator::start_fleet(
+        vec![shared_reboot("vm-a", "15m"), shared_reboot("vm-b", "10m")],
+        listen,
+    )
+    .await
+    .err()
+    .expect("refused");
+    assert!(
+        matches!(&error, FleetError::SharedEventDiffers { id, first, second } if id == "H" && first == "vm-a" && second == "vm-b"),
+        "{error}"
+    );
+    let fleet = Simulator::start_fleet(
+        vec![shared_reboot("vm-a", "15m"), shared_reboot("vm-b", "15m")],
+        listen,
+    )
+    .await
+    .unwrap();
+    assert_eq!(fleet.len(), 2);
+    assert_ne!(fleet[0].addr(), fleet[1].addr(), "each VM on its own port");
+    for simulator in fleet {
+        simulator.stop().await;
     }
 }

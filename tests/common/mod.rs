@@ -15,49 +15,83 @@ pub mod fleet;
 
 pub const BINARY: &str = env!("CARGO_BIN_EXE_sched-relay");
 
-/// A `sched-relay simulate` process on a free loopback port.
+/// A VM of a `sched-relay simulate` process, on a free loopback port. The VMs of one
+/// process (`start_fleet`) share it; it is killed when the last of them is dropped.
 pub struct SimProcess {
-    child: Child,
+    process: std::sync::Arc<KillOnDrop>,
     pub url: String,
+}
+
+/// A child process killed (and reaped) when dropped.
+struct KillOnDrop(std::sync::Mutex<Child>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let child = self.0.get_mut().unwrap_or_else(|p| p.into_inner());
+        let _ = child.kill();
+        let _ = child.wait();
+    }
 }
 
 impl SimProcess {
     pub fn start(scenario: &str, time_scale: f64) -> SimProcess {
-        let mut child = Command::new(BINARY)
-            .args([
-                "simulate",
-                "--listen",
-                "127.0.0.1:0",
-                "--scenario",
-                scenario,
-            ])
+        SimProcess::start_fleet(&[scenario], time_scale)
+            .pop()
+            .unwrap()
+    }
+
+    /// One process serving each scenario as a VM on its own port, in order; an EventId in
+    /// several scenarios is one event that lists several VMs.
+    pub fn start_fleet(scenarios: &[&str], time_scale: f64) -> Vec<SimProcess> {
+        let mut command = Command::new(BINARY);
+        command.args(["simulate", "--listen", "127.0.0.1:0"]);
+        for scenario in scenarios {
+            command.args(["--scenario", scenario]);
+        }
+        let mut child = command
             .args(["--time-scale", &time_scale.to_string()])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .expect("the sched-relay binary starts");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let Some(url) = line
-            .trim()
-            .rsplit(' ')
-            .next()
-            .filter(|url| url.starts_with("http://"))
-            .map(str::to_owned)
-        else {
-            let mut stderr = String::new();
-            let _ = std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr);
-            panic!("the simulator did not start: {line:?}\n{stderr}");
-        };
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut urls = Vec::with_capacity(scenarios.len());
+        while urls.len() < scenarios.len() {
+            let mut line = String::new();
+            stdout.read_line(&mut line).unwrap();
+            let Some(url) = line
+                .trim()
+                .rsplit(' ')
+                .next()
+                .filter(|url| url.starts_with("http://"))
+                .map(str::to_owned)
+            else {
+                let mut stderr = String::new();
+                let _ =
+                    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr);
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("the simulator did not start: {line:?}\n{stderr}");
+            };
+            urls.push(url);
+        }
         // Its logs are not needed once it listens; drop the pipe so it never fills up.
         drop(child.stderr.take());
-        SimProcess { child, url }
+        let process = std::sync::Arc::new(KillOnDrop(std::sync::Mutex::new(child)));
+        urls.into_iter()
+            .map(|url| SimProcess {
+                process: process.clone(),
+                url,
+            })
+            .collect()
     }
 
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.process
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .id()
     }
 
     pub fn get(&self, path: &str) -> Value {
@@ -89,13 +123,6 @@ impl SimProcess {
             );
             std::thread::sleep(Duration::from_millis(100));
         }
-    }
-}
-
-impl Drop for SimProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
