@@ -1,17 +1,26 @@
 //! The fleet coordinator on a simulated fleet: N agents (500 by default), each against its
-//! own simulated IMDS and on the shipped `[imds]` defaults, a private NATS JetStream server,
-//! and `sched-relay coordinate`, through a scripted maintenance wave with faults. Run by
-//! `scripts/fleet`, which writes the report to benches/fleet.md (included in BENCHMARKS.md).
+//! own simulated VM and on the shipped `[imds]` defaults, a private broker, and
+//! `sched-relay coordinate`, through a scripted maintenance wave with faults. Run by
+//! `scripts/fleet`, which writes the report to benches/fleet.md or benches/fleet-amqp.md
+//! (included in BENCHMARKS.md).
 //! Nothing is asserted: it measures and reports, from the simulators' own records.
 //!
 //! The wave (real seconds; Azure's 15-minute notice time-scaled to 180 s, Spot's 30 s to 6 s):
 //! every VM gets a Reboot or a Redeploy (drain, then approve) appearing over the first 60 s;
 //! every 10th VM a 5 s Freeze (approve); every 25th a Spot eviction (Preempt: drain, then
-//! approve); every 20th a Redeploy that Azure cancels after 15 s. Ten groups by name, each
-//! at most 10 % down. Faults: every 50th agent killed with SIGKILL and restarted, the NATS
-//! server restarted, the coordinator killed with SIGKILL and restarted.
+//! approve); every 20th a Redeploy that Azure cancels after 15 s; every 30th a host-level
+//! Reboot that lists it and the next two VMs (three groups; drain all three, then one
+//! approval releases them). Ten groups by name, each at most 10 % down. One simulator
+//! process serves every VM, each on its own port, so that a shared event is one event.
+//! Faults: every 50th agent killed with SIGKILL and restarted, the NATS server restarted,
+//! the coordinator killed with SIGKILL and restarted.
 //!
-//!   cargo bench --bench fleet -- [--vms N]
+//! The broker is a private NATS JetStream server (`--broker nats`, the default) or a private
+//! RabbitMQ node (`--broker amqp`: events to a topic exchange and the coordinator's durable
+//! queue, approvals to each agent's own queue); either is restarted half-way. Private, so
+//! that restarting it touches nothing else on the machine.
+//!
+//!   cargo bench --features nats,amqp --bench fleet -- [--vms N] [--broker nats|amqp]
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -21,6 +30,7 @@ use std::time::{Duration, Instant};
 
 use common::fleet::{Coordinator, posts};
 use common::{AgentProcess, SimProcess};
+use sched_relay_amqp::testing::PrivateRabbit;
 use sched_relay_core::approval::SigningKey;
 use sched_relay_nats::testing::PrivateNats;
 use sched_relay_transport::testing::free_port;
@@ -32,7 +42,9 @@ const SPOT_NOTICE: u64 = 6;
 const DOWN_FOR: Duration = Duration::from_secs(4);
 const SPREAD: f64 = 60.0;
 
-/// One scripted event: (EventId, type, appears after s, notice s, duration, cancel after s).
+/// One scripted event: (EventId, type, appears after s, notice s, duration, cancel after s,
+/// the VMs it lists when more than the one whose scenario has it).
+#[derive(Clone)]
 struct Planned {
     id: String,
     ty: &'static str,
@@ -40,12 +52,15 @@ struct Planned {
     notice: u64,
     duration: i64,
     cancel_after: Option<u64>,
+    resources: Vec<String>,
 }
 
+/// VM `n`'s own events.
 fn plan(n: usize, vms: usize) -> Vec<Planned> {
     let appear = SPREAD * n as f64 / vms as f64;
     let id = |kind: u8| format!("f1ee7000-0000-4000-8000-{kind:02}{n:010}");
     let mut events = vec![Planned {
+        resources: Vec::new(),
         id: id(1),
         ty: if n.is_multiple_of(2) {
             "Reboot"
@@ -65,6 +80,7 @@ fn plan(n: usize, vms: usize) -> Vec<Planned> {
             notice: NOTICE,
             duration: 5,
             cancel_after: None,
+            resources: Vec::new(),
         });
     }
     if n % 25 == 7 {
@@ -75,6 +91,7 @@ fn plan(n: usize, vms: usize) -> Vec<Planned> {
             notice: SPOT_NOTICE,
             duration: -1,
             cancel_after: None,
+            resources: Vec::new(),
         });
     }
     if n % 20 == 11 {
@@ -85,16 +102,42 @@ fn plan(n: usize, vms: usize) -> Vec<Planned> {
             notice: NOTICE,
             duration: -1,
             cancel_after: Some(15),
+            resources: Vec::new(),
         });
     }
     events
 }
 
+/// Host-level Reboots, each listing three consecutive VMs (so three groups), added to the
+/// plans of all three.
+fn plan_host_events(names: &[String], plans: &mut [Vec<Planned>]) {
+    let vms = names.len();
+    for n in (0..vms.saturating_sub(2)).filter(|n| n % 30 == 5) {
+        let event = Planned {
+            id: format!("f1ee7000-0000-4000-8000-05{n:010}"),
+            ty: "Reboot",
+            appear: SPREAD * n as f64 / vms as f64 + 1.5,
+            notice: NOTICE,
+            duration: -1,
+            cancel_after: None,
+            resources: names[n..n + 3].to_vec(),
+        };
+        for plan in &mut plans[n..n + 3] {
+            plan.push(event.clone());
+        }
+    }
+}
+
 fn scenario(vm: &str, events: &[Planned]) -> String {
     let mut text = format!("[vm]\nname = \"{vm}\"\n");
     for e in events {
+        let resources = if e.resources.is_empty() {
+            vec![vm.to_owned()]
+        } else {
+            e.resources.clone()
+        };
         text.push_str(&format!(
-            "\n[[events]]\nid = \"{}\"\ntype = \"{}\"\nresources = [\"{vm}\"]\nappear_after = \"{}ms\"\nnotice = \"{}s\"\nduration_in_seconds = {}\nstarted_for = \"{}s\"\n",
+            "\n[[events]]\nid = \"{}\"\ntype = \"{}\"\nresources = {resources:?}\nappear_after = \"{}ms\"\nnotice = \"{}s\"\nduration_in_seconds = {}\nstarted_for = \"{}s\"\n",
             e.id, e.ty, (e.appear * 1000.0) as u64, e.notice, e.duration, DOWN_FOR.as_secs()
         ));
         if let Some(after) = e.cancel_after {
@@ -148,6 +191,76 @@ fn quantile(metrics: &str, name: &str, q: f64) -> Option<f64> {
     })?
 }
 
+/// The private broker of the run.
+enum Bus {
+    Nats(PrivateNats),
+    Rabbit(PrivateRabbit),
+}
+
+impl Bus {
+    /// The agents' sink and approval source, the coordinator's `[input]` and `[approvals]`.
+    fn configs(&self) -> (String, String, String) {
+        match self {
+            Bus::Nats(nats) => {
+                let url = nats.url();
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap()
+                    .block_on(sched_relay_nats::testing::create_stream(
+                        &url, "FLEET", "fleet.>",
+                    ));
+                (
+                    format!(
+                        "[[sinks]]\nname = \"bus\"\nkind = \"nats\"\nurl = \"{url}\"\nsubject = \"fleet.{{vmname}}.{{transition}}\"\njetstream = true\n\n\
+                         [approvals.nats]\nsink = \"bus\"\nsubject = \"fleet.approvals.{{vmname}}\"\nstream = \"FLEET\"\n"
+                    ),
+                    format!(
+                        "kind = \"nats\"\nurl = \"{url}\"\nstream = \"FLEET\"\nsubject = \"fleet.>\""
+                    ),
+                    format!(
+                        "kind = \"nats\"\nurl = \"{url}\"\nsubject = \"fleet.approvals.{{vmname}}\"\njetstream = true"
+                    ),
+                )
+            }
+            Bus::Rabbit(rabbit) => {
+                let url = rabbit.url();
+                (
+                    format!(
+                        "[[sinks]]\nname = \"bus\"\nkind = \"amqp\"\nurl = \"{url}\"\nexchange = \"fleet\"\n\n\
+                         [approvals.amqp]\nsink = \"bus\"\nexchange = \"fleet.approvals\"\nqueue = \"fleet.approvals.{{vmname}}\"\n"
+                    ),
+                    format!(
+                        "kind = \"amqp\"\nurl = \"{url}\"\nexchange = \"fleet\"\nqueue = \"fleet.coordinator\""
+                    ),
+                    format!(
+                        "kind = \"amqp\"\nurl = \"{url}\"\nexchange = \"fleet.approvals\"\nrouting_key = \"approvals.{{vmname}}\""
+                    ),
+                )
+            }
+        }
+    }
+
+    /// Down for `outage`, then up again on the same data.
+    fn restart(&mut self, outage: Duration) {
+        match self {
+            Bus::Nats(nats) => {
+                nats.stop();
+                std::thread::sleep(outage);
+                nats.restart();
+            }
+            Bus::Rabbit(rabbit) => {
+                rabbit.stop();
+                std::thread::sleep(outage);
+                assert!(
+                    rabbit.restart(),
+                    "the private RabbitMQ node did not start again"
+                );
+            }
+        }
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let vms: usize = args
@@ -156,16 +269,22 @@ fn main() {
         .and_then(|i| args.get(i + 1))
         .and_then(|n| n.parse().ok())
         .unwrap_or(500);
+    let broker = args
+        .iter()
+        .position(|a| a == "--broker")
+        .and_then(|i| args.get(i + 1))
+        .map_or("nats", String::as_str);
     let dir = tempfile::tempdir().unwrap();
-    let mut nats = PrivateNats::start(&[]).expect("nats-server is installed (scripts/brokers)");
-    let nats_url = nats.url();
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(sched_relay_nats::testing::create_stream(
-        &nats_url, "FLEET", "fleet.>",
-    ));
+    let mut bus = match broker {
+        "nats" => {
+            Bus::Nats(PrivateNats::start(&[]).expect("nats-server is installed (scripts/brokers)"))
+        }
+        "amqp" => Bus::Rabbit(
+            PrivateRabbit::start().expect("rabbitmq-server is installed (scripts/brokers)"),
+        ),
+        other => panic!("--broker {other}: expected nats or amqp"),
+    };
+    let (agent_bus, input, output) = bus.configs();
     let key = SigningKey::generate_ed25519().unwrap();
     let key_file = dir.path().join("coordinator.key");
     std::fs::write(&key_file, &key).unwrap();
@@ -174,18 +293,24 @@ fn main() {
     eprintln!("starting {vms} simulators and agents");
     let started = Instant::now();
     let names: Vec<String> = (0..vms).map(|n| format!("g{}-{n}", n % GROUPS)).collect();
-    let plans: Vec<Vec<Planned>> = (0..vms).map(|n| plan(n, vms)).collect();
-    let mut sims = Vec::new();
+    let mut plans: Vec<Vec<Planned>> = (0..vms).map(|n| plan(n, vms)).collect();
+    plan_host_events(&names, &mut plans);
+    let paths: Vec<String> = names
+        .iter()
+        .zip(&plans)
+        .map(|(vm, plan)| {
+            let path = dir.path().join(format!("{vm}.toml"));
+            std::fs::write(&path, scenario(vm, plan)).unwrap();
+            path.to_str().unwrap().to_owned()
+        })
+        .collect();
+    let sims = SimProcess::start_fleet(&paths.iter().map(String::as_str).collect::<Vec<_>>(), 1.0);
     let mut agents = Vec::new();
-    for (n, vm) in names.iter().enumerate() {
-        let path = dir.path().join(format!("{vm}.toml"));
-        std::fs::write(&path, scenario(vm, &plans[n])).unwrap();
-        sims.push(SimProcess::start(path.to_str().unwrap(), 1.0));
+    for sim in &sims {
         agents.push(AgentProcess::start_on_defaults_with_env(
-            &sims[n].url,
+            &sim.url,
             &format!(
-                "[[sinks]]\nname = \"bus\"\nkind = \"nats\"\nurl = \"{nats_url}\"\nsubject = \"fleet.{{vmname}}.{{transition}}\"\njetstream = true\n\n\
-                 [approvals.nats]\nsink = \"bus\"\nsubject = \"fleet.approvals.{{vmname}}\"\nstream = \"FLEET\"\n\n\
+                "{agent_bus}\n\
                  [[approvals.keys]]\nid = \"coordinator\"\nalgorithm = \"ed25519\"\npublic_key = \"{public_key}\"\n"
             ),
             &[("SCHED_RELAY_LOG__LEVEL", "warn")],
@@ -214,8 +339,8 @@ fn main() {
         &config,
         format!(
             "[coordinator]\nstate_dir = \"{state}\"\nlisten = \"127.0.0.1:{port}\"\n\n\
-             [input]\nkind = \"nats\"\nurl = \"{nats_url}\"\nstream = \"FLEET\"\nsubject = \"fleet.>\"\n\n\
-             [approvals]\nkind = \"nats\"\nurl = \"{nats_url}\"\nsubject = \"fleet.approvals.{{vmname}}\"\njetstream = true\n\n\
+             [input]\n{input}\n\n\
+             [approvals]\n{output}\n\n\
              [signing]\nkey_file = \"{key}\"\nkey_id = \"coordinator\"\n\n\
              [drain]\ncommand = [\"sh\", \"{drain}\"]\nmargin = \"30s\"\n\n\
              [defaults]\nmax_down = 1\n[defaults.actions]\nReboot = \"drain_then_approve\"\nRedeploy = \"drain_then_approve\"\nPreempt = \"drain_then_approve\"\nFreeze = {{ action = \"approve\", max_duration = \"10s\" }}\n{groups}",
@@ -245,10 +370,8 @@ fn main() {
     }
     eprintln!("{} agents killed and restarted", killed.len());
     wait_until(at(40));
-    nats.stop();
-    std::thread::sleep(Duration::from_secs(2));
-    nats.restart();
-    eprintln!("NATS restarted");
+    bus.restart(Duration::from_secs(2));
+    eprintln!("{broker} restarted");
     wait_until(at(55));
     let coordinator_cpu_first = footprint(coordinator.pid().unwrap()).0 - coordinator_cpu_before;
     coordinator.kill9();
@@ -263,7 +386,8 @@ fn main() {
     let after: Vec<(u64, u64, u64)> = agents.iter().map(|a| footprint(a.pid())).collect();
     let (coordinator_cpu_end, coordinator_rss, coordinator_pss) =
         footprint(coordinator.pid().unwrap());
-    let sim_mem: Vec<(u64, u64, u64)> = sims.iter().map(|s| footprint(s.pid())).collect();
+    // One process serves every VM.
+    let (_, sim_rss, sim_pss) = footprint(sims[0].pid());
     let fleet = coordinator.fleet();
     let metrics = coordinator.metrics();
 
@@ -280,24 +404,36 @@ fn main() {
         mut left_to_azure,
         mut cancelled,
     ) = (0, 0, 0, 0, 0, 0);
+    let (mut shared, mut shared_released) = (0, 0);
     let mut lost = Vec::new();
+    // Every accepted POST of the fleet: an event listing several VMs is approved through one
+    // of them and releases all.
+    let accepted: Vec<(String, i64)> = sims
+        .iter()
+        .flat_map(posts)
+        .filter(|(_, _, status)| *status == 200)
+        .map(|(body, at, _)| (body, at))
+        .collect();
+    let mut counted = std::collections::HashSet::new();
     for (n, vm) in names.iter().enumerate() {
-        let sim_posts = posts(&sims[n]);
         let origin = sims[n].state()["started_unix_us"].as_i64().unwrap();
         for e in &plans[n] {
-            let for_it: Vec<_> = sim_posts
+            let for_it: Vec<i64> = accepted
                 .iter()
-                .filter(|(body, _, status)| body.contains(&e.id) && *status == 200)
+                .filter(|(body, _)| body.contains(&e.id))
+                .map(|(_, at)| *at)
                 .collect();
+            // Counted once per Azure event; each VM it lists is down.
+            let first = counted.insert(e.id.clone());
             let not_before = origin + ((e.appear + e.notice as f64) * 1e6) as i64;
             if e.cancel_after.is_some() && for_it.is_empty() {
-                cancelled += 1;
+                cancelled += usize::from(first);
             } else {
-                approvable += 1;
-                match for_it.first() {
+                approvable += usize::from(first);
+                match for_it.iter().min() {
                     None => {
                         // Azure starts it at NotBefore: down too, by Azure's decision.
-                        left_to_azure += 1;
+                        left_to_azure += usize::from(first);
                         downs.entry(n % GROUPS).or_default().push((
                             vm.clone(),
                             not_before,
@@ -305,10 +441,10 @@ fn main() {
                             false,
                         ));
                     }
-                    Some((_, at, _)) => {
-                        approved += 1;
-                        if *at > not_before {
-                            after_not_before += 1;
+                    Some(at) => {
+                        if first {
+                            approved += 1;
+                            after_not_before += usize::from(*at > not_before);
                         }
                         downs.entry(n % GROUPS).or_default().push((
                             vm.clone(),
@@ -319,8 +455,23 @@ fn main() {
                     }
                 }
             }
-            if for_it.len() > 1 {
-                duplicates += 1;
+            if first {
+                duplicates += usize::from(for_it.len() > 1);
+                if e.resources.len() > 1 {
+                    shared += 1;
+                    // Released on every VM it lists by that one POST: each one's
+                    // simulator has it started or over.
+                    let released = for_it.len() == 1
+                        && e.resources.iter().all(|listed| {
+                            let i = names.iter().position(|name| name == listed).unwrap();
+                            sims[i].state()["phases"]
+                                .as_array()
+                                .unwrap()
+                                .iter()
+                                .any(|p| p[0] == e.id.as_str() && p[1] == "gone")
+                        });
+                    shared_released += usize::from(released);
+                }
             }
             // Lost: the coordinator never heard of it from this VM, or not of its end.
             let known = fleet["events"]
@@ -368,7 +519,6 @@ fn main() {
     let agent_cpu_total: f64 = agent_cpu.iter().sum();
     let agent_rss: u64 = after.iter().map(|a| a.1).sum();
     let agent_pss: u64 = after.iter().map(|a| a.2).sum();
-    let sim_pss: u64 = sim_mem.iter().map(|s| s.2).sum();
     let coordinator_cpu =
         (coordinator_cpu_first + coordinator_cpu_end.saturating_sub(coordinator_cpu_second)) as f64
             / 1e6;
@@ -376,9 +526,14 @@ fn main() {
     let p99 = quantile(&metrics, "sched_relay_coordinator_decision_seconds", 0.99);
     let ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("<= {:.1} ms", v * 1000.0));
 
-    println!("## Fleet coordinator: a simulated fleet of {vms} VMs\n");
+    let broker_name = if broker == "amqp" {
+        "RabbitMQ"
+    } else {
+        "NATS JetStream"
+    };
+    println!("## Fleet coordinator: a simulated fleet of {vms} VMs, through {broker_name}\n");
     println!(
-        "`scripts/fleet` (`cargo bench --features nats --bench fleet -- --vms {vms}`), on {} CPU(s); the wave and its faults are described in `benches/fleet.rs`. Figures from the simulators' own records.\n",
+        "`scripts/fleet --vms {vms} --broker {broker}` (`cargo bench --features nats,amqp --bench fleet -- --vms {vms} --broker {broker}`), on {} CPU(s); the wave and its faults are described in `benches/fleet.rs`. Figures from the simulators' own records.\n",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     println!("| measure | result | goal |\n|---|---|---|");
@@ -386,6 +541,9 @@ fn main() {
         "| events scripted (approvable / cancelled by Azure first) | {approvable} / {cancelled} | |"
     );
     println!("| approved by the coordinator (one POST each) | {approved} | |");
+    println!(
+        "| host-level events listing 3 VMs (one per group) / released on all 3 by one POST | {shared} / {shared_released} | all |"
+    );
     println!("| left to NotBefore (never approved) | {left_to_azure} | |");
     println!(
         "| approvals that took a group over its budget ({limit} of {} VMs) / most VMs down at once per group, Azure's own starts included | {} / {most:?} | 0 |",
@@ -415,7 +573,8 @@ fn main() {
         agent_pss as f64 / 1024.0
     );
     println!(
-        "| simulators: PSS, total | {:.0} MiB | |",
+        "| simulator (one process serving every VM): RSS / PSS | {:.0} MiB / {:.0} MiB | |",
+        sim_rss as f64 / 1024.0,
         sim_pss as f64 / 1024.0
     );
     println!(
@@ -425,7 +584,7 @@ fn main() {
         coordinator_pss as f64 / 1024.0
     );
     println!(
-        "| faults | {} agents SIGKILLed and restarted; NATS restarted; coordinator SIGKILLed and restarted | |",
+        "| faults | {} agents SIGKILLed and restarted; the {broker_name} server restarted (down 2 s); coordinator SIGKILLed and restarted | |",
         killed.len()
     );
     for (g, vm, t, now_down) in &violations {

@@ -107,3 +107,110 @@ pub fn message_ids(messages: &[lapin::message::BasicGetMessage]) -> Vec<String> 
         })
         .collect()
 }
+
+/// A RabbitMQ node of its own (Debian's `rabbitmq-server`, run as this user, with its own
+/// Erlang node name, ports, data directory and cookie), for a benchmark or test that
+/// restarts the broker: the machine's RabbitMQ is shared and is never restarted.
+/// Stopped, and its data removed, when dropped.
+pub struct PrivateRabbit {
+    node: String,
+    port: u16,
+    dir: std::path::PathBuf,
+}
+
+impl PrivateRabbit {
+    /// Starts a node on a free port and waits until it serves; `None` (or a panic under CI)
+    /// when RabbitMQ is not installed.
+    pub fn start() -> Option<PrivateRabbit> {
+        let port = sched_relay_transport::testing::free_port();
+        let name = unique("srrabbit");
+        let dir = std::env::temp_dir().join(&name);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("rabbitmq.conf"),
+            format!("listeners.tcp.default = 127.0.0.1:{port}\nloopback_users = none\n"),
+        )
+        .unwrap();
+        std::fs::write(dir.join("enabled_plugins"), "[].\n").unwrap();
+        let rabbit = PrivateRabbit {
+            node: format!("{name}@localhost"),
+            port,
+            dir,
+        };
+        rabbit.restart().then_some(rabbit)
+    }
+
+    /// `rabbitmq-server` or `rabbitmqctl` with this node's environment. Debian's wrappers in
+    /// /usr/sbin switch to the `rabbitmq` user and drop the environment; the scripts behind
+    /// them do not.
+    fn command(&self, program: &str) -> std::process::Command {
+        let behind = std::path::Path::new("/usr/lib/rabbitmq/bin").join(program);
+        let mut command = std::process::Command::new(if behind.exists() {
+            behind.into_os_string()
+        } else {
+            program.into()
+        });
+        let distribution = self.port.checked_add(20000).unwrap_or(self.port - 20000);
+        command
+            .env("HOME", &self.dir)
+            .env("RABBITMQ_NODENAME", &self.node)
+            .env("RABBITMQ_NODE_PORT", self.port.to_string())
+            .env("RABBITMQ_DIST_PORT", distribution.to_string())
+            .env("RABBITMQ_MNESIA_BASE", self.dir.join("mnesia"))
+            .env("RABBITMQ_LOG_BASE", self.dir.join("log"))
+            .env("RABBITMQ_CONFIG_FILE", self.dir.join("rabbitmq"))
+            .env(
+                "RABBITMQ_ENABLED_PLUGINS_FILE",
+                self.dir.join("enabled_plugins"),
+            )
+            .env("RABBITMQ_PID_FILE", self.dir.join("pid"));
+        command
+    }
+
+    /// Starts the node (again, on the same data: durable queues and their messages survive).
+    pub fn restart(&self) -> bool {
+        let mut server = self.command("rabbitmq-server");
+        server.arg("-detached");
+        let Some(mut started) =
+            sched_relay_transport::testing::spawn_or_skip(&mut server, "rabbitmq-server")
+        else {
+            return false;
+        };
+        let _ = started.wait();
+        let ready = self
+            .command("rabbitmqctl")
+            .args(["-n", &self.node, "--timeout", "120", "await_startup"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|status| status.success());
+        assert!(
+            ready,
+            "the private RabbitMQ node {} did not start",
+            self.node
+        );
+        sched_relay_transport::testing::wait_for_port(self.port, "the private RabbitMQ node");
+        true
+    }
+
+    /// Stops the node and waits until it has.
+    pub fn stop(&self) {
+        let _ = self
+            .command("rabbitmqctl")
+            .args(["-n", &self.node, "stop"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status();
+    }
+
+    pub fn url(&self) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+    }
+}
+
+impl Drop for PrivateRabbit {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
