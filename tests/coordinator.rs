@@ -465,6 +465,20 @@ max_down_percent = 20
             .push((vm.to_owned(), *host_at));
     }
     let fleet = coordinator.fleet();
+    // Both VMs' agents reported the host-level Reboot to its end, under the same CloudEvents
+    // ids (their sources differ): neither report was lost as a copy of the other.
+    let reports = &fleet["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["event_id"] == host.as_str())
+        .unwrap_or_else(|| panic!("the coordinator does not know {host}: {fleet}"))["reports"];
+    for vm in host_vms {
+        assert_eq!(
+            reports[vm]["stage"], "completed",
+            "{vm}'s report of {host}: {reports}"
+        );
+    }
     let budgets: BTreeMap<String, usize> = fleet["groups"]
         .as_array()
         .unwrap()

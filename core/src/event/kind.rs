@@ -97,6 +97,17 @@ impl Event {
         }
     }
 
+    /// An id for the message that carries this event, unique across the fleet: its `source`
+    /// and `id`, joined by a space (which a URI-reference `source` cannot hold). A CloudEvents
+    /// id is unique only within its source: two VMs report the same Azure event (one that
+    /// lists both) and their document of the same incarnation under the same `id`. Where a
+    /// transport de-duplicates by message id across everything it carries (JetStream's
+    /// `Nats-Msg-Id`, a Standard Webhooks receiver's `webhook-id`), the `id` alone would drop
+    /// the second VM's event as a copy of the first's.
+    pub fn message_id(&self) -> String {
+        format!("{} {}", self.cloud.source(), self.cloud.id())
+    }
+
     /// The same event under another id (backlogs in benchmarks and tests); the kind stays.
     pub fn with_id(mut self, id: impl Into<String>) -> Event {
         cloudevents::event::AttributesWriter::set_id(&mut self.cloud, id.into());

@@ -1,7 +1,7 @@
 //! The NATS sink: publishes each CloudEvent on a subject built from a template, through core
 //! NATS (no acknowledgement: a message nobody is subscribed to is gone) or JetStream (the
-//! stream acknowledges each message; `Nats-Msg-Id` is the CloudEvents id, so a retried batch
-//! is de-duplicated by the stream). Headers follow the CloudEvents NATS binding (`ce-id`, ...).
+//! stream acknowledges each message; `Nats-Msg-Id` is the CloudEvents source and id, so a
+//! retried batch is de-duplicated by the stream and another VM's event is not). Headers follow the CloudEvents NATS binding (`ce-id`, ...).
 //!
 //! The configuration always compiles; the client needs the `client` feature.
 

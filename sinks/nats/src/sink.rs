@@ -42,7 +42,8 @@ impl NatsSink {
         if self.config.jetstream {
             // The stream drops a message whose id it has seen within its duplicate window,
             // so retrying a half-acknowledged batch does not duplicate the acknowledged part.
-            headers.insert("Nats-Msg-Id", cloudevents::AttributesReader::id(&**event));
+            // Source and id: the window spans every VM publishing to the stream.
+            headers.insert("Nats-Msg-Id", event.message_id());
         }
         headers
     }

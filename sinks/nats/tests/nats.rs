@@ -188,6 +188,42 @@ async fn jetstream_acknowledges_each_event_and_a_retried_batch_is_not_stored_twi
 }
 
 #[tokio::test]
+async fn jetstream_keeps_two_vms_reports_of_the_same_azure_event_and_incarnation() {
+    let url = shared_url();
+    if !broker_available("NATS", &address(&url), HOW) {
+        return;
+    }
+    let prefix = unique("srtest");
+    let mut stream = create_stream(&url, &prefix.to_uppercase(), &format!("{prefix}.>")).await;
+    let sink = NatsSink::new(config(
+        &url,
+        &format!("{prefix}.{{vmname}}.{{transition}}"),
+        true,
+        ContentMode::Binary,
+    ));
+    // The live migration lists WestNO_0 and WestNO_1: each VM's agent reports it, under the
+    // same CloudEvents ids (unique per source), within the stream's duplicate window.
+    let first = live_migration_events("WestNO_0");
+    let second = live_migration_events("WestNO_1");
+    assert_eq!(first[1].id(), second[1].id(), "the same ids, other sources");
+    sink.deliver(&first).await.unwrap();
+    sink.deliver(&second).await.unwrap();
+    sink.deliver(&second).await.unwrap(); // a retry of the second VM's batch
+    let info = stream.info().await.unwrap();
+    assert_eq!(
+        info.state.messages,
+        (first.len() + second.len()) as u64,
+        "every VM's events stored once, none dropped as another VM's copy"
+    );
+    stream.purge().await.unwrap();
+    let client = async_nats::connect(url.as_str()).await.unwrap();
+    async_nats::jetstream::new(client)
+        .delete_stream(prefix.to_uppercase())
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
 async fn jetstream_health_check_says_when_no_stream_captures_the_subject() {
     let url = shared_url();
     if !broker_available("NATS", &address(&url), HOW) {

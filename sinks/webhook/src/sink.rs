@@ -1,7 +1,6 @@
 //! The HTTP client side of the webhook sink.
 
 use async_trait::async_trait;
-use cloudevents::AttributesReader;
 use hmac::{Hmac, Mac};
 use reqwest::header::{
     AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER,
@@ -301,9 +300,10 @@ impl Sink for WebhookSink {
         if self.config.batch {
             // One answer for the whole batch: a refusal cannot say which event it is about.
             let body = binding::batch_json(batch)?;
-            // Also its `webhook-id`: the same for a retry of the same batch.
+            // Also its `webhook-id`: the same for a retry of the same batch, another for
+            // another VM's batch that starts with an event of the same id.
             let what = match batch.first() {
-                Some(first) => format!("batch:{}:{}", first.id(), batch.len()),
+                Some(first) => format!("batch:{}:{}", first.message_id(), batch.len()),
                 None => "batch:empty".to_owned(),
             };
             return Ok(self
@@ -314,7 +314,7 @@ impl Sink for WebhookSink {
             let post = async {
                 let encoded = binding::encode(event, self.config.content_mode(), binding::HTTP)?;
                 let headers = header_map(&encoded.headers, &encoded.content_type)?;
-                self.post(headers, encoded.body, event.id()).await
+                self.post(headers, encoded.body, &event.message_id()).await
             };
             post.await.map_err(|e| DeliveryError::at(index, e))?;
         }

@@ -429,16 +429,30 @@ async fn signed_requests_verify_with_the_standard_webhooks_library_and_tampering
     // No content_mode: signed requests are structured, so the signature covers every
     // attribute (type, source, time), not only data.
     let sink = WebhookSink::new(config);
-    let events = live_migration_events("vm");
-    sink.deliver(&events[..2]).await.unwrap();
+    // Two VMs report the same Azure event (it lists both) under the same CloudEvents ids.
+    let events: Vec<_> = live_migration_events("vm")
+        .into_iter()
+        .take(2)
+        .chain(live_migration_events("WestNO_1").into_iter().take(2))
+        .collect();
+    sink.deliver(&events).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let received = server.received();
-    assert_eq!(received.len(), 2);
+    assert_eq!(received.len(), 4);
+    let ids: std::collections::BTreeSet<_> = received
+        .iter()
+        .map(|(headers, _)| headers["webhook-id"].clone())
+        .collect();
+    assert_eq!(
+        ids.len(),
+        4,
+        "a receiver de-duplicating on webhook-id keeps every VM's events: {ids:?}"
+    );
     for ((headers, body), event) in received.iter().zip(&events) {
         assert_eq!(
             headers["webhook-id"],
-            event.id(),
-            "webhook-id is the CloudEvents id"
+            event.message_id(),
+            "webhook-id is the CloudEvents source and id"
         );
         assert!(
             headers["content-type"]
