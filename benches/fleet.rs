@@ -497,6 +497,22 @@ fn main() {
                 .map(|(vm, ..)| vm.clone())
                 .collect()
         };
+    // Says, for a violation, why each VM was down then, in seconds from the scenarios' start.
+    let origin = sims[0].state()["started_unix_us"].as_i64().unwrap();
+    let why_down = |g: usize, t: i64| -> Vec<String> {
+        downs[&g]
+            .iter()
+            .filter(|(_, from, until, _)| *from <= t && t < *until)
+            .map(|(vm, from, _, by_coordinator)| {
+                let by = if *by_coordinator {
+                    "approved"
+                } else {
+                    "Azure, at NotBefore"
+                };
+                format!("{vm} ({by}, +{:.1} s)", (from - origin) as f64 / 1e6)
+            })
+            .collect()
+    };
     let mut most = vec![0; GROUPS];
     let mut violations = Vec::new();
     for (g, intervals) in &downs {
@@ -589,8 +605,10 @@ fn main() {
     );
     for (g, vm, t, now_down) in &violations {
         println!(
-            "\nGroup g{g}: {vm} approved at {t} (Unix µs) with {} down: {now_down:?}",
-            now_down.len()
+            "\nGroup g{g}: {vm} approved at +{:.3} s with {} down: {}",
+            (t - origin) as f64 / 1e6,
+            now_down.len(),
+            why_down(*g, *t).join(", ")
         );
     }
     if !lost.is_empty() {

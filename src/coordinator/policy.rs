@@ -186,7 +186,11 @@ pub fn usage(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Vec<Usage> {
     }
     let counts = |m: &&Maintenance| {
         let since = m.not_before.unwrap_or(m.first_seen).max(m.last_report);
-        m.holds() && now - since <= policy.max_hold
+        // Too close to its NotBefore to approve, or past it: Azure starts it by itself,
+        // before its agent can report it Started. Down already, or any approval now could
+        // overlap it.
+        let starting = m.not_before.is_some_and(|at| at - now < policy.min_lead);
+        (m.holds() || starting) && now - since <= policy.max_hold
     };
     for m in fleet.events.values().filter(counts) {
         for vm in m.affected() {

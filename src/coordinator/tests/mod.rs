@@ -283,6 +283,41 @@ fn an_event_listing_several_vms_costs_each_and_is_approved_once_by_the_first_wit
 }
 
 #[test]
+fn an_event_azure_is_about_to_start_by_itself_counts_against_the_budget() {
+    let mut fleet = Fleet::default();
+    // S1 is too close to its NotBefore to approve (a Spot eviction whose turn never came):
+    // Azure starts it in a second, whatever the coordinator does. R1 has time.
+    for (vm, id, at) in [("web-1", "S1", 1), ("web-2", "R1", 900)] {
+        let d = document(1, &[(id, "Reboot", "Scheduled", &[vm], at, -1)]);
+        feed(&mut fleet, &published(vm, None, &d));
+    }
+    let policy = policy(vec![("web", "web-*", Budget::Count(1))], Budget::Count(1));
+    let decisions = decide(&fleet, &policy, t0());
+    assert!(decisions.steps.is_empty(), "{:?}", decisions.steps);
+    let waits: BTreeMap<String, Wait> = decisions.waits.into_iter().collect();
+    assert_eq!(waits["S1"], Wait::TooLate);
+    assert_eq!(
+        waits["R1"],
+        Wait::Budget {
+            group: "web".into(),
+            down: 1,
+            limit: 1
+        },
+        "web-1 goes down at S1's NotBefore: approving R1 now would make two"
+    );
+    // Past its NotBefore, before web-1's agent has reported it Started: still down.
+    let later = t0() + chrono::Duration::seconds(3);
+    assert_eq!(usage(&fleet, &policy, later)[0].down.len(), 1);
+    // Once web-1 reports it over, R1 may go.
+    let d1 = document(1, &[("S1", "Reboot", "Scheduled", &["web-1"], 1, -1)]);
+    feed(
+        &mut fleet,
+        &published("web-1", Some(&d1), &document(2, &[])),
+    );
+    assert_eq!(decide(&fleet, &policy, later).steps.len(), 1);
+}
+
+#[test]
 fn never_too_long_too_late_and_agentless_events_are_left_to_azure() {
     let mut fleet = Fleet::default();
     let d = document(
