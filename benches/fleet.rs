@@ -390,6 +390,29 @@ fn main() {
     let (_, sim_rss, sim_pss) = footprint(sims[0].pid());
     let fleet = coordinator.fleet();
     let metrics = coordinator.metrics();
+    // For a post-mortem: what the coordinator knew at the end, its log, and every VM's POSTs.
+    let kept = std::path::Path::new("target").join(format!("fleet-{broker}"));
+    std::fs::create_dir_all(&kept).unwrap();
+    std::fs::write(kept.join("fleet.json"), fleet.to_string()).unwrap();
+    std::fs::write(kept.join("coordinator.log"), coordinator.log()).unwrap();
+    let all_posts: Vec<serde_json::Value> = names
+        .iter()
+        .zip(&sims)
+        .flat_map(|(vm, sim)| {
+            posts(sim).into_iter().map(move |(body, at, status)| {
+                serde_json::json!({"vm": vm, "body": body, "unix_us": at, "status": status})
+            })
+        })
+        .collect();
+    std::fs::write(
+        kept.join("posts.json"),
+        serde_json::Value::from(all_posts).to_string(),
+    )
+    .unwrap();
+    eprintln!(
+        "the coordinator's state, log and every POST: {}",
+        kept.display()
+    );
 
     // What the simulators say.
     let limit = (vms / GROUPS * PERCENT).div_ceil(100);

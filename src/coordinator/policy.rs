@@ -173,12 +173,18 @@ pub struct Usage {
     pub size: usize,
     pub limit: usize,
     pub down: BTreeSet<String>,
+    /// Of `down`, the VMs down only because Azure is about to start an event of theirs
+    /// (NotBefore closer than `min_lead`): approving another event of theirs now takes them
+    /// down sooner, so it costs a place like any other VM.
+    #[serde(skip)]
+    pub starting: BTreeSet<String>,
 }
 
 /// Every group's VMs with an agent, and the VMs down at `now` (with or without an agent).
 pub fn usage(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Vec<Usage> {
     let mut members: Vec<BTreeSet<&str>> = vec![BTreeSet::new(); policy.groups.len()];
     let mut down: Vec<BTreeSet<String>> = vec![BTreeSet::new(); policy.groups.len()];
+    let mut held: Vec<BTreeSet<String>> = vec![BTreeSet::new(); policy.groups.len()];
     // Only agents make a group's size: names in a message's Resources cost nothing to
     // invent, and would widen a percentage.
     for vm in fleet.vms.keys() {
@@ -195,7 +201,11 @@ pub fn usage(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Vec<Usage> {
     for m in fleet.events.values().filter(counts) {
         for vm in m.affected() {
             if !m.over_for(&vm) {
-                down[policy.group_of(fleet, &vm)].insert(vm);
+                let g = policy.group_of(fleet, &vm);
+                if m.holds() {
+                    held[g].insert(vm.clone());
+                }
+                down[g].insert(vm);
             }
         }
     }
@@ -203,11 +213,12 @@ pub fn usage(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Vec<Usage> {
         .groups
         .iter()
         .zip(members)
-        .zip(down)
-        .map(|((group, members), down)| Usage {
+        .zip(down.into_iter().zip(held))
+        .map(|((group, members), (down, held))| Usage {
             group: group.name.clone(),
             size: members.len(),
             limit: limit(group.budget, members.len()),
+            starting: down.difference(&held).cloned().collect(),
             down,
         })
         .collect()
@@ -376,7 +387,10 @@ fn one(
     // Budget: each VM not down yet adds one to its group.
     let mut adds: BTreeMap<usize, Vec<&String>> = BTreeMap::new();
     for (vm, &g) in affected.iter().zip(&groups) {
-        if !usage[g].down.contains(vm) && !adds.get(&g).is_some_and(|v| v.contains(&vm)) {
+        // A VM down only because Azure starts an event of its in a moment costs a place
+        // again (counted twice: conservative by one, for a second at most).
+        let down_now = usage[g].down.contains(vm) && !usage[g].starting.contains(vm);
+        if !down_now && !adds.get(&g).is_some_and(|v| v.contains(&vm)) {
             adds.entry(g).or_default().push(vm);
         }
     }
@@ -391,7 +405,10 @@ fn one(
         }
     }
     for (g, vms) in adds {
-        usage[g].down.extend(vms.into_iter().cloned());
+        for vm in vms {
+            usage[g].starting.remove(vm);
+            usage[g].down.insert(vm.clone());
+        }
     }
     Ok(action)
 }

@@ -115,6 +115,7 @@ pub fn message_ids(messages: &[lapin::message::BasicGetMessage]) -> Vec<String> 
 pub struct PrivateRabbit {
     node: String,
     port: u16,
+    distribution: u16,
     dir: std::path::PathBuf,
 }
 
@@ -123,6 +124,10 @@ impl PrivateRabbit {
     /// when RabbitMQ is not installed.
     pub fn start() -> Option<PrivateRabbit> {
         let port = sched_relay_transport::testing::free_port();
+        // The node's distribution port; its CLI tools take the one 10000 above it.
+        let distribution = std::iter::repeat_with(sched_relay_transport::testing::free_port)
+            .find(|p| *p < 55000)
+            .expect("a free port");
         let name = unique("srrabbit");
         let dir = std::env::temp_dir().join(&name);
         std::fs::create_dir_all(&dir).unwrap();
@@ -135,6 +140,7 @@ impl PrivateRabbit {
         let rabbit = PrivateRabbit {
             node: format!("{name}@localhost"),
             port,
+            distribution,
             dir,
         };
         rabbit.restart().then_some(rabbit)
@@ -150,12 +156,11 @@ impl PrivateRabbit {
         } else {
             program.into()
         });
-        let distribution = self.port.checked_add(20000).unwrap_or(self.port - 20000);
         command
             .env("HOME", &self.dir)
             .env("RABBITMQ_NODENAME", &self.node)
             .env("RABBITMQ_NODE_PORT", self.port.to_string())
-            .env("RABBITMQ_DIST_PORT", distribution.to_string())
+            .env("RABBITMQ_DIST_PORT", self.distribution.to_string())
             .env("RABBITMQ_MNESIA_BASE", self.dir.join("mnesia"))
             .env("RABBITMQ_LOG_BASE", self.dir.join("log"))
             .env("RABBITMQ_CONFIG_FILE", self.dir.join("rabbitmq"))
@@ -177,13 +182,22 @@ impl PrivateRabbit {
             return false;
         };
         let _ = started.wait();
-        let ready = self
-            .command("rabbitmqctl")
-            .args(["-n", &self.node, "--timeout", "120", "await_startup"])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .status()
-            .is_ok_and(|status| status.success());
+        // `await_startup` waits for a node that is booting, but fails at once for one not
+        // registered yet, which `-detached` returns before: ask again until it answers.
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        let ready = loop {
+            let ready = self
+                .command("rabbitmqctl")
+                .args(["-n", &self.node, "--timeout", "120", "await_startup"])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .status()
+                .is_ok_and(|status| status.success());
+            if ready || std::time::Instant::now() > deadline {
+                break ready;
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        };
         assert!(
             ready,
             "the private RabbitMQ node {} did not start",
@@ -193,14 +207,22 @@ impl PrivateRabbit {
         true
     }
 
-    /// Stops the node and waits until it has.
+    /// Stops the node and waits until it has; kills it if its CLI cannot reach it.
     pub fn stop(&self) {
-        let _ = self
+        let stopped = self
             .command("rabbitmqctl")
             .args(["-n", &self.node, "stop"])
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
-            .status();
+            .status()
+            .is_ok_and(|status| status.success());
+        if !stopped {
+            // Its Erlang VM is the only process whose command line names this node.
+            let name = self.node.split('@').next().unwrap_or(&self.node);
+            let _ = std::process::Command::new("pkill")
+                .args(["-KILL", "-f", name])
+                .status();
+        }
     }
 
     pub fn url(&self) -> String {

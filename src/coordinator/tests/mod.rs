@@ -318,6 +318,34 @@ fn an_event_azure_is_about_to_start_by_itself_counts_against_the_budget() {
 }
 
 #[test]
+fn another_event_of_a_vm_azure_is_about_to_take_down_still_waits_for_the_budget() {
+    let mut fleet = Fleet::default();
+    // web-2 is down (approved); web-1's S1 starts by itself in a second, and web-1 also has
+    // R2 with time to spare. Approving R2 now takes web-1 down before Azure would: two
+    // down where one may be.
+    let d2 = document(1, &[("R9", "Reboot", "Scheduled", &["web-2"], 900, -1)]);
+    feed(&mut fleet, &published("web-2", None, &d2));
+    let policy = policy(vec![("web", "web-*", Budget::Count(1))], Budget::Count(1));
+    let first = decide(&fleet, &policy, t0());
+    approve(&mut fleet, &first.steps);
+    let d1 = document(
+        1,
+        &[
+            ("S1", "Reboot", "Scheduled", &["web-1"], 1, -1),
+            ("R2", "Reboot", "Scheduled", &["web-1"], 900, -1),
+        ],
+    );
+    feed(&mut fleet, &published("web-1", None, &d1));
+    let decisions = decide(&fleet, &policy, t0());
+    assert!(decisions.steps.is_empty(), "{:?}", decisions.steps);
+    let waits: BTreeMap<String, Wait> = decisions.waits.into_iter().collect();
+    assert!(
+        matches!(&waits["R2"], Wait::Budget { group, .. } if group == "web"),
+        "{waits:?}"
+    );
+}
+
+#[test]
 fn never_too_long_too_late_and_agentless_events_are_left_to_azure() {
     let mut fleet = Fleet::default();
     let d = document(
