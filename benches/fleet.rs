@@ -483,15 +483,17 @@ fn main() {
                 if e.resources.len() > 1 {
                     shared += 1;
                     // Released on every VM it lists by that one POST: each one's
-                    // simulator has it started or over.
+                    // simulator started it then (within half a second), not at NotBefore.
                     let released = for_it.len() == 1
                         && e.resources.iter().all(|listed| {
                             let i = names.iter().position(|name| name == listed).unwrap();
-                            sims[i].state()["phases"]
+                            sims[i].state()["started"]
                                 .as_array()
                                 .unwrap()
                                 .iter()
-                                .any(|p| p[0] == e.id.as_str() && p[1] == "gone")
+                                .find(|p| p[0] == e.id.as_str())
+                                .and_then(|p| p[1].as_i64())
+                                .is_some_and(|at| (at - for_it[0]).abs() < 500_000)
                         });
                     shared_released += usize::from(released);
                 }

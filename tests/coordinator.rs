@@ -69,22 +69,38 @@ enum Broker {
 #[test]
 fn a_wave_of_reboots_is_drained_and_approved_within_each_groups_budget_across_a_coordinator_kill() {
     if broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
-        wave(Broker::Nats, 10, false);
+        wave(Broker::Nats, 10, None);
     }
 }
 
 #[test]
 fn the_same_wave_through_rabbitmq_queues_keeps_the_budgets() {
     if broker_available("RabbitMQ", RABBITMQ, "rabbitmq-server -detached") {
-        wave(Broker::Rabbit, 4, false);
+        wave(Broker::Rabbit, 4, None);
     }
 }
 
 #[test]
 fn a_standby_takes_over_within_a_lease_when_the_active_coordinator_stalls_and_the_old_one_stops() {
     if broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
-        wave(Broker::Nats, 5, true);
+        wave(Broker::Nats, 5, Some(Failover::Stall));
     }
+}
+
+#[test]
+fn a_standby_takes_over_within_a_lease_when_the_active_coordinator_is_killed_with_sigkill() {
+    if broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
+        wave(Broker::Nats, 5, Some(Failover::Kill));
+    }
+}
+
+/// How the active coordinator fails when a standby waits.
+#[derive(Clone, Copy)]
+enum Failover {
+    /// SIGSTOP, then SIGCONT once the standby is active: the old one must not act again.
+    Stall,
+    /// SIGKILL.
+    Kill,
 }
 
 /// Waits until the coordinator's /healthz says `role`.
@@ -115,9 +131,10 @@ fn wait_for_role(coordinator: &Coordinator, role: &str) {
 /// `per_group` VMs named web-N (at most 2 down) and as many db-N (at most 20 %). Every VM
 /// gets a Reboot (drain, then approve); web-0 a 5 s Freeze too (approve); the last db VM a
 /// Terminate (never). The coordinator is killed with SIGKILL after a third of the
-/// approvals and started again on the same state, or, with `standby`, a second instance
+/// approvals and started again on the same state, or, with a `failover`, a second instance
 /// sharing the state in NATS KV takes over.
-fn wave(broker: Broker, per_group: usize, standby: bool) {
+fn wave(broker: Broker, per_group: usize, failover: Option<Failover>) {
+    let standby = failover.is_some();
     let dir = tempfile::tempdir().unwrap();
     let prefix = unique("coord");
     let (agent_config, input, output) = match broker {
@@ -314,6 +331,18 @@ max_down_percent = 20
         // The active one stalls (SIGSTOP): the standby takes over within a lease period
         // (and its renewal rhythm). Woken again, the old one must not act: its lease is
         // stale, and its next renewal fails, so it exits.
+        Some(standby) if matches!(failover, Some(Failover::Kill)) => {
+            coordinator.kill9();
+            let killed = Instant::now();
+            wait_for_role(&standby, "active");
+            let took = killed.elapsed();
+            eprintln!("the standby took over {took:?} after the active one was killed");
+            assert!(
+                took < LEASE + LEASE / 3 + Duration::from_secs(2),
+                "took over after {took:?}"
+            );
+            coordinator = standby;
+        }
         Some(standby) => {
             coordinator.signal("STOP");
             let stopped = Instant::now();
@@ -450,29 +479,51 @@ max_down_percent = 20
             drained_at < *host_at,
             "{vm}: released before it was drained"
         );
+        // Started on this VM by that POST, not by Azure at NotBefore two minutes later.
         let state = sims[vm].state();
+        let not_before_us = state["started_unix_us"].as_i64().unwrap()
+            + (Duration::from_secs(1) + NOTICE).as_micros() as i64;
+        assert!(*host_at < not_before_us, "{vm}: approved after NotBefore");
+        let started_us = state["started"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p[0] == host.as_str())
+            .and_then(|p| p[1].as_i64())
+            .unwrap_or_else(|| panic!("{vm}: {host} never started: {state}"));
         assert!(
-            state["phases"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .any(|p| p[0] == host.as_str() && p[1] != "scheduled"),
-            "{vm}: the approval through {approver} did not start it: {state}"
+            (started_us - host_at).abs() < 500_000,
+            "{vm}: the approval through {approver} at {host_at} did not start it (started at {started_us}): {state}"
         );
         groups
             .entry(if vm.starts_with("web") { "web" } else { "db" })
             .or_default()
             .push((vm.to_owned(), *host_at));
     }
-    let fleet = coordinator.fleet();
     // Both VMs' agents reported the host-level Reboot to its end, under the same CloudEvents
-    // ids (their sources differ): neither report was lost as a copy of the other.
-    let reports = &fleet["events"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|m| m["event_id"] == host.as_str())
-        .unwrap_or_else(|| panic!("the coordinator does not know {host}: {fleet}"))["reports"];
+    // ids (their sources differ): neither report was lost as a copy of the other. Their
+    // last polls and publications may still be on the way: up to 20 s.
+    let host_reports = |fleet: &serde_json::Value| {
+        fleet["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["event_id"] == host.as_str())
+            .map(|m| m["reports"].clone())
+            .unwrap_or_default()
+    };
+    let both_completed = |reports: &serde_json::Value| {
+        host_vms
+            .iter()
+            .all(|vm| reports[vm]["stage"] == "completed")
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut fleet = coordinator.fleet();
+    while !both_completed(&host_reports(&fleet)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(250));
+        fleet = coordinator.fleet();
+    }
+    let reports = host_reports(&fleet);
     for vm in host_vms {
         assert_eq!(
             reports[vm]["stage"], "completed",

@@ -54,6 +54,9 @@ pub struct Snapshot {
     /// When the scenario's clock started, as Unix microseconds: offsets count from here.
     #[serde(default)]
     pub started_unix_us: i64,
+    /// When each event that has started did (approved, or at NotBefore), Unix microseconds.
+    #[serde(default)]
+    pub started: Vec<(String, i64)>,
 }
 
 impl Simulator {
@@ -143,7 +146,7 @@ impl Simulator {
 #[derive(Debug, thiserror::Error)]
 pub enum FleetError {
     #[error(
-        "event {id} is in the scenarios of {first} and {second}, differently: an event that lists several VMs must be the same in each of their scenarios (type, times, resources, updates)"
+        "event {id} is in the scenarios of {first} and {second}, differently: an event that lists several VMs must be the same in each of their scenarios (type, times, resources, updates, time_scale)"
     )]
     SharedEventDiffers {
         id: String,
@@ -158,12 +161,15 @@ pub enum FleetError {
 
 /// Every event found in several scenarios is the same in each.
 fn check_shared_events(scenarios: &[Scenario]) -> Result<(), FleetError> {
-    let mut seen: std::collections::HashMap<&str, (&SimEvent, &str)> = Default::default();
+    let mut seen: std::collections::HashMap<&str, (&SimEvent, &str, f64)> = Default::default();
     for scenario in scenarios {
         for event in &scenario.events {
             let vm = scenario.vm.name.as_str();
             match seen.get(event.id.as_str()) {
-                Some((first, first_vm)) if *first != event => {
+                // The same offsets at another time scale are other instants.
+                Some((first, first_vm, scale))
+                    if *first != event || *scale != scenario.time_scale =>
+                {
                     return Err(FleetError::SharedEventDiffers {
                         id: event.id.clone(),
                         first: (*first_vm).to_owned(),
@@ -172,7 +178,7 @@ fn check_shared_events(scenarios: &[Scenario]) -> Result<(), FleetError> {
                 }
                 Some(_) => {}
                 None => {
-                    seen.insert(&event.id, (event, vm));
+                    seen.insert(&event.id, (event, vm, scenario.time_scale));
                 }
             }
         }
@@ -194,5 +200,13 @@ fn snapshot(state: &State) -> Snapshot {
         phases,
         finished,
         started_unix_us: state.started_wall.timestamp_micros(),
+        started: state
+            .events
+            .iter()
+            .filter_map(|e| {
+                let at = e.started_at?;
+                Some((e.spec.id.clone(), state.wall(at).timestamp_micros()))
+            })
+            .collect(),
     }
 }

@@ -46,7 +46,7 @@ pub(super) struct EventState {
     appeared_at: Option<Instant>,
     not_before: Option<Instant>,
     pub(super) approved_at: Option<Instant>,
-    started_at: Option<Instant>,
+    pub(super) started_at: Option<Instant>,
     updates_applied: usize,
     resources: Vec<String>,
     duration_in_seconds: i64,
@@ -147,7 +147,7 @@ impl State {
         offset.mul_f64(self.scenario.time_scale)
     }
 
-    fn wall(&self, instant: Instant) -> DateTime<Utc> {
+    pub(super) fn wall(&self, instant: Instant) -> DateTime<Utc> {
         self.started_wall + chrono::Duration::from_std(instant - self.started).unwrap_or_default()
     }
 

@@ -146,7 +146,13 @@ fn an_event_listing_several_vms_started_by_one_of_them_is_started_on_every_vm() 
         (json!("Scheduled"), json!("Scheduled"))
     );
     a.approve(&["H".to_owned()], approved_at);
+    let before = b.incarnation;
     b.advance(approved_at + Duration::from_millis(1));
+    assert_eq!(
+        b.incarnation,
+        before + 1,
+        "a new document on the other VM too"
+    );
     assert_eq!(
         status(&b),
         "Started",
@@ -187,6 +193,17 @@ async fn a_fleet_whose_shared_event_differs_between_vms_is_refused_with_both_nam
     .expect("refused");
     assert!(
         matches!(&error, FleetError::SharedEventDiffers { id, first, second } if id == "H" && first == "vm-a" && second == "vm-b"),
+        "{error}"
+    );
+    // The same offsets at another time scale are other instants.
+    let mut faster = shared_reboot("vm-b", "15m");
+    faster.time_scale = 0.5;
+    let error = Simulator::start_fleet(vec![shared_reboot("vm-a", "15m"), faster], listen)
+        .await
+        .err()
+        .expect("refused");
+    assert!(
+        matches!(&error, FleetError::SharedEventDiffers { id, .. } if id == "H"),
         "{error}"
     );
     let fleet = Simulator::start_fleet(

@@ -168,7 +168,13 @@ impl PrivateRabbit {
                 "RABBITMQ_ENABLED_PLUGINS_FILE",
                 self.dir.join("enabled_plugins"),
             )
-            .env("RABBITMQ_PID_FILE", self.dir.join("pid"));
+            .env("RABBITMQ_PID_FILE", self.dir.join("pid"))
+            // Nothing of the machine's own node: its environment file and advanced config.
+            .env("RABBITMQ_CONF_ENV_FILE", self.dir.join("rabbitmq-env.conf"))
+            .env(
+                "RABBITMQ_ADVANCED_CONFIG_FILE",
+                self.dir.join("advanced.config"),
+            );
         command
     }
 
@@ -209,9 +215,12 @@ impl PrivateRabbit {
 
     /// Stops the node and waits until it has; kills it if its CLI cannot reach it.
     pub fn stop(&self) {
+        // With the pid file, `stop` returns once the Erlang VM has exited.
+        let pid_file = self.dir.join("pid");
         let stopped = self
             .command("rabbitmqctl")
             .args(["-n", &self.node, "stop"])
+            .arg(&pid_file)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .status()
