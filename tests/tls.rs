@@ -325,8 +325,15 @@ fn sinks_connect_with_the_right_trust_and_refuse_the_wrong_one(
                 // librdkafka (OpenSSL) reports some handshake failures (and a client
                 // certificate refused under TLS 1.3, which shows only after the handshake) as
                 // transport failures quoting OpenSSL's "SSL routines": retried all the same.
+                // Under TLS 1.3 the client's handshake is over before the server checks its
+                // certificate: the server's alert, or its reset when the reset wins the race
+                // (RabbitMQ, in one of three CI runs on 2026-11-25), is what it reads next.
+                let refused_after_handshake =
+                    sink.ends_with("-stranger-cert") && reason.contains("Connection reset by peer");
                 assert!(
-                    reason.contains("TLS failed") || reason.contains("SSL routines"),
+                    reason.contains("TLS failed")
+                        || reason.contains("SSL routines")
+                        || refused_after_handshake,
                     "{sink}: the reason must say that TLS failed: {reason}"
                 );
                 assert!(
