@@ -103,6 +103,18 @@ enum Failover {
     Kill,
 }
 
+/// When the drain script logged draining `vm` for `event_id` (Unix microseconds).
+fn drained_at(log: &str, vm: &str, event_id: &str) -> i64 {
+    log.lines()
+        .find(|line| line.starts_with(&format!("{vm} ")) && line.contains(event_id))
+        .unwrap_or_else(|| panic!("{vm} was never drained for {event_id}:\n{log}"))
+        .rsplit(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
 /// Waits until the coordinator's /healthz says `role`.
 fn wait_for_role(coordinator: &Coordinator, role: &str) {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -424,15 +436,7 @@ max_down_percent = 20
         );
         // Drained before its Reboot was approved.
         let reboot = event_id(index, 1);
-        let drain_at: i64 = drained
-            .lines()
-            .find(|line| line.starts_with(&format!("{vm} ")) && line.contains(&reboot))
-            .unwrap_or_else(|| panic!("{vm} was never drained:\n{drained}"))
-            .rsplit(' ')
-            .next()
-            .unwrap()
-            .parse()
-            .unwrap();
+        let drain_at = drained_at(&drained, vm, &reboot);
         let reboot_post = posts
             .iter()
             .find(|(body, _, _)| body.contains(&reboot))
@@ -466,17 +470,8 @@ max_down_percent = 20
         "{host_posts:?}"
     );
     for vm in host_vms {
-        let drained_at: i64 = drained
-            .lines()
-            .find(|line| line.starts_with(&format!("{vm} ")) && line.contains(&host))
-            .unwrap_or_else(|| panic!("{vm} was not drained for {host}:\n{drained}"))
-            .rsplit(' ')
-            .next()
-            .unwrap()
-            .parse()
-            .unwrap();
         assert!(
-            drained_at < *host_at,
+            drained_at(&drained, vm, &host) < *host_at,
             "{vm}: released before it was drained"
         );
         // Started on this VM by that POST, not by Azure at NotBefore two minutes later.

@@ -153,20 +153,39 @@ async fn structured_mode_carries_the_whole_event_as_json() {
     assert_eq!(received, events);
 }
 
+/// A stream of its own capturing `<prefix>.>`, and a JetStream sink publishing under it.
+async fn jetstream_sink(url: &str) -> (String, async_nats::jetstream::stream::Stream, NatsSink) {
+    let prefix = unique("srtest");
+    let stream = create_stream(url, &prefix.to_uppercase(), &format!("{prefix}.>")).await;
+    let sink = NatsSink::new(config(
+        url,
+        &format!("{prefix}.{{vmname}}.{{transition}}"),
+        true,
+        ContentMode::Binary,
+    ));
+    (prefix, stream, sink)
+}
+
+async fn remove_stream(
+    url: &str,
+    prefix: &str,
+    stream: &mut async_nats::jetstream::stream::Stream,
+) {
+    stream.purge().await.unwrap();
+    let client = async_nats::connect(url).await.unwrap();
+    async_nats::jetstream::new(client)
+        .delete_stream(prefix.to_uppercase())
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
 async fn jetstream_acknowledges_each_event_and_a_retried_batch_is_not_stored_twice() {
     let url = shared_url();
     if !broker_available("NATS", &address(&url), HOW) {
         return;
     }
-    let prefix = unique("srtest");
-    let mut stream = create_stream(&url, &prefix.to_uppercase(), &format!("{prefix}.>")).await;
-    let sink = NatsSink::new(config(
-        &url,
-        &format!("{prefix}.{{vmname}}.{{transition}}"),
-        true,
-        ContentMode::Binary,
-    ));
+    let (prefix, mut stream, sink) = jetstream_sink(&url).await;
     sink.health_check().await.unwrap();
     let events = live_migration_events("WestNO_0");
     sink.deliver(&events).await.unwrap();
@@ -179,12 +198,7 @@ async fn jetstream_acknowledges_each_event_and_a_retried_batch_is_not_stored_twi
     );
     let expected: Vec<String> = events.iter().map(|e| e.id().to_owned()).collect();
     assert_eq!(stored_ids(&stream, events.len() as u64).await, expected);
-    stream.purge().await.unwrap();
-    let client = async_nats::connect(url.as_str()).await.unwrap();
-    async_nats::jetstream::new(client)
-        .delete_stream(prefix.to_uppercase())
-        .await
-        .unwrap();
+    remove_stream(&url, &prefix, &mut stream).await;
 }
 
 #[tokio::test]
@@ -193,14 +207,7 @@ async fn jetstream_keeps_two_vms_reports_of_the_same_azure_event_and_incarnation
     if !broker_available("NATS", &address(&url), HOW) {
         return;
     }
-    let prefix = unique("srtest");
-    let mut stream = create_stream(&url, &prefix.to_uppercase(), &format!("{prefix}.>")).await;
-    let sink = NatsSink::new(config(
-        &url,
-        &format!("{prefix}.{{vmname}}.{{transition}}"),
-        true,
-        ContentMode::Binary,
-    ));
+    let (prefix, mut stream, sink) = jetstream_sink(&url).await;
     // The live migration lists WestNO_0 and WestNO_1: each VM's agent reports it, under the
     // same CloudEvents ids (unique per source), within the stream's duplicate window.
     let first = live_migration_events("WestNO_0");
@@ -215,12 +222,7 @@ async fn jetstream_keeps_two_vms_reports_of_the_same_azure_event_and_incarnation
         (first.len() + second.len()) as u64,
         "every VM's events stored once, none dropped as another VM's copy"
     );
-    stream.purge().await.unwrap();
-    let client = async_nats::connect(url.as_str()).await.unwrap();
-    async_nats::jetstream::new(client)
-        .delete_stream(prefix.to_uppercase())
-        .await
-        .unwrap();
+    remove_stream(&url, &prefix, &mut stream).await;
 }
 
 #[tokio::test]
