@@ -161,43 +161,6 @@ impl Serialize for Event {
     }
 }
 
-impl Event {
-    /// Decodes a structured-mode JSON CloudEvent, exactly as deserializing it with
-    /// `serde_json::from_slice` does, for a fraction of the work: cloudevents-sdk parses the
-    /// whole event into a `serde_json::Value` and then copies it, data included, twice more
-    /// through `Value` deserializers. Here a 1.0 event's JSON `data` (most of the bytes) is
-    /// parsed once and moved in; only the attributes take the SDK's path, so every check and
-    /// conversion stays the SDK's own. Anything else (0.3, `data_base64`, no
-    /// `datacontenttype`) takes the SDK's path whole. It is what a sink's backlog costs to
-    /// read from the outbox.
-    pub fn from_json_slice(bytes: &[u8]) -> serde_json::Result<Event> {
-        use serde_json::Value;
-        let mut map: serde_json::Map<String, Value> = serde_json::from_slice(bytes)?;
-        let json_data = match (map.get("specversion"), map.get("datacontenttype")) {
-            (Some(Value::String(version)), Some(Value::String(content_type)))
-                if version == "1.0"
-                    && is_json_content_type(content_type)
-                    && !map.contains_key("data_base64") =>
-            {
-                map.remove("data")
-            }
-            _ => None,
-        };
-        let mut cloud = cloudevents::Event::deserialize(Value::Object(map))?;
-        if let Some(data) = json_data {
-            cloud.set_data_unchecked(data);
-        }
-        Ok(Event::from(cloud))
-    }
-}
-
-/// cloudevents-sdk's own rule (crate-private there) for data that is JSON rather than text.
-fn is_json_content_type(content_type: &str) -> bool {
-    content_type.starts_with("application/json")
-        || content_type.starts_with("text/json")
-        || content_type.ends_with("+json")
-}
-
 impl<'de> Deserialize<'de> for Event {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Event, D::Error> {
         cloudevents::Event::deserialize(deserializer).map(Event::from)

@@ -11,6 +11,7 @@ use crate::continuity::{Continuity, incarnation_tag};
 use crate::diff::{Observation, Transition, diff_observed};
 use crate::document::Document;
 
+mod decode;
 mod kind;
 
 pub use kind::{Event, EventKind};

@@ -207,6 +207,18 @@ mod decoding {
         Event::from_json_slice(bytes).ok()
     }
 
+    /// An extension's value: mostly what the SDK keeps (string, boolean, integer), so that
+    /// generated events often take the one-pass path, sometimes anything.
+    fn extension_value() -> impl Strategy<Value = Value> {
+        prop_oneof![
+            3 => "[a-zA-Z0-9 :./+=-]{0,12}".prop_map(Value::from),
+            1 => any::<bool>().prop_map(Value::from),
+            2 => any::<i64>().prop_map(Value::from),
+            1 => any::<u64>().prop_map(Value::from),
+            1 => json_value(),
+        ]
+    }
+
     fn json_value() -> impl Strategy<Value = Value> {
         let leaf = prop_oneof![
             Just(Value::Null),
@@ -224,57 +236,202 @@ mod decoding {
         })
     }
 
-    /// An attribute that is absent, or one of a few values (good ones and wrong ones).
-    fn attribute(values: &'static [&'static str]) -> impl Strategy<Value = Option<Value>> {
+    /// An attribute that is absent, or one of a few values (good ones and wrong ones), wrong
+    /// about one time in `odd + 8`.
+    fn attribute_or_odd(
+        values: &'static [&'static str],
+        odd: u32,
+    ) -> impl Strategy<Value = Option<Value>> {
         prop_oneof![
             2 => Just(None),
             6 => prop::sample::select(values).prop_map(|v| Some(Value::from(v))),
-            1 => any::<i64>().prop_map(|n| Some(Value::from(n))),
-            1 => Just(Some(Value::Null)),
+            odd => any::<i64>().prop_map(|n| Some(Value::from(n))),
+            odd => Just(Some(Value::Null)),
         ]
     }
 
-    prop_compose! {
-        fn structured_event()(
-            specversion in attribute(&["1.0", "0.3", "2.0"]),
-            id in attribute(&["E1:scheduled", "document:7~e2", ""]),
-            source in attribute(&["urn:sched-relay:vm:WestNO_0", "/subscriptions/x"]),
-            ty in attribute(&["com.azure.scheduledevents.scheduled", "x"]),
-            subject in attribute(&["E1", "7"]),
-            time in attribute(&["2026-11-25T10:00:00Z", "2026-11-25T10:00:00.123456+01:00", "yesterday"]),
-            content_type in attribute(&["application/json", "text/plain", "application/cloudevents+json", "text/json; charset=utf-8"]),
-            dataschema in attribute(&["https://example.com/schema", "not a url"]),
-            data in prop::option::of(json_value()),
-            data_base64 in attribute(&["eyJhIjoxfQ==", "aGVsbG8=", "%%%"]),
-            extensions in prop::collection::btree_map("[a-z]{1,10}", json_value(), 0..5),
-        ) -> Vec<u8> {
-            let mut map = serde_json::Map::new();
-            for (name, value) in [
-                ("specversion", specversion), ("id", id), ("source", source), ("type", ty),
-                ("subject", subject), ("time", time), ("datacontenttype", content_type),
-                ("dataschema", dataschema), ("data", data), ("data_base64", data_base64),
-            ] {
-                if let Some(value) = value {
-                    map.insert(name.into(), value);
-                }
-            }
-            for (name, value) in extensions {
-                map.entry(name).or_insert(value);
-            }
-            serde_json::to_vec(&map).unwrap()
+    /// With `usual`, absent nine times in ten.
+    fn rarely(
+        usual: bool,
+        attribute: impl Strategy<Value = Option<Value>> + 'static,
+    ) -> BoxedStrategy<Option<Value>> {
+        if usual {
+            prop_oneof![9 => Just(None), 1 => attribute].boxed()
+        } else {
+            attribute.boxed()
         }
+    }
+
+    #[test]
+    fn most_usual_generated_events_take_the_one_pass_path() {
+        use proptest::strategy::ValueTree;
+        let mut runner = proptest::test_runner::TestRunner::deterministic();
+        let strategy = structured_event(true);
+        let fast = (0..1000)
+            .filter(|_| {
+                let bytes = strategy.new_tree(&mut runner).unwrap().current();
+                super::super::decode::fast_path(&bytes).is_some()
+            })
+            .count();
+        assert!(fast >= 300, "only {fast} of 1000 took the one-pass path");
+    }
+
+    /// A structured event; `usual` makes it mostly of the shape the one-pass path reads (1.0,
+    /// the required attributes there and strings, rarely anything odd).
+    fn structured_event(usual: bool) -> impl Strategy<Value = Vec<u8>> {
+        let odd = if usual { 0 } else { 1 };
+        let versions: &'static [&'static str] = if usual {
+            &["1.0"]
+        } else {
+            &["1.0", "0.3", "2.0"]
+        };
+        let required = move |values| {
+            if usual {
+                prop::sample::select(values)
+                    .prop_map(|v: &str| Some(Value::from(v)))
+                    .boxed()
+            } else {
+                attribute_or_odd(values, 1).boxed()
+            }
+        };
+        (
+            (
+                required(versions),
+                required(&["E1:scheduled", "document:7~e2", ""]),
+                required(&["urn:sched-relay:vm:WestNO_0", "/subscriptions/x", ""]),
+                required(&["com.azure.scheduledevents.scheduled", "x"]),
+                attribute_or_odd(&["E1", "7"], odd),
+                attribute_or_odd(
+                    &[
+                        "2026-11-25T10:00:00Z",
+                        "2026-11-25T10:00:00.123456+01:00",
+                        "yesterday",
+                    ],
+                    odd,
+                ),
+            ),
+            (
+                attribute_or_odd(
+                    &[
+                        "application/json",
+                        "text/plain",
+                        "application/cloudevents+json",
+                        "text/json; charset=utf-8",
+                    ],
+                    odd,
+                ),
+                rarely(
+                    usual,
+                    attribute_or_odd(&["https://example.com/schema", "not a url"], 1),
+                ),
+                prop::option::of(json_value()),
+                rarely(
+                    usual,
+                    attribute_or_odd(&["eyJhIjoxfQ==", "aGVsbG8=", "%%%"], 1),
+                ),
+                prop::collection::btree_map("[a-z]{1,10}", extension_value(), 0..4),
+                any::<bool>(),
+            ),
+        )
+            .prop_map(
+                |(
+                    (specversion, id, source, ty, subject, time),
+                    (content_type, dataschema, data, data_base64, extensions, text_data),
+                )| {
+                    let mut map = serde_json::Map::new();
+                    // Text data as a string, so a text content type is not always refused.
+                    let data = data.map(|d| {
+                        if text_data {
+                            Value::from(d.to_string())
+                        } else {
+                            d
+                        }
+                    });
+                    for (name, value) in [
+                        ("specversion", specversion),
+                        ("id", id),
+                        ("source", source),
+                        ("type", ty),
+                        ("subject", subject),
+                        ("time", time),
+                        ("datacontenttype", content_type),
+                        ("dataschema", dataschema),
+                        ("data", data),
+                        ("data_base64", data_base64),
+                    ] {
+                        if let Some(value) = value {
+                            map.insert(name.into(), value);
+                        }
+                    }
+                    for (name, value) in extensions {
+                        map.entry(name).or_insert(value);
+                    }
+                    serde_json::to_vec(&map).unwrap()
+                },
+            )
     }
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(2048))]
         #[test]
-        fn decoding_fast_gives_what_the_sdk_gives_or_fails_where_it_fails(bytes in structured_event()) {
+        fn decoding_fast_gives_what_the_sdk_gives_or_fails_where_it_fails(bytes in prop_oneof![structured_event(false), structured_event(true)]) {
             prop_assert_eq!(by_the_fast_path(&bytes), by_the_sdk(&bytes), "{}", String::from_utf8_lossy(&bytes));
+        }
+
+        /// The one-pass path alone: whatever it accepts is the SDK's event.
+        #[test]
+        fn decoding_in_one_pass_gives_the_sdks_event_whenever_it_gives_one(bytes in structured_event(true)) {
+            if let Some(fast) = super::super::decode::fast_path(&bytes) {
+                prop_assert_eq!(Some(fast), by_the_sdk(&bytes), "{}", String::from_utf8_lossy(&bytes));
+            }
         }
 
         #[test]
         fn decoding_fast_fails_on_what_is_not_json_as_the_sdk_does(bytes in prop::collection::vec(any::<u8>(), 0..64)) {
             prop_assert_eq!(by_the_fast_path(&bytes), by_the_sdk(&bytes));
+        }
+    }
+
+    #[test]
+    fn common_shapes_are_read_in_one_pass_as_the_sdk_reads_them() {
+        let shapes: [&[u8]; 5] = [
+            br#"{"specversion":"1.0","id":"1","source":"s","type":"t","datacontenttype":"application/json","data":{"a":[1,2.5,null]},"vm":"WestNO_0","n":-3,"ok":true}"#,
+            br#"{"specversion":"1.0","id":"1","source":"s","type":"t","datacontenttype":"text/plain","data":"hello"}"#,
+            br#"{"specversion":"1.0","id":"1","source":"s","type":"t","data":{"a":1}}"#,
+            br#"{"id":"1","source":"s","type":"t","time":"2026-11-25T10:00:00.123+01:00","subject":"E1","specversion":"1.0"}"#,
+            br#"{"specversion":"1.0","id":"1","source":"s","type":"t","data":null}"#,
+        ];
+        for bytes in shapes {
+            let fast = super::super::decode::fast_path(bytes);
+            assert!(fast.is_some(), "{}", String::from_utf8_lossy(bytes));
+            assert_eq!(
+                fast,
+                by_the_sdk(bytes),
+                "{}",
+                String::from_utf8_lossy(bytes)
+            );
+        }
+    }
+
+    #[test]
+    fn unusual_shapes_are_left_to_the_sdk() {
+        let shapes: [&[u8]; 8] = [
+            br#"{"specversion":"0.3","id":"1","source":"s","type":"t"}"#,
+            br#"{"specversion":"1.0","id":"1","source":"","type":"t"}"#,
+            br#"{"specversion":"1.0","id":"1","id":"2","source":"s","type":"t"}"#,
+            br#"{"specversion":"1.0","id":"1","source":"s","type":"t","subject":null}"#,
+            br#"{"specversion":"1.0","id":"1","source":"s","type":"t","x":1.5}"#,
+            br#"{"specversion":"1.0","id":"1","source":"s","type":"t","data_base64":"aGVsbG8="}"#,
+            br#"{"specversion":"1.0","id":"1","source":"s","type":"t","time":"yesterday"}"#,
+            br#"{"specversion":"1.0","id":"1","source":"s","type":"t","datacontenttype":"text/plain","data":{"a":1}}"#,
+        ];
+        for bytes in shapes {
+            assert!(
+                super::super::decode::fast_path(bytes).is_none(),
+                "{}",
+                String::from_utf8_lossy(bytes)
+            );
+            assert_eq!(by_the_fast_path(bytes), by_the_sdk(bytes));
         }
     }
 
@@ -307,6 +464,13 @@ mod decoding {
             let bytes = serde_json::to_vec(&event).unwrap();
             let decoded = Event::from_json_slice(&bytes).unwrap();
             assert_eq!(decoded, event);
+            // And without the SDK's slow path: this is what every backlog reads back.
+            assert_eq!(
+                super::super::decode::fast_path(&bytes).as_ref(),
+                Some(&event),
+                "{}",
+                String::from_utf8_lossy(&bytes)
+            );
             assert_eq!(Some(decoded), by_the_sdk(&bytes));
         }
     }
