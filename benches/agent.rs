@@ -919,8 +919,87 @@ fn burst(report: &mut Report, sizes: &Sizes, topology: &Topology) {
 }
 
 /// 4b. Draining a backlog after an outage, in process: the outbox is filled for every sink,
-/// then the fan-out starts against the real brokers.
+/// then the fan-out drains it against the real brokers, all four sinks at once; once with the
+/// shipped `batch_size` (100) and once with 500. The CPU each process spent over the drain
+/// (this one, which also holds the webhook's receiver, and each broker) shows where the
+/// machine's two cores went.
 async fn backlog(report: &mut Report, sizes: &Sizes, topology: &Topology, collector: &Collector) {
+    let mut tables = String::new();
+    let mut memory = String::new();
+    let mut cpu = String::new();
+    let mut filled = String::new();
+    for batch_size in [100, 500] {
+        let drained = drain(sizes, topology, collector, batch_size).await;
+        let total = sizes.backlog + 1;
+        tables.push_str(&format!(
+            "\n**batch_size = {batch_size}**\n\n| sink | drained in s | events/s |\n|---|---|---|\n"
+        ));
+        for (name, time) in &drained.times {
+            tables.push_str(&format!(
+                "| {name} | {:.1} | {:.0} |\n",
+                time.as_secs_f64(),
+                total as f64 / time.as_secs_f64()
+            ));
+        }
+        // This process works for every sink's events; a broker for its own sink's.
+        let all = (total * drained.times.len()) as f64;
+        let mut shares: Vec<String> = drained
+            .cpu
+            .iter()
+            .map(|(who, ns)| {
+                let (per, what) = if who == "this process" {
+                    (all, "event of any sink")
+                } else {
+                    (total as f64, "message")
+                };
+                format!(
+                    "{who} {:.1} s ({:.0} µs per {what})",
+                    *ns as f64 / 1e9,
+                    *ns as f64 / 1e3 / per
+                )
+            })
+            .collect();
+        shares.sort();
+        cpu.push_str(&format!(
+            "- batch_size = {batch_size}, {:.1} s from the first event out to the last sink drained: {}.\n",
+            drained.wall.as_secs_f64(),
+            shares.join("; ")
+        ));
+        memory.push_str(&format!(
+            "{:.1} MiB before and {:.1} MiB at its peak with batch_size = {batch_size}; ",
+            drained.rss_before as f64 / 1024.0,
+            drained.rss_peak as f64 / 1024.0,
+        ));
+        filled = format!(
+            "Filling it took {:.1} s; storing one more document into the full backlog took {:.2} ms.",
+            drained.fill.as_secs_f64(),
+            drained.one_document.as_secs_f64() * 1000.0,
+        );
+    }
+    let total = sizes.backlog + 1;
+    report.add(format!(
+        "## Backlog: {total} stored events per sink after an outage\n\nThe outbox holds {total} events for each of four sinks; the fan-out then drains them against the real brokers, all sinks at once (the webhook with `batch = true`: one POST per batch), first with the shipped `batch_size` of 100, then with 500. {filled} Memory while draining (RSS of the benchmark process, which holds the fan-out, its outbox and the webhook's receiver): {}.\n{tables}\nCPU over each drain (user and system time of each process from `/proc/<pid>/stat`; a broker's figure covers everything it did meanwhile, its cost per message is over its own sink's messages):\n\n{cpu}",
+        memory.trim_end_matches("; "),
+    ));
+}
+
+struct Drained {
+    times: Vec<(String, Duration)>,
+    wall: Duration,
+    fill: Duration,
+    one_document: Duration,
+    rss_before: u64,
+    rss_peak: u64,
+    /// CPU ns over the drain: this process, then each broker process found.
+    cpu: Vec<(String, u64)>,
+}
+
+async fn drain(
+    sizes: &Sizes,
+    topology: &Topology,
+    collector: &Collector,
+    batch_size: usize,
+) -> Drained {
     use sched_relay::fanout::Fanout;
     use sched_relay::sinks::registry;
     use sched_relay::store::Outbox;
@@ -932,13 +1011,12 @@ async fn backlog(report: &mut Report, sizes: &Sizes, topology: &Topology, collec
     let template = sched_relay_transport::testing::live_migration_events("WestNO_0");
     let chunk = 1_000.min(sizes.backlog);
     let fill_started = Instant::now();
-    let mut one_document_at_full = Duration::ZERO;
     for start in (0..sizes.backlog).step_by(chunk) {
         let events: Vec<_> = (start..start + chunk)
             .map(|i| {
                 template[i % template.len()]
                     .clone()
-                    .with_id(format!("backlog-{i}"))
+                    .with_id(format!("backlog-{batch_size}-{i}"))
             })
             .collect();
         outbox.commit(&names, &events, None).unwrap();
@@ -947,9 +1025,9 @@ async fn backlog(report: &mut Report, sizes: &Sizes, topology: &Topology, collec
     // What a new document costs once the backlog is there (the poller pays it).
     let probe = Instant::now();
     outbox.commit(&names, &template[..1], None).unwrap();
-    one_document_at_full += probe.elapsed();
+    let one_document = probe.elapsed();
     let config: sched_relay::Config = toml::from_str(&format!(
-        "{}\n[delivery]\nbatch_size = 100\n",
+        "{}\n[delivery]\nbatch_size = {batch_size}\n",
         topology.sinks_with(&collector.url, "batch = true")
     ))
     .unwrap();
@@ -957,6 +1035,22 @@ async fn backlog(report: &mut Report, sizes: &Sizes, topology: &Topology, collec
     let outbox = Arc::new(outbox);
     let rss_before = own_rss_kib();
     let mut rss_peak = rss_before;
+    // Whole processes from `stat` (threads that ended included; 10 ms ticks are fine for
+    // seconds of CPU).
+    let mut meters: Vec<(String, u32)> = vec![("this process".into(), std::process::id())];
+    for (who, comm) in [
+        ("RabbitMQ", "beam.smp"),
+        ("NATS", "nats-server"),
+        ("tansu", "tansu"),
+    ] {
+        for pid in pids_named(comm) {
+            meters.push((who.into(), pid));
+        }
+    }
+    let meters: Vec<(String, u32, u64)> = meters
+        .into_iter()
+        .map(|(who, pid)| (who, pid, process_cpu_ns(pid)))
+        .collect();
     let started = Instant::now();
     let fanout = Fanout::start(sinks, &config.delivery, dir.path(), outbox.clone());
     let mut drained: HashMap<String, Duration> = HashMap::new();
@@ -969,24 +1063,68 @@ async fn backlog(report: &mut Report, sizes: &Sizes, topology: &Topology, collec
         rss_peak = rss_peak.max(own_rss_kib());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    fanout.shutdown(Duration::from_secs(5)).await;
-    let total = sizes.backlog + 1;
-    let mut rows = String::new();
-    for name in &names {
-        let time = drained.get(name).copied().unwrap_or(Duration::MAX);
-        rows.push_str(&format!(
-            "| {name} | {:.1} | {:.0} |\n",
-            time.as_secs_f64(),
-            total as f64 / time.as_secs_f64()
-        ));
+    let wall = started.elapsed();
+    let mut cpu: Vec<(String, u64)> = Vec::new();
+    for (who, pid, before) in &meters {
+        let spent = process_cpu_ns(*pid).saturating_sub(*before);
+        match cpu.iter_mut().find(|(w, _)| w == who) {
+            Some((_, total)) => *total += spent,
+            None => cpu.push((who.clone(), spent)),
+        }
     }
-    report.add(format!(
-        "## Backlog: {total} stored events per sink after an outage\n\nThe outbox holds {total} events for each of four sinks; the fan-out then drains them against the real brokers, all sinks at once, batches of 100 (the webhook with `batch = true`: one POST per batch). Filling it took {:.1} s; storing one more document into the full backlog took {:.2} ms. Memory while draining (RSS of the benchmark process, which holds the fan-out, its outbox and the webhook's receiver): {:.1} MiB before, {:.1} MiB at its peak.\n\n| sink | drained in s | events/s |\n|---|---|---|\n{rows}",
-        fill.as_secs_f64(),
-        one_document_at_full.as_secs_f64() * 1000.0,
-        rss_before as f64 / 1024.0,
-        rss_peak as f64 / 1024.0,
-    ));
+    fanout.shutdown(Duration::from_secs(5)).await;
+    Drained {
+        times: names
+            .iter()
+            .map(|name| {
+                (
+                    name.clone(),
+                    drained.get(name).copied().unwrap_or(Duration::MAX),
+                )
+            })
+            .collect(),
+        wall,
+        fill,
+        one_document,
+        rss_before,
+        rss_peak,
+        cpu,
+    }
+}
+
+/// A process's CPU time so far (user and system, its ended threads included), in ns.
+fn process_cpu_ns(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // After the command name, which is in parentheses and may hold spaces: fields 14 and 15.
+    let rest = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest)
+        .unwrap_or_default();
+    let ticks: u64 = rest
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .filter_map(|v| v.parse::<u64>().ok())
+        .sum();
+    ticks * 10_000_000 // USER_HZ is 100 on Linux
+}
+
+/// Processes whose `comm` is `name`, or `name-<version>` (the brokers, found by their
+/// executables' names).
+fn pids_named(name: &str) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let pid = entry.file_name().to_str()?.parse().ok()?;
+            let comm = std::fs::read_to_string(entry.path().join("comm")).ok()?;
+            // `tansu-0.6.0`: the Kafka broker's executable carries its version.
+            let comm = comm.trim();
+            (comm == name || comm.strip_prefix(name).is_some_and(|v| v.starts_with('-')))
+                .then_some(pid)
+        })
+        .collect()
 }
 
 /// This process's resident set, in KiB.
