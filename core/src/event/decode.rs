@@ -35,6 +35,14 @@ impl Event {
 
 /// The event, when it has the common shape; `None` leaves it to the SDK.
 pub(super) fn fast_path(bytes: &[u8]) -> Option<Event> {
+    // With serde_json's `raw_value` feature (which axum turns on in this build), parsing a
+    // `Value` treats an object whose first key is `$serde_json::private::RawValue` as a raw
+    // value, and the SDK parses the data twice (the second time in key order): such keys, at
+    // any depth and however escaped, are the SDK's to decide. They need a `$`, or a `\u`
+    // escape to spell one.
+    if bytes.contains(&b'$') || (bytes.contains(&b'\\') && bytes.windows(2).any(|w| w == b"\\u")) {
+        return None;
+    }
     let mut deserializer = serde_json::Deserializer::from_slice(bytes);
     let fields = deserializer.deserialize_map(FastVisitor).ok()??;
     deserializer.end().ok()?;

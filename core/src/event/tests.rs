@@ -236,8 +236,8 @@ mod decoding {
         })
     }
 
-    /// An attribute that is absent, or one of a few values (good ones and wrong ones), wrong
-    /// about one time in `odd + 8`.
+    /// An attribute that is absent (2 in 10), one of a few values, or of a wrong type (a
+    /// number or null, `odd` each).
     fn attribute_or_odd(
         values: &'static [&'static str],
         odd: u32,
@@ -273,7 +273,7 @@ mod decoding {
                 super::super::decode::fast_path(&bytes).is_some()
             })
             .count();
-        assert!(fast >= 300, "only {fast} of 1000 took the one-pass path");
+        assert!(fast >= 400, "only {fast} of 1000 took the one-pass path");
     }
 
     /// A structured event; `usual` makes it mostly of the shape the one-pass path reads (1.0,
@@ -284,6 +284,20 @@ mod decoding {
             &["1.0"]
         } else {
             &["1.0", "0.3", "2.0"]
+        };
+        let sources: &'static [&'static str] = if usual {
+            &["urn:sched-relay:vm:WestNO_0", "/subscriptions/x"]
+        } else {
+            &["urn:sched-relay:vm:WestNO_0", "/subscriptions/x", ""]
+        };
+        let times: &'static [&'static str] = if usual {
+            &["2026-11-25T10:00:00Z", "2026-11-25T10:00:00.123456+01:00"]
+        } else {
+            &[
+                "2026-11-25T10:00:00Z",
+                "2026-11-25T10:00:00.123456+01:00",
+                "yesterday",
+            ]
         };
         let required = move |values| {
             if usual {
@@ -298,17 +312,10 @@ mod decoding {
             (
                 required(versions),
                 required(&["E1:scheduled", "document:7~e2", ""]),
-                required(&["urn:sched-relay:vm:WestNO_0", "/subscriptions/x", ""]),
+                required(sources),
                 required(&["com.azure.scheduledevents.scheduled", "x"]),
                 attribute_or_odd(&["E1", "7"], odd),
-                attribute_or_odd(
-                    &[
-                        "2026-11-25T10:00:00Z",
-                        "2026-11-25T10:00:00.123456+01:00",
-                        "yesterday",
-                    ],
-                    odd,
-                ),
+                attribute_or_odd(times, odd),
             ),
             (
                 attribute_or_odd(
@@ -415,7 +422,17 @@ mod decoding {
 
     #[test]
     fn unusual_shapes_are_left_to_the_sdk() {
-        let shapes: [&[u8]; 8] = [
+        let shapes: [&[u8]; 14] = [
+            // serde_json's raw-value marker (the `raw_value` feature is on in the agent):
+            // first at the top (the SDK fails), and inside data, where only the SDK's second
+            // parse, in key order, sees it first.
+            br#"{"$serde_json::private::RawValue":"0","specversion":"1.0","id":"1","source":"s","type":"t"}"#,
+            br#"{"specversion":"1.0","id":"1","source":"s","type":"t","data":{"a":1,"$serde_json::private::RawValue":"2"}}"#,
+            br#"{"specversion":"1.0","id":"1","source":"s","type":"t","data":{"a":1,"\u0024serde_json::private::RawValue":"2"}}"#,
+            // A key twice (the SDK keeps the last), an attribute spelled with an escape.
+            br#"{"specversion":"1.0","id":"1","source":"s","type":"t","x":"a","x":"b"}"#,
+            br#"{"specversion":"1.0","\u0069d":"1","source":"s","type":"t"}"#,
+            br#"{"specversion":"1.0","id":"1","source":"s","type":"t","x":-0}"#,
             br#"{"specversion":"0.3","id":"1","source":"s","type":"t"}"#,
             br#"{"specversion":"1.0","id":"1","source":"","type":"t"}"#,
             br#"{"specversion":"1.0","id":"1","id":"2","source":"s","type":"t"}"#,
