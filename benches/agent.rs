@@ -451,6 +451,14 @@ fn detection(
         .iter()
         .filter_map(|(id, due)| Some(collector.arrival(&format!("py:{id}"))? - due))
         .collect();
+    // An agent that could not start, or logs differently, must stop the run, not print NaN.
+    for sink in ["nats", "amqp", "kafka", "webhook"] {
+        assert!(
+            own.get(sink).is_some_and(|samples| !samples.is_empty()),
+            "no delivery through {sink} was measured; the agent's log:\n{}",
+            ours.log()
+        );
+    }
     let mut rows = String::new();
     let goal = |sink: &str| if sink == "kafka" { "< 10 ms" } else { "< 2 ms" };
     for sink in ["nats", "amqp", "kafka", "webhook"] {
@@ -698,7 +706,7 @@ fn footprint(report: &mut Report, sizes: &Sizes, topology: &Topology, collector:
     let free_port = sched_relay_transport::testing::free_port;
     // The default-feature binary (NATS, RabbitMQ, webhook; no librdkafka), when scripts/bench
     // built one: what most users install from source.
-    let default_binary = std::env::var_os("SCHED_RELAY_DEFAULT_BINARY").map(PathBuf::from);
+    let default_binary = std::env::var_os("BENCH_DEFAULT_FEATURES_BINARY").map(PathBuf::from);
     let mut setups: Vec<(String, String, &str, Option<PathBuf>)> = vec![
         ("file sink".into(), identity.into(), "1s", None),
         (
@@ -781,6 +789,19 @@ fn footprint(report: &mut Report, sizes: &Sizes, topology: &Topology, collector:
         }
     }
     let elapsed = started.elapsed().as_secs_f64();
+    // An agent that failed to start costs nothing: that must stop the run, not top the table.
+    for (name, rate, sim, agent) in &agents {
+        let polls = sim
+            .requests()
+            .iter()
+            .filter(|r| r["method"] == "GET")
+            .count();
+        assert!(
+            polls as f64 >= elapsed * rate * 0.5,
+            "{name}: only {polls} polls in {elapsed:.0} s; its log:\n{}",
+            agent.log()
+        );
+    }
     let python_per_hour = {
         let index = measured.len() - 2;
         let (ns, _) = measured[index].2.totals();
@@ -961,7 +982,7 @@ async fn backlog(report: &mut Report, sizes: &Sizes, topology: &Topology, collec
             .collect();
         shares.sort();
         cpu.push_str(&format!(
-            "- batch_size = {batch_size}, {:.1} s from the first event out to the last sink drained: {}.\n",
+            "- batch_size = {batch_size}, {:.1} s from the fan-out's start (connecting included) to the last sink drained: {}.\n",
             drained.wall.as_secs_f64(),
             shares.join("; ")
         ));
@@ -970,15 +991,17 @@ async fn backlog(report: &mut Report, sizes: &Sizes, topology: &Topology, collec
             drained.rss_before as f64 / 1024.0,
             drained.rss_peak as f64 / 1024.0,
         ));
-        filled = format!(
-            "Filling it took {:.1} s; storing one more document into the full backlog took {:.2} ms.",
-            drained.fill.as_secs_f64(),
-            drained.one_document.as_secs_f64() * 1000.0,
-        );
+        if filled.is_empty() {
+            filled = format!(
+                "With batch_size = 100: filling it took {:.1} s; storing one more document into the full backlog took {:.2} ms.",
+                drained.fill.as_secs_f64(),
+                drained.one_document.as_secs_f64() * 1000.0,
+            );
+        }
     }
     let total = sizes.backlog + 1;
     report.add(format!(
-        "## Backlog: {total} stored events per sink after an outage\n\nThe outbox holds {total} events for each of four sinks; the fan-out then drains them against the real brokers, all sinks at once (the webhook with `batch = true`: one POST per batch), first with the shipped `batch_size` of 100, then with 500. {filled} Memory while draining (RSS of the benchmark process, which holds the fan-out, its outbox and the webhook's receiver): {}.\n{tables}\nCPU over each drain (user and system time of each process from `/proc/<pid>/stat`; a broker's figure covers everything it did meanwhile, its cost per message is over its own sink's messages):\n\n{cpu}",
+        "## Backlog: {total} stored events per sink after an outage\n\nThe outbox holds {total} events for each of four sinks; the fan-out then drains them against the real brokers, all sinks at once (the webhook with `batch = true`: one POST per batch), first with the shipped `batch_size` of 100, then with 500 (against the same brokers, whose queues and streams keep the first run's messages). {filled} Memory while draining (RSS of the benchmark process, which holds the fan-out, its outbox and the webhook's receiver): {}.\n{tables}\nCPU over each drain (user and system time of each process from `/proc/<pid>/stat`; a broker's figure covers everything it did meanwhile, its cost per message is over its own sink's messages):\n\n{cpu}",
         memory.trim_end_matches("; "),
     ));
 }
@@ -1043,7 +1066,12 @@ async fn drain(
         ("NATS", "nats-server"),
         ("tansu", "tansu"),
     ] {
-        for pid in pids_named(comm) {
+        let pids = pids_named(comm);
+        assert!(
+            !pids.is_empty(),
+            "no {comm} process: cannot account for {who}'s CPU"
+        );
+        for pid in pids {
             meters.push((who.into(), pid));
         }
     }
@@ -1064,6 +1092,11 @@ async fn drain(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let wall = started.elapsed();
+    assert_eq!(
+        drained.len(),
+        names.len(),
+        "not every sink drained its backlog within 900 s: only {drained:?}"
+    );
     let mut cpu: Vec<(String, u64)> = Vec::new();
     for (who, pid, before) in &meters {
         let spent = process_cpu_ns(*pid).saturating_sub(*before);
