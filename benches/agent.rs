@@ -563,10 +563,10 @@ fn approvals(
             if round > 0 {
                 samples.push(arrived - sent);
             }
-            // Approvals a second apart, as an orchestrator sends them: back to back, the
-            // POSTs would soon wait for the metadata service's budget (5 requests in any
-            // second: each POST, the poll that follows it, and the regular polls), which is
-            // the service's pace, not the agent's.
+            // Approvals a second apart, as an orchestrator sends them: back to back, each
+            // POST would wait for the metadata service's request budget (5 a second: the
+            // poll that follows every accepted POST, then this POST, 210 ms apart each),
+            // which is the service's pace, not the agent's.
             std::thread::sleep(Duration::from_millis(1100));
         }
         let (median, p99, n) = stats(&mut samples);
@@ -581,7 +581,7 @@ fn approvals(
     }
     ours.stop();
     report.add(format!(
-        "## Approval round trip\n\nFrom the orchestrator publishing a signed approval (NATS core publish, RabbitMQ publish with confirm, Kafka produce with acks=all, HTTP POST) to the simulator receiving the StartRequests POST. The agent checks the HMAC signature, records the request id durably (fsync), fetches a fresh document when its copy is older than the poll interval, and POSTs. One request at a time, 1.1 s apart (back to back, the POSTs would soon wait for the metadata service's budget of 5 requests in any second, the polls that follow them included); the first per source (connection set-up) is not counted.\n\n| source | samples | median ms | p99 ms | goal (p99) |\n|---|---|---|---|---|\n{rows}"
+        "## Approval round trip\n\nFrom the orchestrator publishing a signed approval (NATS core publish, RabbitMQ publish with confirm, Kafka produce with acks=all, HTTP POST) to the simulator receiving the StartRequests POST. The agent checks the HMAC signature, records the request id durably (fsync), fetches a fresh document when its copy is older than the poll interval, and POSTs. One request at a time, 1.1 s apart (back to back, each POST would wait for the metadata service's budget of 5 requests a second behind the poll that follows the previous one); the first per source (connection set-up) is not counted.\n\n| source | samples | median ms | p99 ms | goal (p99) |\n|---|---|---|---|---|\n{rows}"
     ));
 }
 
@@ -1254,7 +1254,7 @@ fn request_budget(report: &mut Report, quick: bool) {
         .unwrap_or(0);
     let posts = requests.iter().filter(|r| r["method"] == "POST").count();
     report.add(format!(
-        "## The metadata service's request budget\n\n{polls} polls at the fastest interval (200 ms), with a user-initiated Reboot to approve every 2 s by local policy ({posts} POSTs, each followed by an immediate poll): {} requests in all, at most **{most}** in any one second (the service allows 5). A request waits only when the five before it started within the last second (1.01 s). Reproduce: `scripts/bench --only imds`.",
+        "## The metadata service's request budget\n\n{polls} polls at the fastest interval (200 ms), with a user-initiated Reboot to approve every 2 s by local policy ({posts} POSTs, each followed by an immediate poll): {} requests in all, at most **{most}** in any one second (the service allows 5). Every request of the agent waits at least 200 ms after the one before. Reproduce: `scripts/bench --only imds`.",
         requests.len()
     ));
 }

@@ -2,8 +2,7 @@
 //!
 //! Two promises meet here. The service allows about 5 requests per second per VM, so every
 //! request of this process (polls, StartRequests POSTs, identity) goes through one [`Pacer`]
-//! that lets at most [`MAX_REQUESTS`] of them start within any [`REQUEST_WINDOW`], without
-//! spacing them further: an approval's POST does not wait behind the poll just before it. And a Spot VM gets 30 s of notice, so an
+//! that keeps them [`MIN_REQUEST_SPACING`] apart. And a Spot VM gets 30 s of notice, so an
 //! outage must never be followed by a long wait: whatever the number of errors, the poller
 //! retries at most [`MAX_ERROR_BACKOFF`] apart (a new event is seen within the poll interval +
 //! 5 s of recovery). Only a throttled service (429) is given longer, as long as it asks with
@@ -18,14 +17,8 @@ use tokio::time::Instant;
 use super::ImdsError;
 use crate::retry::Backoff;
 
-/// The service's budget: at most this many requests of this process start within any
-/// [`REQUEST_WINDOW`].
-pub const MAX_REQUESTS: usize = 5;
-/// A little over a second, so that no second holds more than [`MAX_REQUESTS`] even with both
-/// ends of a window counted.
-pub const REQUEST_WINDOW: Duration = Duration::from_millis(1010);
-/// The least wait before a poll that follows a failed one: a little over a fifth of a second,
-/// so that a service that fails fast is not asked more than 5 times a second by the poller.
+/// The least time between two requests of this process to the metadata service: a little over
+/// 200 ms, so that no second holds more than 5 even with the endpoints of a window counted.
 pub const MIN_REQUEST_SPACING: Duration = Duration::from_millis(210);
 /// The longest wait between two polls while the service fails (the `imds.max_backoff` bound).
 pub const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(5);
@@ -62,13 +55,11 @@ pub fn error_wait(
     .max(MIN_REQUEST_SPACING)
 }
 
-/// Lets at most [`MAX_REQUESTS`] requests of one client start within any [`REQUEST_WINDOW`],
-/// in the order they asked: at most 5 requests in any second, polls, approvals and identity
-/// together. A request waits only when the five before it all started within the window.
+/// Keeps every request of one client at least [`MIN_REQUEST_SPACING`] apart, in the order
+/// they asked: at most 5 requests in any second, polls, approvals and identity together.
 #[derive(Debug)]
 pub struct Pacer {
-    /// When the last [`MAX_REQUESTS`] requests started, oldest first.
-    started: tokio::sync::Mutex<std::collections::VecDeque<Instant>>,
+    next: tokio::sync::Mutex<Option<Instant>>,
     /// A throttled service's `Retry-After`: no request of this client goes out before it
     /// (polls, approval POSTs and identity alike).
     throttled_until: std::sync::Mutex<Option<Instant>>,
@@ -77,29 +68,22 @@ pub struct Pacer {
 impl Pacer {
     pub fn new() -> Pacer {
         Pacer {
-            started: tokio::sync::Mutex::new(std::collections::VecDeque::new()),
+            next: tokio::sync::Mutex::new(None),
             throttled_until: std::sync::Mutex::new(None),
         }
     }
 
     /// Waits for this request's turn.
     pub async fn turn(&self) {
-        // Held while waiting: requests go in the order they asked.
-        let mut started = self.started.lock().await;
+        let mut next = self.next.lock().await;
         let throttled = *self
             .throttled_until
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        let budget = (started.len() >= MAX_REQUESTS)
-            .then(|| started.front().map(|oldest| *oldest + REQUEST_WINDOW))
-            .flatten();
-        if let Some(at) = budget.max(throttled) {
+        if let Some(at) = next.max(throttled) {
             tokio::time::sleep_until(at).await;
         }
-        started.push_back(Instant::now());
-        while started.len() > MAX_REQUESTS {
-            started.pop_front();
-        }
+        *next = Some(Instant::now() + MIN_REQUEST_SPACING);
     }
 
     /// The service answered 429 and asked for `retry_after` (at most [`MAX_THROTTLED_WAIT`]).
@@ -200,17 +184,16 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn no_second_holds_more_than_five_requests_however_they_are_asked() {
+    async fn requests_are_spaced_so_no_second_holds_more_than_five() {
         let pacer = Pacer::new();
         let start = Instant::now();
         let mut at = Vec::new();
-        // Back to back, then in small gaps, then at once again.
-        for i in 0..30u64 {
-            if (10..20).contains(&i) {
-                tokio::time::sleep(Duration::from_millis(37 * (i % 4))).await;
-            }
+        for _ in 0..20 {
             pacer.turn().await;
             at.push(Instant::now() - start);
+        }
+        for pair in at.windows(2) {
+            assert!(pair[1] - pair[0] >= MIN_REQUEST_SPACING, "{at:?}");
         }
         for (i, first) in at.iter().enumerate() {
             let within = at[i..]
@@ -222,21 +205,5 @@ mod tests {
                 "{within} requests within a second of {first:?}"
             );
         }
-    }
-
-    /// An approval's POST right after a poll goes at once: at 1 Hz polling the budget is far
-    /// from used, and waiting for a spacing would only delay the approval.
-    #[tokio::test(start_paused = true)]
-    async fn a_request_right_after_another_goes_at_once_while_the_budget_allows() {
-        let pacer = Pacer::new();
-        for _ in 0..3 {
-            pacer.turn().await; // a poll
-            tokio::time::sleep(Duration::from_millis(990)).await;
-        }
-        pacer.turn().await; // a poll
-        let asked = Instant::now();
-        pacer.turn().await; // the POST, 0 ms later
-        pacer.turn().await; // the poll that follows it
-        assert_eq!(Instant::now(), asked, "nothing waited");
     }
 }
