@@ -7,9 +7,9 @@
 //! common shape (1.0, JSON `data`, string attributes, string/boolean/integer extensions, each
 //! key once) is read straight from the bytes into the SDK's builder. Anything else (another
 //! spec version, `data_base64`, a `dataschema`, a null or an attribute of another type, a key
-//! twice, an empty `source`, a `time` the SDK would refuse) takes the SDK's own path, which
-//! decides it, so the result is exactly the SDK's in every case (a property test compares
-//! both on generated events).
+//! twice, an empty `source`, a `time` the SDK would refuse, a `$` or a `\u` escape anywhere)
+//! takes the SDK's own path, which decides it, so the result is exactly the SDK's in every
+//! case (property tests compare both on generated events).
 
 use std::collections::HashMap;
 use std::fmt;
