@@ -115,6 +115,18 @@ fn drained_at(log: &str, vm: &str, event_id: &str) -> i64 {
         .unwrap()
 }
 
+/// The standby becomes active within a lease period and its renewal rhythm of the active
+/// one going away at `since` (`how`: "was killed", "stalled").
+fn takes_over(standby: &Coordinator, since: Instant, how: &str) {
+    wait_for_role(standby, "active");
+    let took = since.elapsed();
+    eprintln!("the standby took over {took:?} after the active one {how}");
+    assert!(
+        took < LEASE + LEASE / 3 + Duration::from_secs(2),
+        "took over after {took:?}"
+    );
+}
+
 /// Waits until the coordinator's /healthz says `role`.
 fn wait_for_role(coordinator: &Coordinator, role: &str) {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -345,26 +357,12 @@ max_down_percent = 20
         // stale, and its next renewal fails, so it exits.
         Some(standby) if matches!(failover, Some(Failover::Kill)) => {
             coordinator.kill9();
-            let killed = Instant::now();
-            wait_for_role(&standby, "active");
-            let took = killed.elapsed();
-            eprintln!("the standby took over {took:?} after the active one was killed");
-            assert!(
-                took < LEASE + LEASE / 3 + Duration::from_secs(2),
-                "took over after {took:?}"
-            );
+            takes_over(&standby, Instant::now(), "was killed");
             coordinator = standby;
         }
         Some(standby) => {
             coordinator.signal("STOP");
-            let stopped = Instant::now();
-            wait_for_role(&standby, "active");
-            let took = stopped.elapsed();
-            eprintln!("the standby took over {took:?} after the active one stalled");
-            assert!(
-                took < LEASE + LEASE / 3 + Duration::from_secs(2),
-                "took over after {took:?}"
-            );
+            takes_over(&standby, Instant::now(), "stalled");
             coordinator.signal("CONT");
             let status = coordinator.wait_exit(LEASE * 2);
             assert!(

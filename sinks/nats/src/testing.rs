@@ -19,6 +19,15 @@ pub async fn create_stream(
         .unwrap()
 }
 
+/// Deletes a stream [`create_stream`] made, with what it holds.
+pub async fn delete_stream(url: &str, name: &str) {
+    let client = async_nats::connect(url).await.unwrap();
+    async_nats::jetstream::new(client)
+        .delete_stream(name)
+        .await
+        .unwrap();
+}
+
 pub async fn stored_ids(stream: &async_nats::jetstream::stream::Stream, count: u64) -> Vec<String> {
     let mut ids = Vec::new();
     for sequence in 1..=count {

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use cloudevents::{AttributesReader, Event};
 use futures_util::StreamExt;
-use sched_relay_nats::testing::{PrivateNats, create_stream, stored_ids};
+use sched_relay_nats::testing::{PrivateNats, create_stream, delete_stream, stored_ids};
 use sched_relay_nats::{NatsSink, NatsSinkConfig};
 use sched_relay_transport::Sink;
 use sched_relay_transport::binding::ContentMode;
@@ -172,11 +172,7 @@ async fn remove_stream(
     stream: &mut async_nats::jetstream::stream::Stream,
 ) {
     stream.purge().await.unwrap();
-    let client = async_nats::connect(url).await.unwrap();
-    async_nats::jetstream::new(client)
-        .delete_stream(prefix.to_uppercase())
-        .await
-        .unwrap();
+    delete_stream(url, &prefix.to_uppercase()).await;
 }
 
 #[tokio::test]
