@@ -22,10 +22,11 @@
 //! after a failed commit or a crash gives the same epoch and so the same ids.
 
 use std::cmp::Ordering;
+use std::collections::HashMap;
 
 use serde_json::Value;
 
-use crate::document::Document;
+use crate::document::{Document, ScheduledEvent};
 
 /// How a fetched document relates to the last processed one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,10 +74,19 @@ pub fn incarnation_tag(incarnation: u64, epoch: u64) -> String {
 
 /// The same information: the same events (each exactly as received, in any order) and the
 /// same other top-level fields. JSON objects compare by key, so key order does not matter.
+///
+/// Linear in the document's size: an unchanged document is compared on every poll, and
+/// after a burst it can hold a thousand events (a lookup per event, as this did, cost 5 ms a
+/// poll at 1000; BENCHMARKS.md, profiling section 11).
 fn same_content(a: &Document, b: &Document) -> bool {
+    // What the service sends again, it sends the same way: one comparison, no index.
+    if a.raw == b.raw {
+        return true;
+    }
     let contains_all = |a: &Document, b: &Document| {
+        let b = by_id(&b.events);
         a.events.iter().all(|event| {
-            b.event(&event.id)
+            b.get(event.id.as_str())
                 .is_some_and(|other| other.raw == event.raw)
         })
     };
@@ -92,9 +102,18 @@ fn same_content(a: &Document, b: &Document) -> bool {
         fields
     }
     a.events.len() == b.events.len()
+        && others(a) == others(b)
         && contains_all(a, b)
         && contains_all(b, a)
-        && others(a) == others(b)
+}
+
+/// The events by EventId; the first of each id, as [`Document::event`] finds it.
+pub(crate) fn by_id(events: &[ScheduledEvent]) -> HashMap<&str, &ScheduledEvent> {
+    let mut index = HashMap::with_capacity(events.len());
+    for event in events {
+        index.entry(event.id.as_str()).or_insert(event);
+    }
+    index
 }
 
 #[cfg(test)]
@@ -137,6 +156,85 @@ mod tests {
         assert_eq!(Continuity::of(None, &empty), Continuity::Next);
         assert_eq!(Continuity::Reset.epoch_after(0), 1);
         assert_eq!(Continuity::Next.epoch_after(1), 1);
+    }
+
+    /// The definition, one lookup per event: what the indexed comparison must agree with.
+    fn same_content_by_search(a: &Document, b: &Document) -> bool {
+        let contains_all = |a: &Document, b: &Document| {
+            a.events.iter().all(|event| {
+                b.event(&event.id)
+                    .is_some_and(|other| other.raw == event.raw)
+            })
+        };
+        fn others(d: &Document) -> Vec<(&String, &Value)> {
+            let mut fields: Vec<_> = d.raw.as_object().unwrap().iter().collect();
+            fields.retain(|(key, _)| *key != "DocumentIncarnation" && *key != "Events");
+            fields.sort_by_key(|(key, _)| *key);
+            fields
+        }
+        a.events.len() == b.events.len()
+            && contains_all(a, b)
+            && contains_all(b, a)
+            && others(a) == others(b)
+    }
+
+    /// A document of the same incarnation built from a few ids, statuses and an extra field,
+    /// so that pairs are often equal, often equal but for order, and often just different.
+    fn small_document() -> impl proptest::strategy::Strategy<Value = (Vec<Value>, Option<u8>)> {
+        use proptest::prelude::*;
+        (
+            proptest::collection::vec((0u8..5, 0u8..2, 0u8..2), 0..6),
+            proptest::option::of(0u8..2),
+        )
+            .prop_map(|(events, extra)| {
+                let mut seen = std::collections::HashSet::new();
+                let events = events
+                    .into_iter()
+                    .filter(|(id, ..)| seen.insert(*id))
+                    .map(|(id, started, duration)| {
+                        json!({"EventId": format!("e{id}"),
+                               "EventStatus": if started == 1 { "Started" } else { "Scheduled" },
+                               "DurationInSeconds": duration})
+                    })
+                    .collect();
+                (events, extra)
+            })
+    }
+
+    fn assemble((events, extra): (Vec<Value>, Option<u8>), shuffle: &[usize]) -> Document {
+        let mut events = events;
+        for (i, j) in shuffle.iter().enumerate() {
+            if !events.is_empty() {
+                let len = events.len();
+                events.swap(i % len, j % len);
+            }
+        }
+        let mut raw = json!({"DocumentIncarnation": 4, "Events": events});
+        if let Some(extra) = extra {
+            raw["Extra"] = json!(extra);
+        }
+        document(raw)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2048))]
+        #[test]
+        fn unchanged_means_the_same_events_in_any_order_and_the_same_other_fields(
+            a in small_document(),
+            b in small_document(),
+            same in proptest::prelude::any::<bool>(),
+            shuffle in proptest::collection::vec(0usize..6, 0..6),
+        ) {
+            let before = assemble(a.clone(), &[]);
+            let after = assemble(if same { a } else { b }, &shuffle);
+            let expected = if same_content_by_search(&before, &after) {
+                Continuity::Unchanged
+            } else {
+                Continuity::Reset
+            };
+            proptest::prop_assert_eq!(Continuity::of(Some(&before), &after), expected);
+            proptest::prop_assert_eq!(Continuity::of(Some(&after), &before), expected);
+        }
     }
 
     #[test]

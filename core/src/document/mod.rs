@@ -168,8 +168,10 @@ impl Document {
         for (index, item) in items.iter().enumerate() {
             events.push(parse_event(index, item, &mut warnings)?);
         }
+        // A set, not a search of the events before each one: this runs on every poll.
+        let mut ids = std::collections::HashSet::with_capacity(events.len());
         for (index, event) in events.iter().enumerate() {
-            if events[..index].iter().any(|earlier| earlier.id == event.id) {
+            if !ids.insert(event.id.as_str()) {
                 return Err(DocumentError::Invalid {
                     path: format!("Events[{index}].EventId"),
                     expected: "an EventId not used by another event of the document",
