@@ -12,6 +12,7 @@ mod identity;
 mod local_policy;
 mod poll_timer;
 mod poller;
+mod transitions;
 
 use std::future::Future;
 use std::sync::Arc;

@@ -13,13 +13,13 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use cloudevents::AttributesReader;
-use sched_relay_core::EventKind;
 use sched_relay_core::continuity::Continuity;
 use sched_relay_core::diff::Observation;
 use sched_relay_core::document::Document;
 use sched_relay_core::event::{EventFactory, events_observed};
 
 use super::poll_timer::PollTimer;
+use super::transitions;
 use crate::config::Config;
 use crate::fanout::Fanout;
 use crate::imds::pacing::{self, GONE_GRACE};
@@ -457,7 +457,16 @@ impl Poller {
             document: &document.raw,
             epoch: self.epoch,
         };
-        if let Err(error) = self.fanout.publish(&self.unstored, Some(processed)).await {
+        // Shared with the sinks, not copied; copied back only when the store refused them.
+        // (`unstored` is empty while the commit runs: this future is never dropped midway,
+        // the poll loop awaits it outside its `select!`s.)
+        let events: Arc<[sched_relay_core::Event]> = std::mem::take(&mut self.unstored).into();
+        if let Err(error) = self
+            .fanout
+            .publish_shared(events.clone(), Some(processed))
+            .await
+        {
+            self.unstored = events.to_vec();
             // Kept in memory: the next poll tries again, and the next document is diffed
             // against this one, so no transition seen meanwhile is lost (a restart before
             // then diffs the next document against the last stored one).
@@ -469,30 +478,7 @@ impl Poller {
             }
             return None;
         }
-        for event in std::mem::take(&mut self.unstored) {
-            let EventKind::Transition(kind) = event.kind() else {
-                continue;
-            };
-            let transition = kind.as_str();
-            let extension = |name| {
-                event
-                    .extension(name)
-                    .map(|v| v.to_string())
-                    .unwrap_or_default()
-            };
-            tracing::info!(
-                event_id = event.subject().unwrap_or_default(),
-                transition,
-                incarnation = %extension("incarnation"),
-                event_type = %extension("eventtype"),
-                status = %extension("eventstatus"),
-                affects_vm = %extension("affectsvm"),
-                unobserved = %extension("unobserved"),
-                id = %event.id(),
-                "Transition"
-            );
-            metrics::counter!("sched_relay_transitions_total", "transition" => transition.to_owned()).increment(1);
-        }
+        transitions::stored(&events);
         metrics::gauge!("sched_relay_incarnation").set(document.incarnation as f64);
         self.set_document_gauges(&document);
         Some(true)

@@ -250,6 +250,15 @@ impl Fanout {
         self.publisher.publish(events, document).await
     }
 
+    /// See [`Publisher::publish_shared`].
+    pub async fn publish_shared(
+        &self,
+        events: Arc<[Event]>,
+        document: Option<Processed<'_>>,
+    ) -> Result<(), StoreError> {
+        self.publisher.publish_shared(events, document).await
+    }
+
     /// Lets every sink deliver what is stored for at most `timeout`, then stops them. What is
     /// still undelivered stays in the outbox and goes out after the next start.
     pub async fn shutdown(self, timeout: Duration) {
@@ -307,8 +316,18 @@ impl Publisher {
         events: &[Event],
         document: Option<Processed<'_>>,
     ) -> Result<(), StoreError> {
+        self.publish_shared(events.into(), document).await
+    }
+
+    /// As [`Publisher::publish`], with events the caller shares rather than lends: they reach
+    /// the sinks without a copy (a thousand events' copy was a quarter of a burst's handling
+    /// before the first sink had one; BENCHMARKS.md, profiling section 11).
+    pub async fn publish_shared(
+        &self,
+        events: Arc<[Event]>,
+        document: Option<Processed<'_>>,
+    ) -> Result<(), StoreError> {
         let publisher = self.clone();
-        let events: Arc<[Event]> = events.into();
         let document = document.map(|processed| (processed.document.clone(), processed.epoch));
         // The commit and the dead-letter writes of what did not fit both fsync: off the
         // async threads.

@@ -162,6 +162,12 @@ impl EventFactory {
 
     /// The CloudEvent of one transition.
     pub fn transition(&self, transition: &Transition, observed: DateTime<Utc>) -> Event {
+        self.transition_owned(transition.clone(), observed)
+    }
+
+    /// As [`EventFactory::transition`], taking the transition: the event's JSON moves into
+    /// the data instead of being copied (`json!` serializes what it is given again).
+    pub fn transition_owned(&self, transition: Transition, observed: DateTime<Utc>) -> Event {
         Event::new(
             EventKind::Transition(transition.kind),
             self.transition_event(transition, observed),
@@ -170,19 +176,20 @@ impl EventFactory {
 
     fn transition_event(
         &self,
-        transition: &Transition,
+        mut transition: Transition,
         observed: DateTime<Utc>,
     ) -> cloudevents::Event {
+        let raw = std::mem::take(&mut transition.event.raw);
         let event = &transition.event;
         let affects = event.affects(&self.vm.name);
         let previous_status = transition.previous_status.as_ref().map(|s| s.as_str());
-        let data = json!({
+        let mut data = json!({
             "incarnation": transition.incarnation,
             "vm": self.vm_json(),
             "affectsVm": affects,
             "previousStatus": previous_status,
-            "event": event.raw,
         });
+        data["event"] = Value::Object(raw);
         let partition_key = match self.partition_key {
             PartitionKey::EventId => event.id.clone(),
             PartitionKey::VmName => self.vm.name.clone(),
@@ -310,8 +317,8 @@ pub fn events_observed(
         return Vec::new();
     }
     let mut events: Vec<_> = diff_observed(previous, current, observation)
-        .iter()
-        .map(|transition| factory.transition(transition, observation.at))
+        .into_iter()
+        .map(|transition| factory.transition_owned(transition, observation.at))
         .collect();
     if include_document {
         events.push(factory.document(current, observation.epoch, observation.at));
