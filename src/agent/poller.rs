@@ -457,16 +457,16 @@ impl Poller {
             document: &document.raw,
             epoch: self.epoch,
         };
-        // Shared with the sinks, not copied; copied back only when the store refused them.
-        // (`unstored` is empty while the commit runs: this future is never dropped midway,
-        // the poll loop awaits it outside its `select!`s.)
+        // Shared with the sinks, not copied; back in `unstored` unless the commit succeeds,
+        // even if this future were dropped midway.
         let events: Arc<[sched_relay_core::Event]> = std::mem::take(&mut self.unstored).into();
-        if let Err(error) = self
+        let pending = transitions::Pending::new(&mut self.unstored, events.clone());
+        let committed = self
             .fanout
             .publish_shared(events.clone(), Some(processed))
-            .await
-        {
-            self.unstored = events.to_vec();
+            .await;
+        pending.settle(committed.is_ok());
+        if let Err(error) = committed {
             // Kept in memory: the next poll tries again, and the next document is diffed
             // against this one, so no transition seen meanwhile is lost (a restart before
             // then diffs the next document against the last stored one).

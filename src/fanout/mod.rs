@@ -321,7 +321,7 @@ impl Publisher {
 
     /// As [`Publisher::publish`], with events the caller shares rather than lends: they reach
     /// the sinks without a copy (a thousand events' copy was a quarter of a burst's handling
-    /// before the first sink had one; BENCHMARKS.md, profiling section 11).
+    /// before the first sink had one; `benches/profiling.md`, section 11).
     pub async fn publish_shared(
         &self,
         events: Arc<[Event]>,

@@ -169,7 +169,7 @@ impl Document {
             events.push(parse_event(index, item, &mut warnings)?);
         }
         // A set, not a search of the events before each one: this runs on every poll.
-        let mut ids = std::collections::HashSet::with_capacity(events.len());
+        let mut ids = std::collections::BTreeSet::new();
         for (index, event) in events.iter().enumerate() {
             if !ids.insert(event.id.as_str()) {
                 return Err(DocumentError::Invalid {
