@@ -74,6 +74,8 @@ pub fn incarnation_tag(incarnation: u64, epoch: u64) -> String {
 
 /// The same information: the same events (each exactly as received, in any order) and the
 /// same other top-level fields. JSON objects compare by key, so key order does not matter.
+/// (Two documents with a repeated EventId, which the parser refuses, are the same when their
+/// events are the same in the same order.)
 ///
 /// Linear in the document's size, give or take a logarithm: an unchanged document is compared
 /// twice a poll, and after a burst it can hold a thousand events (searching the other
@@ -103,8 +105,7 @@ fn same_content(a: &Document, b: &Document) -> bool {
     same_events && others(a) == others(b)
 }
 
-/// The events by EventId; the first of each id, as [`Document::event`] finds it. A B-tree,
-/// not a hash map: this crate reads no randomness (see its documentation).
+/// The events by EventId; the first of each id, as [`Document::event`] finds it.
 pub(crate) fn by_id(events: &[ScheduledEvent]) -> BTreeMap<&str, &ScheduledEvent> {
     let mut index = BTreeMap::new();
     for event in events {
@@ -253,6 +254,25 @@ mod tests {
         assert_eq!(
             Continuity::of(Some(&by_hand("Scheduled")), &by_hand("Started")),
             Continuity::Reset
+        );
+    }
+
+    #[test]
+    fn identical_documents_built_by_hand_with_a_repeated_event_id_are_unchanged() {
+        let event = |status: &str| {
+            let raw = json!({"EventId": "x", "EventStatus": status});
+            document(json!({"DocumentIncarnation": 3, "Events": [raw]}))
+                .events
+                .remove(0)
+        };
+        let repeated = Document {
+            incarnation: 3,
+            events: vec![event("Scheduled"), event("Started")],
+            raw: json!({}),
+        };
+        assert_eq!(
+            Continuity::of(Some(&repeated), &repeated.clone()),
+            Continuity::Unchanged
         );
     }
 

@@ -1,6 +1,7 @@
 //! The core of sched-relay: everything about Azure Scheduled Events and the agent's wire
 //! contract that needs no runtime, no store and no broker client. Its functions do no I/O;
-//! only [`approval::Draft::new`] and key generation read the clock and randomness. An orchestrator that
+//! only [`approval::Draft::new`] and key generation read the clock and randomness (beside
+//! the standard library's hash maps, which seed themselves from the OS). An orchestrator that
 //! signs approvals, or a consumer that wants the event types, depends on this crate alone.
 //!
 //! - [`document`]: the Scheduled Events document and its tolerant parser;

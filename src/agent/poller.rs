@@ -457,8 +457,8 @@ impl Poller {
             document: &document.raw,
             epoch: self.epoch,
         };
-        // Shared with the sinks, not copied; back in `unstored` unless the commit succeeds,
-        // even if this future were dropped midway.
+        // Shared with the sinks, not copied; back in `unstored` unless the commit succeeded
+        // (see `Pending` for a drop midway).
         let events: Arc<[sched_relay_core::Event]> = std::mem::take(&mut self.unstored).into();
         let pending = transitions::Pending::new(&mut self.unstored, events.clone());
         let committed = self

@@ -8,7 +8,10 @@ use cloudevents::AttributesReader;
 use sched_relay_core::{Event, EventKind};
 
 /// Transitions handed to the outbox: they go back to the poller's `unstored` when the commit
-/// fails or is abandoned (dropped before [`Pending::settle`]), so the next poll stores them.
+/// fails, so the next poll stores them, and also when this is dropped unsettled. The commit
+/// runs on a blocking thread that a drop does not stop, so a future dropped after its first
+/// poll may store them twice (at least once, as when they stayed in `unstored` throughout):
+/// the poll loop never drops it, it awaits the commit outside its `select!`s.
 pub(super) struct Pending<'a> {
     unstored: &'a mut Vec<Event>,
     events: Option<Arc<[Event]>>,
@@ -97,7 +100,7 @@ mod tests {
     }
 
     #[test]
-    fn transitions_whose_commit_failed_or_was_abandoned_are_kept_in_order() {
+    fn transitions_whose_commit_failed_or_was_dropped_unsettled_are_kept_in_order() {
         for abandoned in [false, true] {
             let mut unstored = Vec::new();
             let pending = Pending::new(&mut unstored, events(&["a", "b"]).into());
