@@ -159,7 +159,10 @@ impl ImdsClient {
         let url = self.scheduled_events.as_str();
         let timeout = self.scheduled_events_timeout();
         self.pacer.turn().await;
-        let answered = match tokio::time::timeout(timeout, connection.get()).await {
+        // A request sent again on a new connection takes a turn of its own (within the
+        // timeout: normally the spacing, at most `timeout` while the service throttles).
+        let next_turn = || self.pacer.turn();
+        let answered = match tokio::time::timeout(timeout, connection.get(next_turn)).await {
             Err(_) => Err(ImdsError::Timeout {
                 url: url.to_owned(),
                 timeout,

@@ -8,11 +8,15 @@
 //! (BENCHMARKS.md, "Idle polls"). Everything else (StartRequests, the VM's identity, the
 //! approval checks' fresh documents) still goes through the shared client.
 //!
-//! Faults: a connection the service closed while idle is found out on the next request, and
-//! the GET (idempotent) is sent once more on a new connection before it counts as failed. A
+//! Faults: a connection the service closed while idle is found before the next request is
+//! sent on it, and replaced. A request on a kept connection that fails anyway (the service
+//! closed it just then, or took the request and closed without answering) is sent once more
+//! (a GET is idempotent) on a new connection before it counts as failed, but only in a turn
+//! of its own: the service may have counted the first against its 5 requests a second. A
 //! request that fails, times out or is abandoned takes its connection with it (its state is
 //! unknown), so the next one starts clean. Proved by the tests below against a server that
-//! closes every connection after one answer, one that hangs, and one that is not there.
+//! closes every connection after one answer, one that takes a request without answering,
+//! one that hangs, and one that is not there.
 
 use std::time::Duration;
 
@@ -84,18 +88,38 @@ impl KeptAlive {
         })
     }
 
-    /// `GET` with `Metadata: true`. A connection reused from an earlier request that fails
-    /// is replaced and the request sent once more; a new connection that fails is the
-    /// answer. Never times out by itself: the caller bounds it (dropping the future drops the
-    /// connection too).
-    pub async fn get(&mut self) -> Result<Answer, String> {
+    /// `GET` with `Metadata: true`. A kept connection the service has closed meanwhile is
+    /// found before anything is sent on it, and replaced. A request on a kept connection
+    /// that fails anyway may have reached the service (which counts it against its budget
+    /// of 5 a second), so it is sent once more on a new connection only after `next_turn`
+    /// (the pacer's next turn). A new connection that fails is the answer. Never times out
+    /// by itself: the caller bounds it (dropping the future drops the connection too).
+    pub async fn get<Turn: Future<Output = ()>>(
+        &mut self,
+        next_turn: impl FnOnce() -> Turn,
+    ) -> Result<Answer, String> {
+        self.forget_if_closed();
         let reused = self.open.is_some();
         match self.get_once().await {
             Err(error) if reused => {
-                tracing::debug!(error = %error, "The kept-alive connection to the metadata service failed; sending again on a new one");
+                tracing::debug!(error = %error, "The kept-alive connection to the metadata service failed; sending again on a new one, in a turn of its own");
+                next_turn().await;
                 self.get_once().await
             }
             answered => answered,
+        }
+    }
+
+    /// Drops the kept connection if it has ended while idle (the service closed it, or sent
+    /// what it should not have): found by driving it once without waiting, so no request is
+    /// sent into a connection that is already gone.
+    fn forget_if_closed(&mut self) {
+        let Some((sender, driver)) = &mut self.open else {
+            return;
+        };
+        let mut idle = std::task::Context::from_waker(std::task::Waker::noop());
+        if driver.poll_without_shutdown(&mut idle).is_ready() || sender.is_closed() {
+            self.open = None;
         }
     }
 
@@ -194,6 +218,9 @@ mod tests {
 
     const OK: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}";
 
+    /// A turn of the pacer that is always there at once.
+    async fn no_turn() {}
+
     /// A server that answers each request on a connection with `answer`, and closes every
     /// connection after `per_connection` answers; returns its URL and how many connections
     /// it accepted.
@@ -250,7 +277,7 @@ mod tests {
         let (url, accepted) = server(OK, usize::MAX).await;
         let mut connection = KeptAlive::new(&url, Duration::from_secs(1)).unwrap();
         for _ in 0..5 {
-            let answer = connection.get().await.unwrap();
+            let answer = connection.get(no_turn).await.unwrap();
             assert_eq!((answer.status, &answer.body[..]), (200, &b"{}"[..]));
         }
         assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
@@ -260,15 +287,80 @@ mod tests {
     async fn a_connection_the_service_closed_while_idle_is_replaced_without_a_failed_poll() {
         let (url, accepted) = server(OK, 1).await;
         let mut connection = KeptAlive::new(&url, Duration::from_secs(1)).unwrap();
+        let turns = std::cell::Cell::new(0);
         for _ in 0..3 {
             // The server closes each connection 10 ms after its answer, while it is idle
-            // here: the next poll finds it closed.
-            let answer = connection.get().await.unwrap();
+            // here: the next poll finds it closed before sending anything on it.
+            let answer = connection
+                .get(|| async { turns.set(turns.get() + 1) })
+                .await
+                .unwrap();
             assert_eq!(answer.status, 200);
             assert!(connection.open.is_some(), "kept after a keep-alive answer");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 3);
+        assert_eq!(
+            turns.get(),
+            0,
+            "no request was sent twice, so none waited for a turn"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_request_a_kept_connection_took_without_answering_is_sent_again_only_in_a_new_turn() {
+        // The first connection answers one request, then reads the next and closes without
+        // answering: the service may have counted that request. Later connections answer.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = Url::parse(&format!(
+            "http://{}/metadata/scheduledevents",
+            listener.local_addr().unwrap()
+        ))
+        .unwrap();
+        let requests = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = requests.clone();
+        tokio::spawn(async move {
+            for connection in 0.. {
+                let (mut socket, _) = listener.accept().await.unwrap();
+                let counted = counted.clone();
+                tokio::spawn(async move {
+                    let mut buffer = vec![0u8; 4096];
+                    for answered in 0.. {
+                        let mut read = 0;
+                        while !buffer[..read].windows(4).any(|w| w == b"\r\n\r\n") {
+                            match socket.read(&mut buffer[read..]).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => read += n,
+                            }
+                        }
+                        counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        if connection == 0 && answered == 1 {
+                            return;
+                        }
+                        if socket.write_all(OK).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        let mut connection = KeptAlive::new(&url, Duration::from_secs(1)).unwrap();
+        let turns = std::cell::Cell::new(0);
+        let mut get = async || {
+            connection
+                .get(|| async { turns.set(turns.get() + 1) })
+                .await
+                .unwrap()
+        };
+        assert_eq!(get().await.status, 200);
+        assert_eq!(turns.get(), 0);
+        assert_eq!(get().await.status, 200);
+        assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 3);
+        assert_eq!(
+            turns.get(),
+            1,
+            "the second sending of a request waited for its own turn"
+        );
     }
 
     #[tokio::test]
@@ -278,7 +370,7 @@ mod tests {
         let (url, accepted) = server(CLOSE, 1).await;
         let mut connection = KeptAlive::new(&url, Duration::from_secs(1)).unwrap();
         for _ in 0..2 {
-            let answer = connection.get().await.unwrap();
+            let answer = connection.get(no_turn).await.unwrap();
             assert_eq!(answer.status, 503);
             assert_eq!(answer.retry_after.as_deref(), Some("7"));
             assert_eq!(&answer.body[..], b"busy");
@@ -294,7 +386,7 @@ mod tests {
         let mut connection = KeptAlive::new(&url, Duration::from_secs(1)).unwrap();
         for _ in 0..2 {
             let timed_out =
-                tokio::time::timeout(Duration::from_millis(100), connection.get()).await;
+                tokio::time::timeout(Duration::from_millis(100), connection.get(no_turn)).await;
             assert!(timed_out.is_err());
         }
         assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
@@ -306,7 +398,7 @@ mod tests {
         let url = Url::parse(&format!("http://127.0.0.1:{port}/metadata/scheduledevents")).unwrap();
         let error = KeptAlive::new(&url, Duration::from_secs(1))
             .unwrap()
-            .get()
+            .get(no_turn)
             .await
             .unwrap_err();
         assert!(

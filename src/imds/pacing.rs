@@ -73,15 +73,20 @@ impl Pacer {
         }
     }
 
-    /// Waits for this request's turn.
+    /// Waits for this request's turn. A 429 that another request gets while this one waits
+    /// (for its spacing, or for an earlier `Retry-After`) holds this one back too: the wait is
+    /// checked again when it ends.
     pub async fn turn(&self) {
         let mut next = self.next.lock().await;
-        let throttled = *self
-            .throttled_until
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        if let Some(at) = next.max(throttled) {
-            tokio::time::sleep_until(at).await;
+        loop {
+            let throttled = *self
+                .throttled_until
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            match next.max(throttled) {
+                Some(at) if at > Instant::now() => tokio::time::sleep_until(at).await,
+                _ => break,
+            }
         }
         *next = Some(Instant::now() + MIN_REQUEST_SPACING);
     }
@@ -181,6 +186,30 @@ mod tests {
         let start = Instant::now();
         pacer.turn().await;
         assert_eq!(Instant::now() - start, MAX_THROTTLED_WAIT);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_retry_after_that_comes_while_a_request_waits_for_its_turn_holds_it_back() {
+        let pacer = std::sync::Arc::new(Pacer::new());
+        let start = Instant::now();
+        pacer.turn().await;
+        // Waits for its spacing behind the request that just went out...
+        let waiting = tokio::spawn({
+            let pacer = pacer.clone();
+            async move {
+                pacer.turn().await;
+                Instant::now()
+            }
+        });
+        // ...whose answer, a 429, comes before that wait ends.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        pacer.throttled(Duration::from_secs(4));
+        let went = waiting.await.unwrap();
+        assert!(
+            went - start >= Duration::from_millis(4_100),
+            "went out {:?} after the first request, inside the Retry-After",
+            went - start
+        );
     }
 
     #[tokio::test(start_paused = true)]
