@@ -74,8 +74,9 @@ pub fn incarnation_tag(incarnation: u64, epoch: u64) -> String {
 
 /// The same information: the same events (each exactly as received, in any order) and the
 /// same other top-level fields. JSON objects compare by key, so key order does not matter.
-/// (Two documents with a repeated EventId, which the parser refuses, are the same when their
-/// events are the same in the same order.)
+/// (Documents with a repeated EventId, which the parser refuses, can only be built by hand:
+/// two such documents are the same if their events are equal in the same order, and may
+/// also be when not, as `[x, x, y]` and `[x, y, y]` are.)
 ///
 /// Linear in the document's size, give or take a logarithm: an unchanged document is compared
 /// twice a poll, and after a burst it can hold a thousand events (searching the other

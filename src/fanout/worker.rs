@@ -399,7 +399,8 @@ impl Worker {
     }
 
     /// Counts confirmed events and records the agent's own part of their latency: from the
-    /// document's arrival (the event's `time`) to the destination's confirmation.
+    /// poller's observation of their document (the event's `time`, taken once the answer was
+    /// read, parsed and found changed) to the destination's confirmation.
     fn confirmed(&self, events: &[Event]) {
         metrics::counter!("sched_relay_sink_delivered_total", "sink" => self.name.clone())
             .increment(events.len() as u64);
