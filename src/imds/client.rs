@@ -16,7 +16,7 @@ use url::Url;
 use sched_relay_core::document::{Document, DocumentError, Parsed};
 use sched_relay_core::event::Identity;
 
-use super::connection::KeptAlive;
+use super::connection::{KeptAlive, Unanswered};
 pub use super::error::ImdsError;
 use super::error::newest_versions;
 
@@ -159,19 +159,18 @@ impl ImdsClient {
         let url = self.scheduled_events.as_str();
         let timeout = self.scheduled_events_timeout();
         self.pacer.turn().await;
-        // A request sent again on a new connection takes a turn of its own (within the
-        // timeout: normally the spacing, at most `timeout` while the service throttles).
-        let next_turn = || self.pacer.turn();
-        let answered = match tokio::time::timeout(timeout, connection.get(next_turn)).await {
-            Err(_) => Err(ImdsError::Timeout {
+        // A request sent again on a new connection waits for a turn of its own, as the first
+        // did: outside the timeout, so a throttled service holds it back rather than time it out.
+        let answered = match connection.get(timeout, || self.pacer.turn()).await {
+            Err(Unanswered::TimedOut) => Err(ImdsError::Timeout {
                 url: url.to_owned(),
                 timeout,
             }),
-            Ok(Err(reason)) => Err(ImdsError::Unreachable {
+            Err(Unanswered::Failed(reason)) => Err(ImdsError::Unreachable {
                 url: url.to_owned(),
                 reason,
             }),
-            Ok(Ok(answer)) => self.judge(
+            Ok(answer) => self.judge(
                 url,
                 answer.status,
                 answer.retry_after.as_deref(),

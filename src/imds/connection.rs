@@ -9,7 +9,7 @@
 //! approval checks' fresh documents) still goes through the shared client.
 //!
 //! Faults: a connection the service closed while idle is found before the next request is
-//! sent on it, and replaced. A request on a kept connection that fails anyway (the service
+//! sent on it (once the close has reached this process), and replaced. A request on a kept connection that fails anyway (the service
 //! closed it just then, or took the request and closed without answering) is sent once more
 //! (a GET is idempotent) on a new connection before it counts as failed, but only in a turn
 //! of its own: the service may have counted the first against its 5 requests a second. A
@@ -39,6 +39,15 @@ pub struct Answer {
     /// The `Retry-After` header, as sent.
     pub retry_after: Option<String>,
     pub body: Bytes,
+}
+
+/// Why a `GET` got no answer.
+#[derive(Debug)]
+pub enum Unanswered {
+    /// None within the timeout.
+    TimedOut,
+    /// The connection could not be made, or failed; with why.
+    Failed(String),
 }
 
 type Sender = http1::SendRequest<Empty<Bytes>>;
@@ -88,31 +97,41 @@ impl KeptAlive {
         })
     }
 
-    /// `GET` with `Metadata: true`. A kept connection the service has closed meanwhile is
-    /// found before anything is sent on it, and replaced. A request on a kept connection
-    /// that fails anyway may have reached the service (which counts it against its budget
-    /// of 5 a second), so it is sent once more on a new connection only after `next_turn`
-    /// (the pacer's next turn). A new connection that fails is the answer. Never times out
-    /// by itself: the caller bounds it (dropping the future drops the connection too).
+    /// `GET` with `Metadata: true`, each sending bounded by `timeout` (a sending that times
+    /// out takes its connection with it). A kept connection whose close has already reached
+    /// this process is found before anything is sent on it, and replaced. A request on a kept
+    /// connection that fails anyway may have reached the service (which counts it against
+    /// its budget of 5 a second), so it is sent once more on a new connection only after
+    /// `next_turn` (the pacer's next turn), which is not counted in either timeout. A new
+    /// connection that fails is the answer.
     pub async fn get<Turn: Future<Output = ()>>(
         &mut self,
+        timeout: Duration,
         next_turn: impl FnOnce() -> Turn,
-    ) -> Result<Answer, String> {
+    ) -> Result<Answer, Unanswered> {
         self.forget_if_closed();
         let reused = self.open.is_some();
-        match self.get_once().await {
-            Err(error) if reused => {
+        match self.get_within(timeout).await {
+            Err(Unanswered::Failed(error)) if reused => {
                 tracing::debug!(error = %error, "The kept-alive connection to the metadata service failed; sending again on a new one, in a turn of its own");
                 next_turn().await;
-                self.get_once().await
+                self.get_within(timeout).await
             }
             answered => answered,
         }
     }
 
+    async fn get_within(&mut self, timeout: Duration) -> Result<Answer, Unanswered> {
+        match tokio::time::timeout(timeout, self.get_once()).await {
+            Err(_) => Err(Unanswered::TimedOut),
+            Ok(answered) => answered.map_err(Unanswered::Failed),
+        }
+    }
+
     /// Drops the kept connection if it has ended while idle (the service closed it, or sent
     /// what it should not have): found by driving it once without waiting, so no request is
-    /// sent into a connection that is already gone.
+    /// sent into a connection whose close the runtime has already seen. (A close still on
+    /// its way is found by the request itself.)
     fn forget_if_closed(&mut self) {
         let Some((sender, driver)) = &mut self.open else {
             return;
@@ -214,43 +233,54 @@ impl KeptAlive {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use std::sync::{Arc, Mutex};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     const OK: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}";
+    const SECOND: Duration = Duration::from_secs(1);
 
     /// A turn of the pacer that is always there at once.
     async fn no_turn() {}
 
+    /// Reads one request's head from `socket`; false when the connection ended first.
+    async fn read_request(socket: &mut tokio::net::TcpStream, buffer: &mut [u8]) -> Option<String> {
+        let mut read = 0;
+        while !buffer[..read].windows(4).any(|w| w == b"\r\n\r\n") {
+            match socket.read(&mut buffer[read..]).await {
+                Ok(0) | Err(_) => return None,
+                Ok(n) => read += n,
+            }
+        }
+        Some(String::from_utf8_lossy(&buffer[..read]).to_lowercase())
+    }
+
     /// A server that answers each request on a connection with `answer`, and closes every
-    /// connection after `per_connection` answers; returns its URL and how many connections
-    /// it accepted.
+    /// connection after `per_connection` answers; returns its URL, how many connections it
+    /// accepted and how many it has closed.
     async fn server(
         answer: &'static [u8],
         per_connection: usize,
-    ) -> (Url, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    ) -> (Url, Arc<AtomicUsize>, Arc<AtomicUsize>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = Url::parse(&format!(
             "http://{}/metadata/scheduledevents?api-version=2020-07-01",
             listener.local_addr().unwrap()
         ))
         .unwrap();
-        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let counter = accepted.clone();
+        let (accepted, closed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (counter, closes) = (accepted.clone(), closed.clone());
         tokio::spawn(async move {
             loop {
                 let (mut socket, _) = listener.accept().await.unwrap();
-                counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                counter.fetch_add(1, SeqCst);
+                let closes = closes.clone();
                 tokio::spawn(async move {
                     let mut buffer = vec![0u8; 4096];
                     for _ in 0..per_connection {
-                        let mut read = 0;
-                        while !buffer[..read].windows(4).any(|w| w == b"\r\n\r\n") {
-                            match socket.read(&mut buffer[read..]).await {
-                                Ok(0) | Err(_) => return,
-                                Ok(n) => read += n,
-                            }
-                        }
-                        let request = String::from_utf8_lossy(&buffer[..read]).to_lowercase();
+                        let Some(request) = read_request(&mut socket, &mut buffer).await else {
+                            return;
+                        };
                         assert!(
                             request.starts_with(
                                 "get /metadata/scheduledevents?api-version=2020-07-01 http/1.1"
@@ -266,40 +296,80 @@ mod tests {
                     // Closed a little after the last answer, as an idle keep-alive connection
                     // is: the client has put it back by then.
                     tokio::time::sleep(Duration::from_millis(10)).await;
+                    drop(socket);
+                    closes.fetch_add(1, SeqCst);
                 });
             }
         });
-        (url, accepted)
+        (url, accepted, closed)
+    }
+
+    /// A server whose first connection answers one request, then reads the next and closes
+    /// without answering (the service may have counted it); later connections answer every
+    /// request with an empty document. Returns its URL and when each request arrived.
+    async fn server_that_takes_a_second_request_without_answering()
+    -> (Url, Arc<Mutex<Vec<std::time::Instant>>>) {
+        const DOCUMENT: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 37\r\n\r\n{\"DocumentIncarnation\":1,\"Events\":[]}";
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = Url::parse(&format!("http://{}/", listener.local_addr().unwrap())).unwrap();
+        let arrivals = Arc::new(Mutex::new(Vec::new()));
+        let arrived = arrivals.clone();
+        tokio::spawn(async move {
+            for connection in 0.. {
+                let (mut socket, _) = listener.accept().await.unwrap();
+                let arrived = arrived.clone();
+                tokio::spawn(async move {
+                    let mut buffer = vec![0u8; 4096];
+                    for answered in 0.. {
+                        if read_request(&mut socket, &mut buffer).await.is_none() {
+                            return;
+                        }
+                        arrived.lock().unwrap().push(std::time::Instant::now());
+                        if connection == 0 && answered == 1 {
+                            return;
+                        }
+                        if socket.write_all(DOCUMENT).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (url, arrivals)
     }
 
     #[tokio::test]
     async fn one_connection_serves_every_poll() {
-        let (url, accepted) = server(OK, usize::MAX).await;
-        let mut connection = KeptAlive::new(&url, Duration::from_secs(1)).unwrap();
+        let (url, accepted, _) = server(OK, usize::MAX).await;
+        let mut connection = KeptAlive::new(&url, SECOND).unwrap();
         for _ in 0..5 {
-            let answer = connection.get(no_turn).await.unwrap();
+            let answer = connection.get(SECOND, no_turn).await.unwrap();
             assert_eq!((answer.status, &answer.body[..]), (200, &b"{}"[..]));
         }
-        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert_eq!(accepted.load(SeqCst), 1);
     }
 
     #[tokio::test]
     async fn a_connection_the_service_closed_while_idle_is_replaced_without_a_failed_poll() {
-        let (url, accepted) = server(OK, 1).await;
-        let mut connection = KeptAlive::new(&url, Duration::from_secs(1)).unwrap();
+        let (url, accepted, closed) = server(OK, 1).await;
+        let mut connection = KeptAlive::new(&url, SECOND).unwrap();
         let turns = std::cell::Cell::new(0);
-        for _ in 0..3 {
-            // The server closes each connection 10 ms after its answer, while it is idle
-            // here: the next poll finds it closed before sending anything on it.
+        for poll in 1..=3 {
             let answer = connection
-                .get(|| async { turns.set(turns.get() + 1) })
+                .get(SECOND, || async { turns.set(turns.get() + 1) })
                 .await
                 .unwrap();
             assert_eq!(answer.status, 200);
             assert!(connection.open.is_some(), "kept after a keep-alive answer");
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            // The server closes the connection 10 ms after its answer, while it is idle
+            // here; once the runtime has seen the close (a wait parks it), the next poll
+            // finds the connection gone before sending anything on it.
+            while closed.load(SeqCst) < poll {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 3);
+        assert_eq!(accepted.load(SeqCst), 3);
         assert_eq!(
             turns.get(),
             0,
@@ -308,58 +378,44 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_request_a_kept_connection_took_without_answering_is_sent_again_only_in_a_new_turn() {
-        // The first connection answers one request, then reads the next and closes without
-        // answering: the service may have counted that request. Later connections answer.
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = Url::parse(&format!(
-            "http://{}/metadata/scheduledevents",
-            listener.local_addr().unwrap()
-        ))
-        .unwrap();
-        let requests = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let counted = requests.clone();
-        tokio::spawn(async move {
-            for connection in 0.. {
-                let (mut socket, _) = listener.accept().await.unwrap();
-                let counted = counted.clone();
-                tokio::spawn(async move {
-                    let mut buffer = vec![0u8; 4096];
-                    for answered in 0.. {
-                        let mut read = 0;
-                        while !buffer[..read].windows(4).any(|w| w == b"\r\n\r\n") {
-                            match socket.read(&mut buffer[read..]).await {
-                                Ok(0) | Err(_) => return,
-                                Ok(n) => read += n,
-                            }
-                        }
-                        counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                        if connection == 0 && answered == 1 {
-                            return;
-                        }
-                        if socket.write_all(OK).await.is_err() {
-                            return;
-                        }
-                    }
-                });
-            }
-        });
-        let mut connection = KeptAlive::new(&url, Duration::from_secs(1)).unwrap();
-        let turns = std::cell::Cell::new(0);
-        let mut get = async || {
-            connection
-                .get(|| async { turns.set(turns.get() + 1) })
-                .await
-                .unwrap()
+    async fn a_request_a_kept_connection_took_without_answering_is_sent_again_only_after_a_new_turn()
+     {
+        let (url, arrivals) = server_that_takes_a_second_request_without_answering().await;
+        let url = url.join("metadata/scheduledevents").unwrap();
+        let mut connection = KeptAlive::new(&url, SECOND).unwrap();
+        let turn_ended = std::cell::Cell::new(None);
+        let next_turn = || async {
+            assert_eq!(
+                arrivals.lock().unwrap().len(),
+                2,
+                "the turn is taken after the failed sending, before the next"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            turn_ended.set(Some(std::time::Instant::now()));
         };
-        assert_eq!(get().await.status, 200);
-        assert_eq!(turns.get(), 0);
-        assert_eq!(get().await.status, 200);
-        assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 3);
-        assert_eq!(
-            turns.get(),
-            1,
-            "the second sending of a request waited for its own turn"
+        assert_eq!(connection.get(SECOND, no_turn).await.unwrap().status, 200);
+        assert_eq!(connection.get(SECOND, next_turn).await.unwrap().status, 200);
+        let arrivals = arrivals.lock().unwrap().clone();
+        assert_eq!(arrivals.len(), 3);
+        let turn_ended = turn_ended.get().expect("a turn was taken");
+        assert!(arrivals[2] >= turn_ended, "sent again only after its turn");
+    }
+
+    #[tokio::test]
+    async fn a_poll_sent_again_on_a_new_connection_waits_for_the_pacers_spacing() {
+        let (url, arrivals) = server_that_takes_a_second_request_without_answering().await;
+        let client = crate::imds::ImdsClient::new(url, "2020-07-01", SECOND, SECOND).unwrap();
+        let mut connection = client.poll_connection().unwrap();
+        client.fetch_on(&mut connection).await.unwrap();
+        client.fetch_on(&mut connection).await.unwrap();
+        let arrivals = arrivals.lock().unwrap().clone();
+        assert_eq!(arrivals.len(), 3);
+        // The pacer keeps requests 210 ms apart from their turns; sent again at once, the
+        // third would follow the second within a millisecond or two.
+        assert!(
+            arrivals[2] - arrivals[1] >= Duration::from_millis(150),
+            "sent again {:?} after the failed one",
+            arrivals[2] - arrivals[1]
         );
     }
 
@@ -367,40 +423,45 @@ mod tests {
     async fn connection_close_answers_are_read_whole_and_the_connection_is_not_reused() {
         const CLOSE: &[u8] =
             b"HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\nretry-after: 7\r\ncontent-length: 4\r\n\r\nbusy";
-        let (url, accepted) = server(CLOSE, 1).await;
-        let mut connection = KeptAlive::new(&url, Duration::from_secs(1)).unwrap();
+        let (url, accepted, _) = server(CLOSE, 1).await;
+        let mut connection = KeptAlive::new(&url, SECOND).unwrap();
         for _ in 0..2 {
-            let answer = connection.get(no_turn).await.unwrap();
+            let answer = connection.get(SECOND, no_turn).await.unwrap();
             assert_eq!(answer.status, 503);
             assert_eq!(answer.retry_after.as_deref(), Some("7"));
             assert_eq!(&answer.body[..], b"busy");
         }
-        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+        assert_eq!(accepted.load(SeqCst), 2);
     }
 
     #[tokio::test]
     async fn an_abandoned_request_does_not_leave_its_connection_for_the_next_one() {
-        // A server that reads the request and never answers: the caller's timeout drops
-        // the exchange half-way.
-        let (url, accepted) = server(b"", usize::MAX).await;
-        let mut connection = KeptAlive::new(&url, Duration::from_secs(1)).unwrap();
+        // A server that reads the request and never answers: the timeout drops the
+        // exchange half-way.
+        let (url, accepted, _) = server(b"", usize::MAX).await;
+        let mut connection = KeptAlive::new(&url, SECOND).unwrap();
         for _ in 0..2 {
-            let timed_out =
-                tokio::time::timeout(Duration::from_millis(100), connection.get(no_turn)).await;
-            assert!(timed_out.is_err());
+            let timed_out = connection
+                .get(Duration::from_millis(100), no_turn)
+                .await
+                .unwrap_err();
+            assert!(matches!(timed_out, Unanswered::TimedOut), "{timed_out:?}");
         }
-        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+        assert_eq!(accepted.load(SeqCst), 2);
     }
 
     #[tokio::test]
     async fn an_endpoint_nobody_listens_on_is_a_clear_failure() {
         let port = sched_relay_transport::testing::free_port();
         let url = Url::parse(&format!("http://127.0.0.1:{port}/metadata/scheduledevents")).unwrap();
-        let error = KeptAlive::new(&url, Duration::from_secs(1))
+        let Unanswered::Failed(error) = KeptAlive::new(&url, SECOND)
             .unwrap()
-            .get(no_turn)
+            .get(SECOND, no_turn)
             .await
-            .unwrap_err();
+            .unwrap_err()
+        else {
+            panic!("a refused connection is a failure, not a timeout");
+        };
         assert!(
             error.contains(&format!("cannot connect to 127.0.0.1:{port}")),
             "{error}"
