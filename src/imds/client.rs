@@ -107,6 +107,12 @@ impl ImdsClient {
         &self.posted
     }
 
+    /// The pacer every request of this client waits for, for tests that throttle it.
+    #[cfg(test)]
+    pub(crate) fn pacer(&self) -> &super::pacing::Pacer {
+        &self.pacer
+    }
+
     /// The base URL requests go to.
     pub fn base(&self) -> &Url {
         &self.base

@@ -8,15 +8,17 @@
 //! (BENCHMARKS.md, "Idle polls"). Everything else (StartRequests, the VM's identity, the
 //! approval checks' fresh documents) still goes through the shared client.
 //!
-//! Faults: a connection the service closed while idle is found before the next request is
-//! sent on it (once the close has reached this process), and replaced. A request on a kept connection that fails anyway (the service
-//! closed it just then, or took the request and closed without answering) is sent once more
-//! (a GET is idempotent) on a new connection before it counts as failed, but only in a turn
-//! of its own: the service may have counted the first against its 5 requests a second. A
-//! request that fails, times out or is abandoned takes its connection with it (its state is
-//! unknown), so the next one starts clean. Proved by the tests below against a server that
-//! closes every connection after one answer, one that takes a request without answering,
-//! one that hangs, and one that is not there.
+//! Faults: a kept connection whose close the runtime has already seen is found before the
+//! next request is sent on it, and replaced. A request on a kept connection that fails anyway
+//! (the service closed it just then, or took the request and closed without answering) is
+//! sent once more (a GET is idempotent) on a new connection, but only in a turn of its own,
+//! since the service may have counted the first against its 5 requests a second, and only
+//! within what is left of the poll's timeout: however it fails, a poll spends at most one
+//! timeout sending. A request that times out is not sent again. A request that fails, times
+//! out or is abandoned takes its connection with it (its state is unknown), so the next one
+//! starts clean. Proved by the tests below against a server that closes every connection
+//! after one answer, one that takes a request without answering, one that hangs, and one
+//! that is not there.
 
 use std::time::Duration;
 
@@ -97,13 +99,13 @@ impl KeptAlive {
         })
     }
 
-    /// `GET` with `Metadata: true`, each sending bounded by `timeout` (a sending that times
-    /// out takes its connection with it). A kept connection whose close has already reached
-    /// this process is found before anything is sent on it, and replaced. A request on a kept
-    /// connection that fails anyway may have reached the service (which counts it against
-    /// its budget of 5 a second), so it is sent once more on a new connection only after
-    /// `next_turn` (the pacer's next turn), which is not counted in either timeout. A new
-    /// connection that fails is the answer.
+    /// `GET` with `Metadata: true`, its sending bounded by `timeout` (a sending that times
+    /// out takes its connection with it, and is not sent again). A kept connection whose close
+    /// the runtime has already seen is found before anything is sent on it, and replaced. A
+    /// request on a kept connection that fails anyway may have reached the service (which
+    /// counts it against its budget of 5 a second), so it is sent once more on a new
+    /// connection only after `next_turn` (the pacer's next turn, not counted in the timeout),
+    /// and only within what is left of `timeout`. A new connection that fails is the answer.
     pub async fn get<Turn: Future<Output = ()>>(
         &mut self,
         timeout: Duration,
@@ -111,11 +113,16 @@ impl KeptAlive {
     ) -> Result<Answer, Unanswered> {
         self.forget_if_closed();
         let reused = self.open.is_some();
+        let started = tokio::time::Instant::now();
         match self.get_within(timeout).await {
             Err(Unanswered::Failed(error)) if reused => {
+                let left = timeout.saturating_sub(started.elapsed());
+                if left.is_zero() {
+                    return Err(Unanswered::Failed(error));
+                }
                 tracing::debug!(error = %error, "The kept-alive connection to the metadata service failed; sending again on a new one, in a turn of its own");
                 next_turn().await;
-                self.get_within(timeout).await
+                self.get_within(left).await
             }
             answered => answered,
         }
@@ -234,7 +241,7 @@ impl KeptAlive {
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
-    use std::sync::{Arc, Mutex};
+    use std::sync::{Arc, Mutex, OnceLock};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     const OK: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}";
@@ -304,20 +311,24 @@ mod tests {
         (url, accepted, closed)
     }
 
-    /// A server whose first connection answers one request, then reads the next and closes
-    /// without answering (the service may have counted it); later connections answer every
+    /// A server whose first connection answers one request, then reads the next and calls
+    /// `on_second`; then it closes without answering (the service may have counted it), or
+    /// with `hang` keeps the connection open and silent. Later connections answer every
     /// request with an empty document. Returns its URL and when each request arrived.
-    async fn server_that_takes_a_second_request_without_answering()
-    -> (Url, Arc<Mutex<Vec<std::time::Instant>>>) {
+    async fn server_that_takes_a_second_request_without_answering(
+        on_second: impl Fn() + Send + Sync + 'static,
+        hang: bool,
+    ) -> (Url, Arc<Mutex<Vec<std::time::Instant>>>) {
         const DOCUMENT: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 37\r\n\r\n{\"DocumentIncarnation\":1,\"Events\":[]}";
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = Url::parse(&format!("http://{}/", listener.local_addr().unwrap())).unwrap();
         let arrivals = Arc::new(Mutex::new(Vec::new()));
         let arrived = arrivals.clone();
+        let on_second = Arc::new(on_second);
         tokio::spawn(async move {
             for connection in 0.. {
                 let (mut socket, _) = listener.accept().await.unwrap();
-                let arrived = arrived.clone();
+                let (arrived, on_second) = (arrived.clone(), on_second.clone());
                 tokio::spawn(async move {
                     let mut buffer = vec![0u8; 4096];
                     for answered in 0.. {
@@ -326,6 +337,10 @@ mod tests {
                         }
                         arrived.lock().unwrap().push(std::time::Instant::now());
                         if connection == 0 && answered == 1 {
+                            on_second();
+                            if hang {
+                                std::future::pending::<()>().await;
+                            }
                             return;
                         }
                         if socket.write_all(DOCUMENT).await.is_err() {
@@ -380,7 +395,8 @@ mod tests {
     #[tokio::test]
     async fn a_request_a_kept_connection_took_without_answering_is_sent_again_only_after_a_new_turn()
      {
-        let (url, arrivals) = server_that_takes_a_second_request_without_answering().await;
+        let (url, arrivals) =
+            server_that_takes_a_second_request_without_answering(|| {}, false).await;
         let url = url.join("metadata/scheduledevents").unwrap();
         let mut connection = KeptAlive::new(&url, SECOND).unwrap();
         let turn_ended = std::cell::Cell::new(None);
@@ -402,21 +418,52 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_poll_sent_again_on_a_new_connection_waits_for_the_pacers_spacing() {
-        let (url, arrivals) = server_that_takes_a_second_request_without_answering().await;
-        let client = crate::imds::ImdsClient::new(url, "2020-07-01", SECOND, SECOND).unwrap();
+    async fn a_poll_sent_again_waits_out_a_429_that_came_meanwhile_beyond_its_timeout() {
+        // A request timeout shorter than the wait for the re-send's turn: the turn is not
+        // part of it. The 429 (to another request of the agent) is noted after the failed
+        // sending reached the server and before the client can see it fail.
+        let client = Arc::new(OnceLock::new());
+        let throttle = client.clone();
+        let (url, arrivals) = server_that_takes_a_second_request_without_answering(
+            move || {
+                let client: &crate::imds::ImdsClient = throttle.get().unwrap();
+                client.pacer().throttled(Duration::from_millis(300));
+            },
+            false,
+        )
+        .await;
+        let client = client.get_or_init(|| {
+            crate::imds::ImdsClient::new(url, "2020-07-01", Duration::from_millis(100), SECOND)
+                .unwrap()
+        });
         let mut connection = client.poll_connection().unwrap();
         client.fetch_on(&mut connection).await.unwrap();
         client.fetch_on(&mut connection).await.unwrap();
         let arrivals = arrivals.lock().unwrap().clone();
         assert_eq!(arrivals.len(), 3);
-        // The pacer keeps requests 210 ms apart from their turns; sent again at once, the
-        // third would follow the second within a millisecond or two.
         assert!(
-            arrivals[2] - arrivals[1] >= Duration::from_millis(150),
-            "sent again {:?} after the failed one",
+            arrivals[2] - arrivals[1] >= Duration::from_millis(300),
+            "sent again {:?} after the failed one, inside the Retry-After",
             arrivals[2] - arrivals[1]
         );
+    }
+
+    #[tokio::test]
+    async fn a_request_a_kept_connection_timed_out_on_is_not_sent_again() {
+        let (url, arrivals) =
+            server_that_takes_a_second_request_without_answering(|| {}, true).await;
+        let url = url.join("metadata/scheduledevents").unwrap();
+        let mut connection = KeptAlive::new(&url, SECOND).unwrap();
+        let turns = std::cell::Cell::new(0);
+        assert_eq!(connection.get(SECOND, no_turn).await.unwrap().status, 200);
+        let unanswered = connection
+            .get(Duration::from_millis(100), || async {
+                turns.set(turns.get() + 1)
+            })
+            .await
+            .unwrap_err();
+        assert!(matches!(unanswered, Unanswered::TimedOut), "{unanswered:?}");
+        assert_eq!((turns.get(), arrivals.lock().unwrap().len()), (0, 2));
     }
 
     #[tokio::test]
