@@ -250,7 +250,7 @@ mod tests {
     /// A turn of the pacer that is always there at once.
     async fn no_turn() {}
 
-    /// Reads one request's head from `socket`; false when the connection ended first.
+    /// Reads one request's head from `socket`; `None` when the connection ended first.
     async fn read_request(socket: &mut tokio::net::TcpStream, buffer: &mut [u8]) -> Option<String> {
         let mut read = 0;
         while !buffer[..read].windows(4).any(|w| w == b"\r\n\r\n") {
