@@ -1,0 +1,290 @@
+//! The kept-alive connection against servers that misbehave in each way the module
+//! documentation lists.
+
+use super::*;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::{Arc, Mutex, OnceLock};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const OK: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}";
+const SECOND: Duration = Duration::from_secs(1);
+
+/// A turn of the pacer that is always there at once.
+async fn no_turn() {}
+
+/// Reads one request's head from `socket`; `None` when the connection ended first.
+async fn read_request(socket: &mut tokio::net::TcpStream, buffer: &mut [u8]) -> Option<String> {
+    let mut read = 0;
+    while !buffer[..read].windows(4).any(|w| w == b"\r\n\r\n") {
+        match socket.read(&mut buffer[read..]).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => read += n,
+        }
+    }
+    Some(String::from_utf8_lossy(&buffer[..read]).to_lowercase())
+}
+
+/// A server that answers each request on a connection with `answer`, and closes every
+/// connection after `per_connection` answers; returns its URL, how many connections it
+/// accepted and how many it has closed.
+async fn server(
+    answer: &'static [u8],
+    per_connection: usize,
+) -> (Url, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = Url::parse(&format!(
+        "http://{}/metadata/scheduledevents?api-version=2020-07-01",
+        listener.local_addr().unwrap()
+    ))
+    .unwrap();
+    let (accepted, closed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (counter, closes) = (accepted.clone(), closed.clone());
+    tokio::spawn(async move {
+        loop {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            counter.fetch_add(1, SeqCst);
+            let closes = closes.clone();
+            tokio::spawn(async move {
+                let mut buffer = vec![0u8; 4096];
+                for _ in 0..per_connection {
+                    let Some(request) = read_request(&mut socket, &mut buffer).await else {
+                        return;
+                    };
+                    assert!(
+                        request.starts_with(
+                            "get /metadata/scheduledevents?api-version=2020-07-01 http/1.1"
+                        ),
+                        "{request}"
+                    );
+                    assert!(request.contains("metadata: true"), "{request}");
+                    assert!(request.contains("host: 127.0.0.1:"), "{request}");
+                    if socket.write_all(answer).await.is_err() {
+                        return;
+                    }
+                }
+                // Closed a little after the last answer, as an idle keep-alive connection
+                // is: the client has put it back by then.
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                drop(socket);
+                closes.fetch_add(1, SeqCst);
+            });
+        }
+    });
+    (url, accepted, closed)
+}
+
+/// A server whose first connection answers one request, then reads the next and calls
+/// `on_second`; then it closes without answering (the service may have counted it), or
+/// with `hang` keeps the connection open and silent. Later connections answer every
+/// request with an empty document. Returns its URL and when each request arrived.
+async fn server_that_takes_a_second_request_without_answering(
+    on_second: impl Fn() + Send + Sync + 'static,
+    hang: bool,
+) -> (Url, Arc<Mutex<Vec<std::time::Instant>>>) {
+    const DOCUMENT: &[u8] =
+        b"HTTP/1.1 200 OK\r\ncontent-length: 37\r\n\r\n{\"DocumentIncarnation\":1,\"Events\":[]}";
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = Url::parse(&format!("http://{}/", listener.local_addr().unwrap())).unwrap();
+    let arrivals = Arc::new(Mutex::new(Vec::new()));
+    let arrived = arrivals.clone();
+    let on_second = Arc::new(on_second);
+    tokio::spawn(async move {
+        for connection in 0.. {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let (arrived, on_second) = (arrived.clone(), on_second.clone());
+            tokio::spawn(async move {
+                let mut buffer = vec![0u8; 4096];
+                for answered in 0.. {
+                    if read_request(&mut socket, &mut buffer).await.is_none() {
+                        return;
+                    }
+                    arrived.lock().unwrap().push(std::time::Instant::now());
+                    if connection == 0 && answered == 1 {
+                        on_second();
+                        if hang {
+                            std::future::pending::<()>().await;
+                        }
+                        return;
+                    }
+                    if socket.write_all(DOCUMENT).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (url, arrivals)
+}
+
+#[tokio::test]
+async fn one_connection_serves_every_poll() {
+    let (url, accepted, _) = server(OK, usize::MAX).await;
+    let mut connection = KeptAlive::new(&url, SECOND).unwrap();
+    for _ in 0..5 {
+        let answer = connection.get(SECOND, no_turn).await.unwrap();
+        assert_eq!((answer.status, &answer.body[..]), (200, &b"{}"[..]));
+    }
+    assert_eq!(accepted.load(SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_connection_the_service_closed_while_idle_is_replaced_without_a_failed_poll() {
+    let (url, accepted, closed) = server(OK, 1).await;
+    let mut connection = KeptAlive::new(&url, SECOND).unwrap();
+    let turns = std::cell::Cell::new(0);
+    for poll in 1..=3 {
+        let answer = connection
+            .get(SECOND, || async { turns.set(turns.get() + 1) })
+            .await
+            .unwrap();
+        assert_eq!(answer.status, 200);
+        assert!(connection.open.is_some(), "kept after a keep-alive answer");
+        // The server closes the connection 10 ms after its answer, while it is idle
+        // here; once the runtime has seen the close (a wait parks it), the next poll
+        // finds the connection gone before sending anything on it.
+        while closed.load(SeqCst) < poll {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(accepted.load(SeqCst), 3);
+    assert_eq!(
+        turns.get(),
+        0,
+        "no request was sent twice, so none waited for a turn"
+    );
+}
+
+#[tokio::test]
+async fn a_request_a_kept_connection_took_without_answering_is_sent_again_only_after_a_new_turn() {
+    let (url, arrivals) = server_that_takes_a_second_request_without_answering(|| {}, false).await;
+    let url = url.join("metadata/scheduledevents").unwrap();
+    let mut connection = KeptAlive::new(&url, SECOND).unwrap();
+    let turn_ended = std::cell::Cell::new(None);
+    let next_turn = || async {
+        assert_eq!(
+            arrivals.lock().unwrap().len(),
+            2,
+            "the turn is taken after the failed sending, before the next"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        turn_ended.set(Some(std::time::Instant::now()));
+    };
+    assert_eq!(connection.get(SECOND, no_turn).await.unwrap().status, 200);
+    assert_eq!(connection.get(SECOND, next_turn).await.unwrap().status, 200);
+    let arrivals = arrivals.lock().unwrap().clone();
+    assert_eq!(arrivals.len(), 3);
+    let turn_ended = turn_ended.get().expect("a turn was taken");
+    assert!(arrivals[2] >= turn_ended, "sent again only after its turn");
+}
+
+#[tokio::test]
+async fn a_poll_sent_again_waits_out_a_429_that_came_meanwhile_beyond_its_timeout() {
+    // A request timeout shorter than the wait for the re-send's turn: the turn is not
+    // part of it. The 429 (to another request of the agent) is noted after the failed
+    // sending reached the server and before the client can see it fail.
+    let client = Arc::new(OnceLock::new());
+    let throttle = client.clone();
+    let (url, arrivals) = server_that_takes_a_second_request_without_answering(
+        move || {
+            let client: &crate::imds::ImdsClient = throttle.get().unwrap();
+            client.pacer().throttled(Duration::from_millis(300));
+        },
+        false,
+    )
+    .await;
+    let client = client.get_or_init(|| {
+        crate::imds::ImdsClient::new(url, "2020-07-01", Duration::from_millis(100), SECOND).unwrap()
+    });
+    let mut connection = client.poll_connection().unwrap();
+    client.fetch_on(&mut connection).await.unwrap();
+    client.fetch_on(&mut connection).await.unwrap();
+    let arrivals = arrivals.lock().unwrap().clone();
+    assert_eq!(arrivals.len(), 3);
+    assert!(
+        arrivals[2] - arrivals[1] >= Duration::from_millis(300),
+        "sent again {:?} after the failed one, inside the Retry-After",
+        arrivals[2] - arrivals[1]
+    );
+}
+
+#[tokio::test]
+async fn a_request_a_kept_connection_timed_out_on_is_not_sent_again() {
+    let (url, arrivals) = server_that_takes_a_second_request_without_answering(|| {}, true).await;
+    let url = url.join("metadata/scheduledevents").unwrap();
+    let mut connection = KeptAlive::new(&url, SECOND).unwrap();
+    let turns = std::cell::Cell::new(0);
+    assert_eq!(connection.get(SECOND, no_turn).await.unwrap().status, 200);
+    let unanswered = connection
+        .get(Duration::from_millis(100), || async {
+            turns.set(turns.get() + 1)
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(unanswered, Unanswered::TimedOut), "{unanswered:?}");
+    assert_eq!((turns.get(), arrivals.lock().unwrap().len()), (0, 2));
+}
+
+#[tokio::test]
+async fn connection_close_answers_are_read_whole_and_the_connection_is_not_reused() {
+    const CLOSE: &[u8] =
+        b"HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\nretry-after: 7\r\ncontent-length: 4\r\n\r\nbusy";
+    let (url, accepted, _) = server(CLOSE, 1).await;
+    let mut connection = KeptAlive::new(&url, SECOND).unwrap();
+    for _ in 0..2 {
+        let answer = connection.get(SECOND, no_turn).await.unwrap();
+        assert_eq!(answer.status, 503);
+        assert_eq!(answer.retry_after.as_deref(), Some("7"));
+        assert_eq!(&answer.body[..], b"busy");
+    }
+    assert_eq!(accepted.load(SeqCst), 2);
+}
+
+#[tokio::test]
+async fn an_abandoned_request_does_not_leave_its_connection_for_the_next_one() {
+    // A server that reads the request and never answers: the timeout drops the
+    // exchange half-way.
+    let (url, accepted, _) = server(b"", usize::MAX).await;
+    let mut connection = KeptAlive::new(&url, SECOND).unwrap();
+    for _ in 0..2 {
+        let timed_out = connection
+            .get(Duration::from_millis(100), no_turn)
+            .await
+            .unwrap_err();
+        assert!(matches!(timed_out, Unanswered::TimedOut), "{timed_out:?}");
+    }
+    assert_eq!(accepted.load(SeqCst), 2);
+}
+
+#[tokio::test]
+async fn an_endpoint_nobody_listens_on_is_a_clear_failure() {
+    let port = sched_relay_transport::testing::free_port();
+    let url = Url::parse(&format!("http://127.0.0.1:{port}/metadata/scheduledevents")).unwrap();
+    let Unanswered::Failed(error) = KeptAlive::new(&url, SECOND)
+        .unwrap()
+        .get(SECOND, no_turn)
+        .await
+        .unwrap_err()
+    else {
+        panic!("a refused connection is a failure, not a timeout");
+    };
+    assert!(
+        error.contains(&format!("cannot connect to 127.0.0.1:{port}")),
+        "{error}"
+    );
+}
+
+#[test]
+fn only_plain_http_endpoints_get_a_kept_alive_connection() {
+    let https = Url::parse("https://169.254.169.254/metadata/scheduledevents").unwrap();
+    assert!(KeptAlive::new(&https, Duration::from_secs(1)).is_none());
+    let ipv6 = Url::parse("http://[fd00::1]:8080/metadata/scheduledevents?a=b").unwrap();
+    let connection = KeptAlive::new(&ipv6, Duration::from_secs(1)).unwrap();
+    assert_eq!(connection.authority, "[fd00::1]:8080");
+    assert_eq!(connection.host, "[fd00::1]:8080");
+    assert_eq!(connection.target, "/metadata/scheduledevents?a=b");
+    let default_port = Url::parse("http://169.254.169.254/metadata/scheduledevents").unwrap();
+    let connection = KeptAlive::new(&default_port, Duration::from_secs(1)).unwrap();
+    assert_eq!(connection.authority, "169.254.169.254:80");
+    assert_eq!(connection.host, "169.254.169.254");
+}
