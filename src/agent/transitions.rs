@@ -37,9 +37,7 @@ impl Drop for Pending<'_> {
     fn drop(&mut self) {
         if let Some(events) = self.events.take() {
             // First, before anything already there.
-            let later = std::mem::take(self.unstored);
-            self.unstored.extend(events.iter().cloned());
-            self.unstored.extend(later);
+            self.unstored.splice(0..0, events.iter().cloned());
         }
     }
 }
