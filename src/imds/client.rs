@@ -328,7 +328,8 @@ impl ImdsClient {
     }
 
     /// What an answer of the service means: the body of a success, or the error that says
-    /// what to check (a 429 also holds back every request of this client, as asked).
+    /// what to check (a 429 also holds back every request of this client: as long as it asks,
+    /// or [`super::pacing::UNASKED_THROTTLE_HOLD`] when it does not say).
     fn judge(
         &self,
         url: &str,
@@ -338,9 +339,8 @@ impl ImdsClient {
     ) -> Result<Vec<u8>, ImdsError> {
         if status == StatusCode::TOO_MANY_REQUESTS.as_u16() {
             let retry_after = retry_after.and_then(sched_relay_transport::parse_retry_after);
-            if let Some(wait) = retry_after {
-                self.pacer.throttled(wait);
-            }
+            self.pacer
+                .throttled(retry_after.unwrap_or(super::pacing::UNASKED_THROTTLE_HOLD));
             return Err(ImdsError::Throttled {
                 url: url.to_owned(),
                 retry_after,
@@ -409,5 +409,35 @@ mod tests {
             "E299",
             "the oldest go first"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_429_without_retry_after_holds_back_every_request_of_the_client_for_a_second() {
+        let client = ImdsClient::new(
+            Url::parse("http://127.0.0.1:9").unwrap(),
+            "2020-07-01",
+            Duration::from_secs(1),
+            Duration::from_secs(1),
+        )
+        .unwrap();
+        for retry_after in [None, Some("soon")] {
+            client.pacer().turn().await;
+            let answered = tokio::time::Instant::now();
+            let judged = client.judge("u", 429, retry_after, b"");
+            assert!(matches!(
+                judged,
+                Err(ImdsError::Throttled {
+                    retry_after: None,
+                    ..
+                })
+            ));
+            // An approval POST or an identity call right after it waits the hold out.
+            client.pacer().turn().await;
+            assert_eq!(
+                answered.elapsed(),
+                super::super::pacing::UNASKED_THROTTLE_HOLD,
+                "Retry-After {retry_after:?}"
+            );
+        }
     }
 }

@@ -27,6 +27,9 @@ pub const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(5);
 pub const MAX_THROTTLED_WAIT: Duration = Duration::from_secs(30);
 /// The ceiling of the backoff for a 429 without `Retry-After`.
 pub const THROTTLED_BACKOFF: Duration = Duration::from_secs(10);
+/// How long a 429 without a usable `Retry-After` holds back every request of the client
+/// (approval POSTs and identity too, not only the poll that backs off): one budget window.
+pub const UNASKED_THROTTLE_HOLD: Duration = Duration::from_secs(1);
 /// How long Azure says a 410 Gone may last; until then it is retried quietly.
 pub const GONE_GRACE: Duration = Duration::from_secs(70);
 
@@ -55,56 +58,105 @@ pub fn error_wait(
     .max(MIN_REQUEST_SPACING)
 }
 
-/// Keeps every request of one client at least [`MIN_REQUEST_SPACING`] apart, in the order
-/// they asked: at most 5 requests in any second, polls, approvals and identity together.
-#[derive(Debug)]
+/// Keeps every request of one client at least [`MIN_REQUEST_SPACING`] apart, in about the
+/// order they asked: at most 5 requests in any second, polls, approvals and identity together.
+///
+/// Nothing is held while a request waits. The poll has a runtime of its own and the approval
+/// POSTs share the main one: a request whose runtime stops driving it (a stalled task, a
+/// runtime shutting down) must not keep the other runtime's requests waiting. Each request
+/// is given a slot behind those already waiting and sleeps until it; when it wakes it is
+/// granted its turn only if the last grant is a spacing behind and no 429 holds requests
+/// back, else it sleeps again.
+#[derive(Debug, Default)]
 pub struct Pacer {
-    next: tokio::sync::Mutex<Option<Instant>>,
+    schedule: std::sync::Mutex<Schedule>,
+}
+
+#[derive(Debug, Default)]
+struct Schedule {
+    /// When the last request was granted its turn (went out).
+    granted: Option<Instant>,
     /// A throttled service's `Retry-After`: no request of this client goes out before it
     /// (polls, approval POSTs and identity alike).
-    throttled_until: std::sync::Mutex<Option<Instant>>,
+    throttled_until: Option<Instant>,
+    /// Requests waiting for their turn: a new one's slot is behind theirs. Counted, not
+    /// remembered as a time, so a wait that is given up leaves no gap for later requests.
+    waiting: u32,
+}
+
+impl Schedule {
+    /// The earliest a request may go out, from what has gone out and what the service asked.
+    fn allowed(&self) -> Option<Instant> {
+        self.granted
+            .map(|at| at + MIN_REQUEST_SPACING)
+            .max(self.throttled_until)
+    }
+}
+
+/// One request's place among the waiting; given up if its wait is dropped before its turn.
+struct Waiting<'a> {
+    pacer: &'a Pacer,
+    granted: bool,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if !self.granted {
+            self.pacer.schedule().waiting -= 1;
+        }
+    }
 }
 
 impl Pacer {
     pub fn new() -> Pacer {
-        Pacer {
-            next: tokio::sync::Mutex::new(None),
-            throttled_until: std::sync::Mutex::new(None),
-        }
+        Pacer::default()
+    }
+
+    fn schedule(&self) -> std::sync::MutexGuard<'_, Schedule> {
+        self.schedule.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Waits for this request's turn. A 429 that another request gets while this one waits
     /// (for its spacing, or for an earlier `Retry-After`) holds this one back too: the wait is
     /// checked again when it ends.
     pub async fn turn(&self) {
-        let mut next = self.next.lock().await;
+        let (mut slot, mut place) = {
+            let mut schedule = self.schedule();
+            let first = schedule
+                .allowed()
+                .map_or(Instant::now(), |at| at.max(Instant::now()));
+            let slot = first + MIN_REQUEST_SPACING * schedule.waiting;
+            schedule.waiting += 1;
+            let place = Waiting {
+                pacer: self,
+                granted: false,
+            };
+            (slot, place)
+        };
         loop {
-            let throttled = *self
-                .throttled_until
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            match next.max(throttled) {
-                Some(at) if at > Instant::now() => tokio::time::sleep_until(at).await,
-                _ => break,
+            // No timer for a turn that is free at once: the idle poll's usual case.
+            if slot > Instant::now() {
+                tokio::time::sleep_until(slot).await;
+            }
+            let mut schedule = self.schedule();
+            let now = Instant::now();
+            match schedule.allowed() {
+                Some(at) if at > now => slot = at,
+                _ => {
+                    schedule.granted = Some(now);
+                    schedule.waiting -= 1;
+                    place.granted = true;
+                    return;
+                }
             }
         }
-        *next = Some(Instant::now() + MIN_REQUEST_SPACING);
     }
 
     /// The service answered 429 and asked for `retry_after` (at most [`MAX_THROTTLED_WAIT`]).
     pub fn throttled(&self, retry_after: Duration) {
         let until = Instant::now() + retry_after.min(MAX_THROTTLED_WAIT);
-        let mut throttled = self
-            .throttled_until
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        *throttled = (*throttled).max(Some(until));
-    }
-}
-
-impl Default for Pacer {
-    fn default() -> Self {
-        Pacer::new()
+        let mut schedule = self.schedule();
+        schedule.throttled_until = schedule.throttled_until.max(Some(until));
     }
 }
 
@@ -210,6 +262,96 @@ mod tests {
             "went out {:?} after the first request, inside the Retry-After",
             went - start
         );
+    }
+
+    /// The poll has a runtime of its own; approval POSTs share the main one. A request whose
+    /// runtime stops driving it while it waits for its turn must not stop the other's.
+    #[test]
+    fn a_request_whose_runtime_stalls_while_it_waits_does_not_hold_back_another_runtimes() {
+        let pacer = std::sync::Arc::new(Pacer::new());
+        let start = std::time::Instant::now();
+        let stalled = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        stalled.block_on(async {
+            pacer.turn().await;
+            // Waits for its spacing behind the request that just went out; then its runtime
+            // is driven no more (a current-thread runtime runs only inside `block_on`).
+            tokio::spawn({
+                let pacer = pacer.clone();
+                async move { pacer.turn().await }
+            });
+            tokio::task::yield_now().await;
+        });
+        let other = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let went = other
+            .block_on(async { tokio::time::timeout(Duration::from_secs(5), pacer.turn()).await });
+        assert!(
+            went.is_ok(),
+            "the other runtime's request never got its turn"
+        );
+        // It still keeps its distance from the first request and the slot the stalled one took.
+        assert!(
+            start.elapsed() >= 2 * MIN_REQUEST_SPACING,
+            "{:?}",
+            start.elapsed()
+        );
+        drop(stalled);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn requests_a_429_holds_back_together_go_out_one_spacing_apart_after_it() {
+        let pacer = std::sync::Arc::new(Pacer::new());
+        let start = Instant::now();
+        pacer.turn().await;
+        // Four requests queue behind it, each with a slot of its own...
+        let waiting: Vec<_> = (0..4)
+            .map(|_| {
+                let pacer = pacer.clone();
+                tokio::spawn(async move {
+                    pacer.turn().await;
+                    Instant::now() - start
+                })
+            })
+            .collect();
+        // ...until a 429 moves them all to the same moment.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        pacer.throttled(Duration::from_secs(2));
+        let mut went = Vec::new();
+        for task in waiting {
+            went.push(task.await.unwrap());
+        }
+        went.sort();
+        assert!(went[0] >= Duration::from_millis(2_100), "{went:?}");
+        for pair in went.windows(2) {
+            assert!(pair[1] - pair[0] >= MIN_REQUEST_SPACING, "{went:?}");
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn requests_that_gave_up_waiting_do_not_delay_the_next() {
+        let pacer = std::sync::Arc::new(Pacer::new());
+        let start = Instant::now();
+        pacer.turn().await;
+        let given_up: Vec<_> = (0..3)
+            .map(|_| {
+                let pacer = pacer.clone();
+                tokio::spawn(async move { pacer.turn().await })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        for task in &given_up {
+            task.abort();
+        }
+        for task in given_up {
+            assert!(task.await.unwrap_err().is_cancelled());
+        }
+        pacer.turn().await;
+        assert_eq!(Instant::now() - start, MIN_REQUEST_SPACING);
     }
 
     #[tokio::test(start_paused = true)]
