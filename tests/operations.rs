@@ -92,6 +92,29 @@ fn metrics_health_and_readiness_follow_the_agent() {
     }
 }
 
+/// GET /events and the approval checks use the poller's document while it is fresher than a
+/// poll interval: a document that stays the same is still one just fetched (else every
+/// approval would cost a GET of its own, and the view would look stale). Shipped defaults.
+#[test]
+fn an_unchanged_document_shows_as_just_fetched_in_the_events_view() {
+    let sim = SimProcess::start("live-migration", 0.02);
+    let port = sched_relay_transport::testing::free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let agent = AgentProcess::start_on_defaults(
+        &sim.url,
+        &format!("[telemetry]\nlisten = \"127.0.0.1:{port}\"\n"),
+    );
+    let last = sim.wait_finished(Duration::from_secs(60));
+    agent.wait_for_id(&format!("document:{last}"), Duration::from_secs(10));
+    // Four polls of the same document.
+    std::thread::sleep(Duration::from_secs(4));
+    let (status, view) = get_json(&format!("{base}/events"));
+    assert_eq!(status, 200);
+    assert_eq!(view["incarnation"], last, "{view}");
+    let ago = view["fetchedSecondsAgo"].as_f64().unwrap();
+    assert!(ago < 2.5, "fetched {ago} s ago, with 1 s polls: {view}");
+}
+
 /// A sink that cannot deliver makes the agent unready, says why, and GET /events shows
 /// which transitions it still owes.
 #[cfg(feature = "webhook")]

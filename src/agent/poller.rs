@@ -18,12 +18,15 @@ use sched_relay_core::diff::Observation;
 use sched_relay_core::document::Document;
 use sched_relay_core::event::{EventFactory, events_observed};
 
+use self::fetched::{LastBody, Read};
 use super::poll_timer::PollTimer;
 use super::transitions;
 use crate::config::Config;
 use crate::fanout::Fanout;
 use crate::imds::pacing::{self, GONE_GRACE};
 use crate::imds::{ImdsClient, ImdsError, MIN_POLL_INTERVAL, Snapshot};
+
+mod fetched;
 
 /// After this long without a good answer, an operator has to look: log at ERROR.
 const IMDS_FAILING_ALERT: Duration = Duration::from_secs(30);
@@ -60,6 +63,9 @@ pub(super) struct Poller {
     pub(super) generation: u64,
     /// The accepted EventIds last written to the store (`ACCEPTED_EVENT_IDS`).
     pub(super) persisted_accepted: Option<Vec<String>>,
+    /// The last body that parsed: the same bytes again are the same document as `previous`
+    /// and the shared snapshot, and are not parsed and compared again.
+    pub(super) last_body: Option<LastBody>,
 }
 
 impl Poller {
@@ -89,6 +95,7 @@ impl Poller {
             unstored: Vec::new(),
             generation: 0,
             persisted_accepted: None,
+            last_body: None,
         }
     }
 
@@ -173,16 +180,17 @@ impl Poller {
                 _ = &mut shutdown => return,
                 fetched = async {
                     match &mut connection {
-                        Some(connection) => self.client.fetch_on(connection).await,
-                        None => self.client.fetch().await,
+                        Some(connection) => self.client.fetch_body_on(connection).await,
+                        None => self.client.fetch_body().await,
                     }
                 } => fetched,
             };
+            let fetched = fetched.and_then(|body| self.read(body));
             metrics::counter!("sched_relay_imds_polls_total").increment(1);
             metrics::histogram!("sched_relay_imds_poll_duration_seconds")
                 .record(started.elapsed().as_secs_f64());
             let wait = match fetched {
-                Ok(parsed) => {
+                Ok(read) => {
                     if failures > 0 {
                         tracing::info!(failures, "Metadata service answers again");
                     }
@@ -195,13 +203,25 @@ impl Poller {
                         answer_recorded = true;
                         self.record_answer();
                     }
-                    self.note_odd_fields(parsed.document.incarnation, &parsed.warnings);
-                    self.share(&parsed.document);
-                    metrics::gauge!("sched_relay_imds_last_success_timestamp_seconds")
-                        .set(Utc::now().timestamp() as f64);
+                    let processed = match read {
+                        Read::Same => {
+                            self.note_odd_fields_again();
+                            self.renew_shared();
+                            metrics::gauge!("sched_relay_imds_last_success_timestamp_seconds")
+                                .set(Utc::now().timestamp() as f64);
+                            self.on_unchanged().await
+                        }
+                        Read::New(parsed) => {
+                            self.note_odd_fields(parsed.document.incarnation, &parsed.warnings);
+                            self.share(&parsed.document);
+                            metrics::gauge!("sched_relay_imds_last_success_timestamp_seconds")
+                                .set(Utc::now().timestamp() as f64);
+                            self.on_document(parsed.document).await
+                        }
+                    };
                     // Ready once a fetched document is processed (its events stored): not when
                     // its commit failed, even if the stored one has the same incarnation.
-                    if self.on_document(parsed.document).await.is_some() {
+                    if processed.is_some() {
                         self.telemetry
                             .first_poll_done
                             .store(true, std::sync::atomic::Ordering::Relaxed);
@@ -337,13 +357,11 @@ impl Poller {
     }
 
     /// `sched_relay_document_events{event_type, status}`: how many events of each kind the
-    /// current document holds (kinds that left go back to 0).
-    fn set_document_gauges(&mut self, document: &Document) {
-        let mut counts: HashMap<(String, String), f64> = self
-            .document_gauges
-            .drain(..)
-            .map(|labels| (labels, 0.0))
-            .collect();
+    /// current document holds (kinds that left go back to 0); `gauges` are the label pairs
+    /// set before.
+    fn set_document_gauges(gauges: &mut Vec<(String, String)>, document: &Document) {
+        let mut counts: HashMap<(String, String), f64> =
+            gauges.drain(..).map(|labels| (labels, 0.0)).collect();
         for event in &document.events {
             let event_type = event
                 .raw
@@ -358,50 +376,9 @@ impl Poller {
         for ((event_type, status), count) in counts {
             metrics::gauge!("sched_relay_document_events", "event_type" => event_type.clone(), "status" => status.clone()).set(count);
             if count > 0.0 {
-                self.document_gauges.push((event_type, status));
+                gauges.push((event_type, status));
             }
         }
-    }
-
-    /// Counts every odd field of every fetch, and logs them once per incarnation (again if
-    /// the same incarnation comes back with other oddities).
-    fn note_odd_fields(&mut self, incarnation: u64, warnings: &[String]) {
-        if warnings.is_empty() {
-            return;
-        }
-        metrics::counter!("sched_relay_document_odd_fields_total").increment(warnings.len() as u64);
-        if self
-            .warned
-            .as_ref()
-            .is_some_and(|(seen, said)| *seen == incarnation && said == warnings)
-        {
-            return;
-        }
-        for warning in warnings {
-            tracing::warn!(incarnation, warning = %warning, "Tolerated an odd field in the document (logged once per incarnation; sched_relay_document_odd_fields_total counts every fetch)");
-        }
-        self.warned = Some((incarnation, warnings.to_vec()));
-    }
-
-    /// Tells the approval checks about the latest document (a copy only when it changed).
-    /// An unchanged document only renews the fetch time, which readers see without being
-    /// woken: an idle poll wakes nobody else.
-    fn share(&self, document: &Document) {
-        self.latest.send_if_modified(|latest| match latest {
-            Some(snapshot)
-                if Continuity::of(Some(&snapshot.document), document) == Continuity::Unchanged =>
-            {
-                snapshot.fetched = Instant::now();
-                false
-            }
-            _ => {
-                *latest = Some(Snapshot {
-                    document: Arc::new(document.clone()),
-                    fetched: Instant::now(),
-                });
-                true
-            }
-        });
     }
 
     /// Diffs a fetched document against the previous one and publishes what changed.
@@ -411,48 +388,62 @@ impl Poller {
     /// the transitions stay in memory (`unstored`) and the next poll stores them.
     async fn on_document(&mut self, document: Document) -> Option<bool> {
         let continuity = Continuity::of(self.previous.as_ref(), &document);
-        let unchanged = continuity == Continuity::Unchanged;
-        if unchanged && self.unstored.is_empty() {
+        if continuity == Continuity::Unchanged {
+            return self.on_unchanged().await;
+        }
+        // The epoch moves with `previous`, stored or not: a document derived again after
+        // a failed commit keeps its ids, and a restart starts from the stored pair.
+        let epoch = continuity.epoch_after(self.epoch);
+        if continuity == Continuity::Reset {
+            tracing::warn!(
+                previous = self.previous.as_ref().map(|p| p.incarnation),
+                current = document.incarnation,
+                epoch,
+                "DocumentIncarnation reset (it went backwards, or repeated with other content): Azure restarted its numbering; diffed against the last document, incarnation ids now end in ~e<epoch>"
+            );
+            metrics::counter!("sched_relay_incarnation_resets_total").increment(1);
+        }
+        let approved = self.client.accepted();
+        let observation = Observation {
+            at: Utc::now(),
+            epoch,
+            approved: &approved,
+        };
+        let events = events_observed(
+            &self.factory,
+            self.previous.as_ref(),
+            &document,
+            self.config.events.document_events,
+            &observation,
+        );
+        self.unstored.extend(events);
+        let present = |id: &str| {
+            document
+                .events
+                .iter()
+                .any(|e| e.id.eq_ignore_ascii_case(id))
+        };
+        self.client.forget_accepted(present);
+        self.epoch = epoch;
+        self.previous = Some(document);
+        self.generation += 1;
+        self.commit(false).await
+    }
+
+    /// `previous` was fetched again: stores what an earlier commit could not, if anything.
+    async fn on_unchanged(&mut self) -> Option<bool> {
+        if self.unstored.is_empty() {
             return Some(false);
         }
-        if !unchanged {
-            // The epoch moves with `previous`, stored or not: a document derived again after
-            // a failed commit keeps its ids, and a restart starts from the stored pair.
-            let epoch = continuity.epoch_after(self.epoch);
-            if continuity == Continuity::Reset {
-                tracing::warn!(
-                    previous = self.previous.as_ref().map(|p| p.incarnation),
-                    current = document.incarnation,
-                    epoch,
-                    "DocumentIncarnation reset (it went backwards, or repeated with other content): Azure restarted its numbering; diffed against the last document, incarnation ids now end in ~e<epoch>"
-                );
-                metrics::counter!("sched_relay_incarnation_resets_total").increment(1);
-            }
-            let approved = self.client.accepted();
-            let observation = Observation {
-                at: Utc::now(),
-                epoch,
-                approved: &approved,
-            };
-            let events = events_observed(
-                &self.factory,
-                self.previous.as_ref(),
-                &document,
-                self.config.events.document_events,
-                &observation,
-            );
-            self.unstored.extend(events);
-            let present = |id: &str| {
-                document
-                    .events
-                    .iter()
-                    .any(|e| e.id.eq_ignore_ascii_case(id))
-            };
-            self.client.forget_accepted(present);
-            self.epoch = epoch;
-            self.previous = Some(document.clone());
-            self.generation += 1;
-        }
+        self.commit(true).await
+    }
+
+    /// Stores `unstored` with `previous` as the processed document (see `on_document`).
+    async fn commit(&mut self, unchanged: bool) -> Option<bool> {
+        let Some(document) = self.previous.as_ref() else {
+            // Nothing was ever derived without a document to derive it from.
+            return Some(false);
+        };
         let processed = crate::store::Processed {
             document: &document.raw,
             epoch: self.epoch,
@@ -480,7 +471,7 @@ impl Poller {
         }
         transitions::stored(&events);
         metrics::gauge!("sched_relay_incarnation").set(document.incarnation as f64);
-        self.set_document_gauges(&document);
+        Self::set_document_gauges(&mut self.document_gauges, document);
         Some(true)
     }
 }

@@ -9,6 +9,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use bytes::Bytes;
 use reqwest::{StatusCode, header, redirect};
 use serde_json::Value;
 use url::Url;
@@ -142,11 +143,15 @@ impl ImdsClient {
 
     /// `GET /metadata/scheduledevents`: the current document.
     pub async fn fetch(&self) -> Result<Parsed, ImdsError> {
+        self.parse(&self.fetch_body().await?)
+    }
+
+    /// As [`ImdsClient::fetch`], the body unparsed (for [`ImdsClient::parse`]): a poller that
+    /// got the same bytes last time need not parse them again.
+    pub async fn fetch_body(&self) -> Result<Bytes, ImdsError> {
         let url = self.scheduled_events.as_str();
-        let body = self
-            .send_scheduled_events(self.http.get(self.scheduled_events.clone()), url)
-            .await?;
-        self.parse(&body)
+        self.send_scheduled_events(self.http.get(self.scheduled_events.clone()), url)
+            .await
     }
 
     /// A kept-alive connection for [`ImdsClient::fetch_on`], for the one task that polls;
@@ -162,6 +167,11 @@ impl ImdsClient {
     /// pacing, timeouts and answers, without handing the exchange to the shared client's
     /// connection task (see [`KeptAlive`]).
     pub async fn fetch_on(&self, connection: &mut KeptAlive) -> Result<Parsed, ImdsError> {
+        self.parse(&self.fetch_body_on(connection).await?)
+    }
+
+    /// As [`ImdsClient::fetch_on`], the body unparsed (for [`ImdsClient::parse`]).
+    pub async fn fetch_body_on(&self, connection: &mut KeptAlive) -> Result<Bytes, ImdsError> {
         let url = self.scheduled_events.as_str();
         let timeout = self.scheduled_events_timeout();
         self.pacer.turn().await;
@@ -180,14 +190,15 @@ impl ImdsClient {
                 url,
                 answer.status,
                 answer.retry_after.as_deref(),
-                &answer.body,
+                answer.body,
             ),
         };
         self.note_answered(&answered);
-        self.parse(&answered?)
+        answered
     }
 
-    fn parse(&self, body: &[u8]) -> Result<Parsed, ImdsError> {
+    /// A Scheduled Events body as a document, or why it is refused.
+    pub fn parse(&self, body: &[u8]) -> Result<Parsed, ImdsError> {
         Document::parse(body).map_err(|error| ImdsError::Malformed {
             url: self.scheduled_events.as_str().to_owned(),
             error,
@@ -283,7 +294,7 @@ impl ImdsClient {
         &self,
         request: reqwest::RequestBuilder,
         url: &str,
-    ) -> Result<Vec<u8>, ImdsError> {
+    ) -> Result<Bytes, ImdsError> {
         let result = self
             .send(request, url, self.scheduled_events_timeout())
             .await;
@@ -306,7 +317,7 @@ impl ImdsClient {
         request: reqwest::RequestBuilder,
         url: &str,
         timeout: Duration,
-    ) -> Result<Vec<u8>, ImdsError> {
+    ) -> Result<Bytes, ImdsError> {
         self.pacer.turn().await;
         let response = request
             .header("Metadata", "true")
@@ -324,7 +335,7 @@ impl ImdsClient {
             .bytes()
             .await
             .map_err(|e| self.transport_error(url, timeout, e))?;
-        self.judge(url, status, retry_after.as_deref(), &body)
+        self.judge(url, status, retry_after.as_deref(), body)
     }
 
     /// What an answer of the service means: the body of a success, or the error that says
@@ -335,8 +346,8 @@ impl ImdsClient {
         url: &str,
         status: u16,
         retry_after: Option<&str>,
-        body: &[u8],
-    ) -> Result<Vec<u8>, ImdsError> {
+        body: Bytes,
+    ) -> Result<Bytes, ImdsError> {
         if status == StatusCode::TOO_MANY_REQUESTS.as_u16() {
             let retry_after = retry_after.and_then(sched_relay_transport::parse_retry_after);
             self.pacer
@@ -347,11 +358,11 @@ impl ImdsClient {
             });
         }
         if (200..300).contains(&status) {
-            return Ok(body.to_vec());
+            return Ok(body);
         }
-        let text = String::from_utf8_lossy(body).trim().to_owned();
+        let text = String::from_utf8_lossy(&body).trim().to_owned();
         if status == StatusCode::BAD_REQUEST.as_u16() {
-            if let Some(newest) = newest_versions(body) {
+            if let Some(newest) = newest_versions(&body) {
                 return Err(ImdsError::BadApiVersion {
                     url: url.to_owned(),
                     version: self.api_version.clone(),
@@ -423,7 +434,7 @@ mod tests {
         for retry_after in [None, Some("soon")] {
             client.pacer().turn().await;
             let answered = tokio::time::Instant::now();
-            let judged = client.judge("u", 429, retry_after, b"");
+            let judged = client.judge("u", 429, retry_after, Bytes::new());
             assert!(matches!(
                 judged,
                 Err(ImdsError::Throttled {
