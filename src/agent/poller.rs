@@ -203,19 +203,17 @@ impl Poller {
                         answer_recorded = true;
                         self.record_answer();
                     }
+                    metrics::gauge!("sched_relay_imds_last_success_timestamp_seconds")
+                        .set(Utc::now().timestamp() as f64);
                     let processed = match read {
                         Read::Same => {
                             self.note_odd_fields_again();
                             self.renew_shared();
-                            metrics::gauge!("sched_relay_imds_last_success_timestamp_seconds")
-                                .set(Utc::now().timestamp() as f64);
                             self.on_unchanged().await
                         }
                         Read::New(parsed) => {
                             self.note_odd_fields(parsed.document.incarnation, &parsed.warnings);
                             self.share(&parsed.document);
-                            metrics::gauge!("sched_relay_imds_last_success_timestamp_seconds")
-                                .set(Utc::now().timestamp() as f64);
                             self.on_document(parsed.document).await
                         }
                     };

@@ -64,9 +64,13 @@ pub fn error_wait(
 /// Nothing is held while a request waits. The poll has a runtime of its own and the approval
 /// POSTs share the main one: a request whose runtime stops driving it (a stalled task, a
 /// runtime shutting down) must not keep the other runtime's requests waiting. Each request
-/// is given a slot behind those already waiting and sleeps until it; when it wakes it is
-/// granted its turn only if the last grant is a spacing behind and no 429 holds requests
-/// back, else it sleeps again.
+/// takes a slot a spacing behind the latest slot of those waiting and sleeps until it; when
+/// it wakes it is granted its turn only if the last grant is a spacing behind and no 429
+/// holds requests back, else it sleeps again. A waiter that is never woken delays those
+/// after it only until its slot has passed.
+///
+/// Spacing counts from the grant: a request that connects after its turn (a new connection)
+/// goes out that much later, closer to the next one.
 #[derive(Debug, Default)]
 pub struct Pacer {
     schedule: std::sync::Mutex<Schedule>,
@@ -74,14 +78,17 @@ pub struct Pacer {
 
 #[derive(Debug, Default)]
 struct Schedule {
-    /// When the last request was granted its turn (went out).
+    /// When the last request was granted its turn.
     granted: Option<Instant>,
     /// A throttled service's `Retry-After`: no request of this client goes out before it
     /// (polls, approval POSTs and identity alike).
     throttled_until: Option<Instant>,
-    /// Requests waiting for their turn: a new one's slot is behind theirs. Counted, not
-    /// remembered as a time, so a wait that is given up leaves no gap for later requests.
-    waiting: u32,
+    /// The requests waiting for their turn, each with the slot it sleeps until. A new one
+    /// queues behind the latest; a wait given up leaves it, so later requests do not keep
+    /// its place (those already queued behind it keep theirs).
+    waiting: Vec<(u64, Instant)>,
+    /// Names the next waiter.
+    next_waiter: u64,
 }
 
 impl Schedule {
@@ -91,18 +98,23 @@ impl Schedule {
             .map(|at| at + MIN_REQUEST_SPACING)
             .max(self.throttled_until)
     }
+
+    fn leave(&mut self, waiter: u64) {
+        self.waiting.retain(|(id, _)| *id != waiter);
+    }
 }
 
 /// One request's place among the waiting; given up if its wait is dropped before its turn.
 struct Waiting<'a> {
     pacer: &'a Pacer,
+    id: u64,
     granted: bool,
 }
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         if !self.granted {
-            self.pacer.schedule().waiting -= 1;
+            self.pacer.schedule().leave(self.id);
         }
     }
 }
@@ -122,13 +134,21 @@ impl Pacer {
     pub async fn turn(&self) {
         let (mut slot, mut place) = {
             let mut schedule = self.schedule();
-            let first = schedule
-                .allowed()
-                .map_or(Instant::now(), |at| at.max(Instant::now()));
-            let slot = first + MIN_REQUEST_SPACING * schedule.waiting;
-            schedule.waiting += 1;
+            let behind = schedule
+                .waiting
+                .iter()
+                .map(|(_, at)| *at + MIN_REQUEST_SPACING)
+                .max();
+            let slot = [schedule.allowed(), behind]
+                .into_iter()
+                .flatten()
+                .fold(Instant::now(), Instant::max);
+            let id = schedule.next_waiter;
+            schedule.next_waiter += 1;
+            schedule.waiting.push((id, slot));
             let place = Waiting {
                 pacer: self,
+                id,
                 granted: false,
             };
             (slot, place)
@@ -141,10 +161,16 @@ impl Pacer {
             let mut schedule = self.schedule();
             let now = Instant::now();
             match schedule.allowed() {
-                Some(at) if at > now => slot = at,
+                Some(at) if at > now => {
+                    slot = at;
+                    if let Some(entry) = schedule.waiting.iter_mut().find(|(id, _)| *id == place.id)
+                    {
+                        entry.1 = at;
+                    }
+                }
                 _ => {
                     schedule.granted = Some(now);
-                    schedule.waiting -= 1;
+                    schedule.leave(place.id);
                     place.granted = true;
                     return;
                 }
@@ -164,6 +190,7 @@ impl Pacer {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::future::Future;
 
     fn status(status: u16) -> ImdsError {
         ImdsError::Status {
@@ -352,6 +379,27 @@ mod tests {
         }
         pacer.turn().await;
         assert_eq!(Instant::now() - start, MIN_REQUEST_SPACING);
+    }
+
+    /// A waiter whose task is never polled again (its runtime stalled) must not cost every
+    /// later poll a spacing: once its slot has passed, it delays nobody.
+    #[tokio::test(start_paused = true)]
+    async fn waiters_that_are_never_woken_stop_delaying_others_once_their_slots_pass() {
+        let pacer = Pacer::new();
+        pacer.turn().await;
+        let mut stalled: Vec<_> = (0..25).map(|_| Box::pin(pacer.turn())).collect();
+        let mut idle = std::task::Context::from_waker(std::task::Waker::noop());
+        for waiter in &mut stalled {
+            assert!(waiter.as_mut().poll(&mut idle).is_pending());
+        }
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        for _ in 0..3 {
+            let start = Instant::now();
+            pacer.turn().await;
+            assert_eq!(Instant::now() - start, Duration::ZERO);
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        drop(stalled);
     }
 
     #[tokio::test(start_paused = true)]
