@@ -186,11 +186,15 @@ impl Pacer {
             }
             let mut schedule = self.schedule();
             let now = Instant::now();
+            let mine = schedule.slot_of(place.id).unwrap_or(now);
             match schedule.allowed() {
                 Some(at) if at > now => {
                     schedule.respace(at, now, Some(place.id));
                     slot = schedule.slot_of(place.id).unwrap_or(at);
                 }
+                // A 429 (or a waiter ahead that woke early) moved this slot while it slept on
+                // the old one: going now would overtake those ahead of it.
+                _ if mine > now => slot = mine,
                 _ => {
                     schedule.granted = Some(now);
                     schedule.leave(place.id);

@@ -155,7 +155,7 @@ async fn requests_a_429_holds_back_together_go_out_one_spacing_apart_after_it() 
             })
         })
         .collect();
-    // ...until a 429 moves them all to the same moment.
+    // ...until a 429 comes, and its hold ends after all their slots.
     tokio::time::sleep(Duration::from_millis(100)).await;
     pacer.throttled(Duration::from_secs(2));
     let mut went = Vec::new();
@@ -244,24 +244,101 @@ async fn requests_a_429_holds_back_go_out_in_the_order_they_came_with_later_ones
     assert_eq!(*order.lock().unwrap(), ["A", "B", "C"]);
 }
 
+/// Runs `test` on a paused clock on a thread of its own, failing if it has not ended within
+/// `limit` of real time: for a test whose fault is a loop that never yields (a tokio timeout
+/// cannot end one).
+fn ends_within<Test: Future<Output = ()>>(
+    limit: std::time::Duration,
+    test: impl FnOnce() -> Test + Send + 'static,
+) {
+    let (done, ended) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap()
+            .block_on(test());
+        let _ = done.send(());
+    });
+    match ended.recv_timeout(limit) {
+        Ok(()) => {}
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            panic!("still running after {limit:?}: it spins, or waits for ever")
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => panic!("it failed (above)"),
+    }
+}
+
 /// A waiter polled again long after its slot, with another request gone meanwhile, takes
 /// a new slot a spacing after that one (and does not spin on its old one).
+#[test]
+fn a_waiter_polled_late_after_another_went_waits_a_spacing_after_it() {
+    ends_within(std::time::Duration::from_secs(20), || async {
+        let pacer = Pacer::new();
+        let start = Instant::now();
+        pacer.turn().await;
+        let mut late = Box::pin(pacer.turn());
+        let mut idle = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(late.as_mut().poll(&mut idle).is_pending());
+        tokio::time::sleep(MIN_REQUEST_SPACING * 2 + Duration::from_millis(40)).await;
+        let other = Instant::now();
+        pacer.turn().await;
+        assert_eq!(Instant::now(), other);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        late.await;
+        assert_eq!(Instant::now(), other + MIN_REQUEST_SPACING);
+        assert!(Instant::now() - start > MIN_REQUEST_SPACING * 3);
+    });
+}
+
+/// A 429 moves the slots of those waiting; one still asleep on its old, earlier slot must
+/// not go out ahead of those that came before it.
 #[tokio::test(start_paused = true)]
-async fn a_waiter_polled_late_after_another_went_waits_a_spacing_after_it() {
+async fn a_waiter_asleep_on_a_slot_a_429_moved_does_not_overtake_those_ahead() {
+    let pacer = std::sync::Arc::new(Pacer::new());
+    let order = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    pacer.turn().await;
+    let mut waiting = Vec::new();
+    for n in 1..=5 {
+        let (pacer, order) = (pacer.clone(), order.clone());
+        waiting.push(tokio::spawn(async move {
+            pacer.turn().await;
+            order.lock().unwrap().push((n, Instant::now()));
+        }));
+        tokio::task::yield_now().await;
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // The hold ends when the last of them was to go (1050 ms): their slots move behind it.
+    pacer.throttled(Duration::from_secs(1));
+    for task in waiting {
+        task.await.unwrap();
+    }
+    let order = order.lock().unwrap();
+    let names: Vec<_> = order.iter().map(|(n, _)| *n).collect();
+    assert_eq!(names, [1, 2, 3, 4, 5]);
+    for pair in order.windows(2) {
+        assert_eq!(pair[1].1 - pair[0].1, MIN_REQUEST_SPACING, "{order:?}");
+    }
+}
+
+/// A 429 moves the slots of those waiting, but not those of waiters no longer polled: else
+/// each stalled waiter would hold every later request back by a spacing again.
+#[tokio::test(start_paused = true)]
+async fn a_429_does_not_move_the_slots_of_waiters_no_longer_polled() {
     let pacer = Pacer::new();
     let start = Instant::now();
     pacer.turn().await;
-    let mut late = Box::pin(pacer.turn());
+    let mut stalled: Vec<_> = (0..25).map(|_| Box::pin(pacer.turn())).collect();
     let mut idle = std::task::Context::from_waker(std::task::Waker::noop());
-    assert!(late.as_mut().poll(&mut idle).is_pending());
-    tokio::time::sleep(MIN_REQUEST_SPACING * 2 + Duration::from_millis(40)).await;
-    let other = Instant::now();
+    for waiter in &mut stalled {
+        assert!(waiter.as_mut().poll(&mut idle).is_pending());
+    }
+    tokio::time::sleep_until(start + Duration::from_secs(6)).await;
+    pacer.throttled(Duration::from_secs(1));
     pacer.turn().await;
-    assert_eq!(Instant::now(), other);
-    tokio::time::sleep(Duration::from_millis(10)).await;
-    late.await;
-    assert_eq!(Instant::now(), other + MIN_REQUEST_SPACING);
-    assert!(Instant::now() - start > MIN_REQUEST_SPACING * 3);
+    assert_eq!(Instant::now(), start + Duration::from_secs(7));
+    drop(stalled);
 }
 
 #[tokio::test(start_paused = true)]
