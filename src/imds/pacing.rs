@@ -137,6 +137,13 @@ struct Waiting<'a> {
     granted: bool,
 }
 
+impl Waiting<'_> {
+    /// Its turn came (and it has left the schedule already).
+    fn grant(mut self) {
+        self.granted = true;
+    }
+}
+
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         if !self.granted {
@@ -158,7 +165,7 @@ impl Pacer {
     /// (for its spacing, or for an earlier `Retry-After`) holds this one back too: the wait is
     /// checked again when it ends.
     pub async fn turn(&self) {
-        let (mut slot, mut place) = {
+        let place = {
             let mut schedule = self.schedule();
             let behind = schedule
                 .waiting
@@ -172,36 +179,35 @@ impl Pacer {
             let id = schedule.next_waiter;
             schedule.next_waiter += 1;
             schedule.waiting.push((id, slot));
-            let place = Waiting {
+            Waiting {
                 pacer: self,
                 id,
                 granted: false,
-            };
-            (slot, place)
+            }
         };
         loop {
-            // No timer for a turn that is free at once: the idle poll's usual case.
-            if slot > Instant::now() {
-                tokio::time::sleep_until(slot).await;
-            }
-            let mut schedule = self.schedule();
-            let now = Instant::now();
-            let mine = schedule.slot_of(place.id).unwrap_or(now);
-            match schedule.allowed() {
-                Some(at) if at > now => {
+            // Granted only once no grant or 429 holds requests back and this waiter's slot
+            // has come, as the schedule has it now: a 429 (or a waiter ahead that woke early)
+            // may have moved it while this one slept on the old one.
+            let slot = {
+                let mut schedule = self.schedule();
+                let now = Instant::now();
+                let allowed = schedule.allowed().filter(|at| *at > now);
+                if let Some(at) = allowed {
                     schedule.respace(at, now, Some(place.id));
-                    slot = schedule.slot_of(place.id).unwrap_or(at);
                 }
-                // A 429 (or a waiter ahead that woke early) moved this slot while it slept on
-                // the old one: going now would overtake those ahead of it.
-                _ if mine > now => slot = mine,
-                _ => {
-                    schedule.granted = Some(now);
-                    schedule.leave(place.id);
-                    place.granted = true;
-                    return;
+                let mine = schedule.slot_of(place.id).filter(|slot| *slot > now);
+                match mine.or(allowed) {
+                    Some(slot) => slot,
+                    None => {
+                        schedule.granted = Some(now);
+                        schedule.leave(place.id);
+                        place.grant();
+                        return;
+                    }
                 }
-            }
+            };
+            tokio::time::sleep_until(slot).await;
         }
     }
 

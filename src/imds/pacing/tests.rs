@@ -292,6 +292,33 @@ fn a_waiter_polled_late_after_another_went_waits_a_spacing_after_it() {
     });
 }
 
+/// Moving the waiting slots leaves those more than a spacing past (waiters no longer polled)
+/// where they are, except the slot of the waiter that moves them: polled late, it keeps its
+/// place ahead of those that came after it.
+#[test]
+fn respacing_skips_stale_slots_but_not_the_late_waiters_own() {
+    let start = Instant::now();
+    let at = |ms: u64| start + Duration::from_millis(ms);
+    let schedule = |waiting: &[(u64, u64)]| Schedule {
+        waiting: waiting.iter().map(|(id, ms)| (*id, at(*ms))).collect(),
+        ..Schedule::default()
+    };
+    let slots = |schedule: &Schedule| -> Vec<(u64, u64)> {
+        let ms = |slot: Instant| (slot - start).as_millis() as u64;
+        schedule
+            .waiting
+            .iter()
+            .map(|(id, slot)| (*id, ms(*slot)))
+            .collect()
+    };
+    let mut by_the_late_one = schedule(&[(1, 210), (2, 630)]);
+    by_the_late_one.respace(at(630), at(500), Some(1));
+    assert_eq!(slots(&by_the_late_one), [(1, 630), (2, 840)]);
+    let mut by_a_429 = schedule(&[(1, 210), (2, 630)]);
+    by_a_429.respace(at(630), at(500), None);
+    assert_eq!(slots(&by_a_429), [(1, 210), (2, 630)]);
+}
+
 /// A 429 moves the slots of those waiting; one still asleep on its old, earlier slot must
 /// not go out ahead of those that came before it.
 #[tokio::test(start_paused = true)]
