@@ -154,8 +154,8 @@ impl ImdsClient {
             .await
     }
 
-    /// A kept-alive connection for [`ImdsClient::fetch_on`], for the one task that polls;
-    /// `None` for an `https` endpoint (then [`ImdsClient::fetch`] is the way).
+    /// A kept-alive connection for [`ImdsClient::fetch_body_on`], for the one task that polls;
+    /// `None` for an `https` endpoint (then [`ImdsClient::fetch_body`] is the way).
     pub fn poll_connection(&self) -> Option<KeptAlive> {
         KeptAlive::new(
             &self.scheduled_events,
@@ -163,14 +163,9 @@ impl ImdsClient {
         )
     }
 
-    /// As [`ImdsClient::fetch`], through the poller's own kept-alive connection: the same
-    /// pacing, timeouts and answers, without handing the exchange to the shared client's
+    /// As [`ImdsClient::fetch_body`], through the poller's own kept-alive connection: the
+    /// same pacing, timeouts and answers, without handing the exchange to the shared client's
     /// connection task (see [`KeptAlive`]).
-    pub async fn fetch_on(&self, connection: &mut KeptAlive) -> Result<Parsed, ImdsError> {
-        self.parse(&self.fetch_body_on(connection).await?)
-    }
-
-    /// As [`ImdsClient::fetch_on`], the body unparsed (for [`ImdsClient::parse`]).
     pub async fn fetch_body_on(&self, connection: &mut KeptAlive) -> Result<Bytes, ImdsError> {
         let url = self.scheduled_events.as_str();
         let timeout = self.scheduled_events_timeout();
@@ -399,15 +394,20 @@ impl ImdsClient {
 mod tests {
     use super::*;
 
-    #[test]
-    fn accepted_event_ids_are_remembered_bounded_until_they_leave_the_document() {
-        let client = ImdsClient::new(
+    /// A client of a service that is not there: for what needs no answer.
+    fn client() -> ImdsClient {
+        ImdsClient::new(
             Url::parse("http://127.0.0.1:9").unwrap(),
             "2020-07-01",
             Duration::from_secs(1),
             Duration::from_secs(1),
         )
-        .unwrap();
+        .unwrap()
+    }
+
+    #[test]
+    fn accepted_event_ids_are_remembered_bounded_until_they_leave_the_document() {
+        let client = client();
         client.remember_accepted(&["E1".into(), "e1".into(), "E2".into()]);
         assert_eq!(client.accepted(), ["E1", "E2"]);
         client.forget_accepted(|id| id == "E2");
@@ -424,13 +424,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_429_without_retry_after_holds_back_every_request_of_the_client_for_a_second() {
-        let client = ImdsClient::new(
-            Url::parse("http://127.0.0.1:9").unwrap(),
-            "2020-07-01",
-            Duration::from_secs(1),
-            Duration::from_secs(1),
-        )
-        .unwrap();
+        let client = client();
         for retry_after in [None, Some("soon")] {
             client.pacer().turn().await;
             let answered = tokio::time::Instant::now();

@@ -197,8 +197,10 @@ async fn a_poll_sent_again_waits_out_a_429_that_came_meanwhile_beyond_its_timeou
         crate::imds::ImdsClient::new(url, "2020-07-01", Duration::from_millis(100), SECOND).unwrap()
     });
     let mut connection = client.poll_connection().unwrap();
-    client.fetch_on(&mut connection).await.unwrap();
-    client.fetch_on(&mut connection).await.unwrap();
+    let body = client.fetch_body_on(&mut connection).await.unwrap();
+    client.parse(&body).unwrap();
+    let body = client.fetch_body_on(&mut connection).await.unwrap();
+    client.parse(&body).unwrap();
     let arrivals = arrivals.lock().unwrap().clone();
     assert_eq!(arrivals.len(), 3);
     assert!(

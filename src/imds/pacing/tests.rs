@@ -63,6 +63,26 @@ proptest! {
     }
 }
 
+/// A request that waits for its turn in a task of its own, and says when it got it.
+fn spawn_turn(pacer: &std::sync::Arc<Pacer>) -> tokio::task::JoinHandle<Instant> {
+    let pacer = pacer.clone();
+    tokio::spawn(async move {
+        pacer.turn().await;
+        Instant::now()
+    })
+}
+
+/// `count` requests that take their slots and are then polled no more (their runtime
+/// stalled): kept, not dropped, for as long as the test holds them.
+fn stalled(pacer: &Pacer, count: usize) -> Vec<std::pin::Pin<Box<impl Future<Output = ()> + '_>>> {
+    let mut idle = std::task::Context::from_waker(std::task::Waker::noop());
+    let mut waiters: Vec<_> = (0..count).map(|_| Box::pin(pacer.turn())).collect();
+    for waiter in &mut waiters {
+        assert!(waiter.as_mut().poll(&mut idle).is_pending());
+    }
+    waiters
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_retry_after_holds_back_every_request_of_the_client() {
     let pacer = Pacer::new();
@@ -83,13 +103,7 @@ async fn a_retry_after_that_comes_while_a_request_waits_for_its_turn_holds_it_ba
     let start = Instant::now();
     pacer.turn().await;
     // Waits for its spacing behind the request that just went out...
-    let waiting = tokio::spawn({
-        let pacer = pacer.clone();
-        async move {
-            pacer.turn().await;
-            Instant::now()
-        }
-    });
+    let waiting = spawn_turn(&pacer);
     // ...whose answer, a 429, comes before that wait ends.
     tokio::time::sleep(Duration::from_millis(100)).await;
     pacer.throttled(Duration::from_secs(4));
@@ -146,21 +160,13 @@ async fn requests_a_429_holds_back_together_go_out_one_spacing_apart_after_it() 
     let start = Instant::now();
     pacer.turn().await;
     // Four requests queue behind it, each with a slot of its own...
-    let waiting: Vec<_> = (0..4)
-        .map(|_| {
-            let pacer = pacer.clone();
-            tokio::spawn(async move {
-                pacer.turn().await;
-                Instant::now() - start
-            })
-        })
-        .collect();
+    let waiting: Vec<_> = (0..4).map(|_| spawn_turn(&pacer)).collect();
     // ...until a 429 comes, and its hold ends after all their slots.
     tokio::time::sleep(Duration::from_millis(100)).await;
     pacer.throttled(Duration::from_secs(2));
     let mut went = Vec::new();
     for task in waiting {
-        went.push(task.await.unwrap());
+        went.push(task.await.unwrap() - start);
     }
     went.sort();
     assert!(went[0] >= Duration::from_millis(2_100), "{went:?}");
@@ -174,12 +180,7 @@ async fn requests_that_gave_up_waiting_do_not_delay_the_next() {
     let pacer = std::sync::Arc::new(Pacer::new());
     let start = Instant::now();
     pacer.turn().await;
-    let given_up: Vec<_> = (0..3)
-        .map(|_| {
-            let pacer = pacer.clone();
-            tokio::spawn(async move { pacer.turn().await })
-        })
-        .collect();
+    let given_up: Vec<_> = (0..3).map(|_| spawn_turn(&pacer)).collect();
     tokio::time::sleep(Duration::from_millis(50)).await;
     for task in &given_up {
         task.abort();
@@ -198,11 +199,7 @@ async fn waiters_no_longer_polled_delay_others_only_until_a_spacing_after_their_
     let pacer = Pacer::new();
     let start = Instant::now();
     pacer.turn().await;
-    let mut stalled: Vec<_> = (0..25).map(|_| Box::pin(pacer.turn())).collect();
-    let mut idle = std::task::Context::from_waker(std::task::Waker::noop());
-    for waiter in &mut stalled {
-        assert!(waiter.as_mut().poll(&mut idle).is_pending());
-    }
+    let stalled = stalled(&pacer, 25);
     // The last stalled slot is 25 spacings after the first request: a request just
     // before a spacing after it still waits for that...
     let last = start + MIN_REQUEST_SPACING * 25;
@@ -278,9 +275,7 @@ fn a_waiter_polled_late_after_another_went_waits_a_spacing_after_it() {
         let pacer = Pacer::new();
         let start = Instant::now();
         pacer.turn().await;
-        let mut late = Box::pin(pacer.turn());
-        let mut idle = std::task::Context::from_waker(std::task::Waker::noop());
-        assert!(late.as_mut().poll(&mut idle).is_pending());
+        let late = stalled(&pacer, 1).remove(0);
         tokio::time::sleep(MIN_REQUEST_SPACING * 2 + Duration::from_millis(40)).await;
         let other = Instant::now();
         pacer.turn().await;
@@ -356,11 +351,7 @@ async fn a_429_does_not_move_the_slots_of_waiters_no_longer_polled() {
     let pacer = Pacer::new();
     let start = Instant::now();
     pacer.turn().await;
-    let mut stalled: Vec<_> = (0..25).map(|_| Box::pin(pacer.turn())).collect();
-    let mut idle = std::task::Context::from_waker(std::task::Waker::noop());
-    for waiter in &mut stalled {
-        assert!(waiter.as_mut().poll(&mut idle).is_pending());
-    }
+    let stalled = stalled(&pacer, 25);
     tokio::time::sleep_until(start + Duration::from_secs(6)).await;
     pacer.throttled(Duration::from_secs(1));
     pacer.turn().await;
