@@ -65,9 +65,10 @@ pub fn error_wait(
 /// POSTs share the main one: a request whose runtime stops driving it (a stalled task, a
 /// runtime shutting down) must not keep the other runtime's requests waiting. Each request
 /// takes a slot a spacing behind the latest slot of those waiting and sleeps until it; when
-/// it wakes it is granted its turn only if the last grant is a spacing behind and no 429
-/// holds requests back, else it sleeps again. A 429 moves the slots of those waiting behind
-/// its hold, in the order they came. A waiter that is no longer polled (its runtime stalled)
+/// it wakes it is granted its turn only if its slot (which may have moved) has come, the last
+/// grant is a spacing behind and no 429 holds requests back; else it moves the slots of those waiting behind that hold, in the
+/// order they came, and sleeps until its own: after a 429, the first waiter to wake puts the
+/// queue behind it, newcomers included. A waiter that is no longer polled (its runtime stalled)
 /// delays those after it only until a spacing after its slot. A wait that is given up
 /// leaves the queue; those already queued behind it keep their slots.
 ///
@@ -106,15 +107,15 @@ impl Schedule {
     }
 
     /// Moves the waiting requests' slots to `from` or later, a spacing apart, in the order
-    /// they came (the list's order): after a 429, or when `waiter` woke too early, they go
-    /// out one by one in that order instead of waking together. A slot more than a spacing
-    /// past belongs to a waiter whose runtime no longer polls it, and is left where it is
-    /// (else it would hold every later request back by a spacing each time), unless it is
-    /// `waiter`'s own.
-    fn respace(&mut self, from: Instant, now: Instant, waiter: Option<u64>) {
+    /// they came (the list's order), when `waiter` woke before `from` (a 429's hold, or the
+    /// last grant's spacing): they go out one by one in that order instead of waking
+    /// together. A slot more than a spacing past belongs to a waiter whose runtime no longer
+    /// polls it, and is left where it is (else it would hold every later request back by a
+    /// spacing each time), unless it is `waiter`'s own.
+    fn respace(&mut self, from: Instant, now: Instant, waiter: u64) {
         let mut next = from;
         for (id, slot) in &mut self.waiting {
-            if *slot + MIN_REQUEST_SPACING < now && Some(*id) != waiter {
+            if *slot + MIN_REQUEST_SPACING < now && *id != waiter {
                 continue;
             }
             *slot = (*slot).max(next);
@@ -194,7 +195,7 @@ impl Pacer {
                 let now = Instant::now();
                 let allowed = schedule.allowed().filter(|at| *at > now);
                 if let Some(at) = allowed {
-                    schedule.respace(at, now, Some(place.id));
+                    schedule.respace(at, now, place.id);
                 }
                 let mine = schedule.slot_of(place.id).filter(|slot| *slot > now);
                 match mine.or(allowed) {
@@ -212,11 +213,11 @@ impl Pacer {
     }
 
     /// The service answered 429 and asked for `retry_after` (at most [`MAX_THROTTLED_WAIT`]).
+    /// Those waiting are moved behind the hold by the first of them to wake.
     pub fn throttled(&self, retry_after: Duration) {
         let until = Instant::now() + retry_after.min(MAX_THROTTLED_WAIT);
         let mut schedule = self.schedule();
         schedule.throttled_until = schedule.throttled_until.max(Some(until));
-        schedule.respace(until, Instant::now(), None);
     }
 }
 

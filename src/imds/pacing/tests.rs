@@ -307,11 +307,11 @@ fn respacing_skips_stale_slots_but_not_the_late_waiters_own() {
             .collect()
     };
     let mut by_the_late_one = schedule(&[(1, 210), (2, 630)]);
-    by_the_late_one.respace(at(630), at(500), Some(1));
+    by_the_late_one.respace(at(630), at(500), 1);
     assert_eq!(slots(&by_the_late_one), [(1, 630), (2, 840)]);
-    let mut by_a_429 = schedule(&[(1, 210), (2, 630)]);
-    by_a_429.respace(at(630), at(500), None);
-    assert_eq!(slots(&by_a_429), [(1, 210), (2, 630)]);
+    let mut by_another = schedule(&[(1, 210), (2, 630)]);
+    by_another.respace(at(630), at(500), 2);
+    assert_eq!(slots(&by_another), [(1, 210), (2, 630)]);
 }
 
 /// A 429 moves the slots of those waiting; one still asleep on its old, earlier slot must
