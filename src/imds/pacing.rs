@@ -66,11 +66,12 @@ pub fn error_wait(
 /// runtime shutting down) must not keep the other runtime's requests waiting. Each request
 /// takes a slot a spacing behind the latest slot of those waiting and sleeps until it; when
 /// it wakes it is granted its turn only if its slot (which may have moved) has come, the last
-/// grant is a spacing behind and no 429 holds requests back; else it moves the slots of those waiting behind that hold, in the
-/// order they came, and sleeps until its own: after a 429, the first waiter to wake puts the
-/// queue behind it, newcomers included. A waiter that is no longer polled (its runtime stalled)
-/// delays those after it only until a spacing after its slot. A wait that is given up
-/// leaves the queue; those already queued behind it keep their slots.
+/// grant is a spacing behind and no 429 holds requests back; else it moves the slots of those
+/// waiting behind that hold, in the order they came, and sleeps until its own: after a 429,
+/// the first waiter to wake puts the queue behind it, newcomers included. A waiter that is no
+/// longer polled (its runtime stalled) delays those after it only until a spacing after its
+/// slot. A wait that is given up leaves the queue; those already queued behind it keep their
+/// slots.
 ///
 /// Spacing counts from the grant: a request that connects after its turn (a new connection)
 /// goes out that much later, closer to the next one.
