@@ -49,9 +49,11 @@ pub fn error_wait(
             retry_after: Some(asked),
             ..
         } => (*asked).clamp(MIN_REQUEST_SPACING, MAX_THROTTLED_WAIT),
+        // Never sooner than the hold the pacer sets for it: the wait logged is the wait.
         ImdsError::Throttled { .. } => {
             Backoff::new(poll_interval.max(Duration::from_secs(1)), THROTTLED_BACKOFF)
                 .jittered(attempt)
+                .max(UNASKED_THROTTLE_HOLD)
         }
         _ => normal,
     }

@@ -40,6 +40,12 @@ fn a_throttled_service_is_given_the_time_it_asks_for_up_to_a_preempt_notice() {
     assert_eq!(wait(throttled(Some(0))), MIN_REQUEST_SPACING);
     let unasked = error_wait(&throttled(None), 30, second, MAX_ERROR_BACKOFF);
     assert!(unasked > MAX_ERROR_BACKOFF / 2 && unasked <= THROTTLED_BACKOFF);
+    // The poll's own wait is never shorter than the hold the 429 set for every request
+    // (else the log's `retry_in` would say a time the pacer does not keep).
+    for _ in 0..100 {
+        let first = error_wait(&throttled(None), 1, MIN_REQUEST_SPACING, MAX_ERROR_BACKOFF);
+        assert!(first >= UNASKED_THROTTLE_HOLD, "{first:?}");
+    }
 }
 
 proptest! {
