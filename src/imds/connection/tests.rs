@@ -7,10 +7,33 @@ use std::sync::{Arc, Mutex, OnceLock};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const OK: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}";
-const SECOND: Duration = Duration::from_secs(1);
+pub(super) const SECOND: Duration = Duration::from_secs(1);
+
+/// Binds a listener and runs `serve` with it on a thread and runtime of its own: the
+/// connection under test blocks the thread it reads on, as it does the poll thread.
+pub(super) fn serve_elsewhere<F>(
+    serve: impl FnOnce(tokio::net::TcpListener) -> F + Send + 'static,
+) -> Url
+where
+    F: Future<Output = ()>,
+{
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let url = Url::parse(&format!("http://{}/", listener.local_addr().unwrap())).unwrap();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            serve(tokio::net::TcpListener::from_std(listener).unwrap()).await;
+        });
+    });
+    url
+}
 
 /// A turn of the pacer that is always there at once.
-async fn no_turn() {}
+pub(super) async fn no_turn() {}
 
 /// Reads one request's head from `socket`; `None` when the connection ended first.
 async fn read_request(socket: &mut tokio::net::TcpStream, buffer: &mut [u8]) -> Option<String> {
@@ -27,23 +50,25 @@ async fn read_request(socket: &mut tokio::net::TcpStream, buffer: &mut [u8]) -> 
 /// A server that answers each request on a connection with `answer`, and closes every
 /// connection after `per_connection` answers; returns its URL, how many connections it
 /// accepted and how many it has closed.
-async fn server(
+pub(super) fn server(
     answer: &'static [u8],
     per_connection: usize,
 ) -> (Url, Arc<AtomicUsize>, Arc<AtomicUsize>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = Url::parse(&format!(
-        "http://{}/metadata/scheduledevents?api-version=2020-07-01",
-        listener.local_addr().unwrap()
-    ))
-    .unwrap();
+    server_in_parts(vec![answer], per_connection)
+}
+
+/// As [`server`], writing its answer in `parts`, 20 ms apart.
+pub(super) fn server_in_parts(
+    parts: Vec<&'static [u8]>,
+    per_connection: usize,
+) -> (Url, Arc<AtomicUsize>, Arc<AtomicUsize>) {
     let (accepted, closed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
     let (counter, closes) = (accepted.clone(), closed.clone());
-    tokio::spawn(async move {
+    let url = serve_elsewhere(move |listener| async move {
         loop {
             let (mut socket, _) = listener.accept().await.unwrap();
             counter.fetch_add(1, SeqCst);
-            let closes = closes.clone();
+            let (closes, parts) = (closes.clone(), parts.clone());
             tokio::spawn(async move {
                 let mut buffer = vec![0u8; 4096];
                 for _ in 0..per_connection {
@@ -58,8 +83,13 @@ async fn server(
                     );
                     assert!(request.contains("metadata: true"), "{request}");
                     assert!(request.contains("host: 127.0.0.1:"), "{request}");
-                    if socket.write_all(answer).await.is_err() {
-                        return;
+                    for (at, part) in parts.iter().enumerate() {
+                        if at > 0 {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                        if socket.write_all(part).await.is_err() {
+                            return;
+                        }
                     }
                 }
                 // Closed a little after the last answer, as an idle keep-alive connection
@@ -70,6 +100,9 @@ async fn server(
             });
         }
     });
+    let url = url
+        .join("metadata/scheduledevents?api-version=2020-07-01")
+        .unwrap();
     (url, accepted, closed)
 }
 
@@ -77,18 +110,16 @@ async fn server(
 /// `on_second`; then it closes without answering (the service may have counted it), or
 /// with `hang` keeps the connection open and silent. Later connections answer every
 /// request with an empty document. Returns its URL and when each request arrived.
-async fn server_that_takes_a_second_request_without_answering(
+fn server_that_takes_a_second_request_without_answering(
     on_second: impl Fn() + Send + Sync + 'static,
     hang: bool,
 ) -> (Url, Arc<Mutex<Vec<std::time::Instant>>>) {
     const DOCUMENT: &[u8] =
         b"HTTP/1.1 200 OK\r\ncontent-length: 37\r\n\r\n{\"DocumentIncarnation\":1,\"Events\":[]}";
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = Url::parse(&format!("http://{}/", listener.local_addr().unwrap())).unwrap();
     let arrivals = Arc::new(Mutex::new(Vec::new()));
     let arrived = arrivals.clone();
     let on_second = Arc::new(on_second);
-    tokio::spawn(async move {
+    let url = serve_elsewhere(move |listener| async move {
         for connection in 0.. {
             let (mut socket, _) = listener.accept().await.unwrap();
             let (arrived, on_second) = (arrived.clone(), on_second.clone());
@@ -118,7 +149,7 @@ async fn server_that_takes_a_second_request_without_answering(
 
 #[tokio::test]
 async fn one_connection_serves_every_poll() {
-    let (url, accepted, _) = server(OK, usize::MAX).await;
+    let (url, accepted, _) = server(OK, usize::MAX);
     let mut connection = KeptAlive::new(&url, SECOND).unwrap();
     for _ in 0..5 {
         let answer = connection.get(SECOND, no_turn).await.unwrap();
@@ -129,7 +160,7 @@ async fn one_connection_serves_every_poll() {
 
 #[tokio::test]
 async fn a_connection_the_service_closed_while_idle_is_replaced_without_a_failed_poll() {
-    let (url, accepted, closed) = server(OK, 1).await;
+    let (url, accepted, closed) = server(OK, 1);
     let mut connection = KeptAlive::new(&url, SECOND).unwrap();
     let turns = std::cell::Cell::new(0);
     for poll in 1..=3 {
@@ -157,7 +188,7 @@ async fn a_connection_the_service_closed_while_idle_is_replaced_without_a_failed
 
 #[tokio::test]
 async fn a_request_a_kept_connection_took_without_answering_is_sent_again_only_after_a_new_turn() {
-    let (url, arrivals) = server_that_takes_a_second_request_without_answering(|| {}, false).await;
+    let (url, arrivals) = server_that_takes_a_second_request_without_answering(|| {}, false);
     let url = url.join("metadata/scheduledevents").unwrap();
     let mut connection = KeptAlive::new(&url, SECOND).unwrap();
     let turn_ended = std::cell::Cell::new(None);
@@ -191,8 +222,7 @@ async fn a_poll_sent_again_waits_out_a_429_that_came_meanwhile_beyond_its_timeou
             client.pacer().throttled(Duration::from_millis(300));
         },
         false,
-    )
-    .await;
+    );
     let client = client.get_or_init(|| {
         crate::imds::ImdsClient::new(url, "2020-07-01", Duration::from_millis(100), SECOND).unwrap()
     });
@@ -212,7 +242,7 @@ async fn a_poll_sent_again_waits_out_a_429_that_came_meanwhile_beyond_its_timeou
 
 #[tokio::test]
 async fn a_request_a_kept_connection_timed_out_on_is_not_sent_again() {
-    let (url, arrivals) = server_that_takes_a_second_request_without_answering(|| {}, true).await;
+    let (url, arrivals) = server_that_takes_a_second_request_without_answering(|| {}, true);
     let url = url.join("metadata/scheduledevents").unwrap();
     let mut connection = KeptAlive::new(&url, SECOND).unwrap();
     let turns = std::cell::Cell::new(0);
@@ -231,7 +261,7 @@ async fn a_request_a_kept_connection_timed_out_on_is_not_sent_again() {
 async fn connection_close_answers_are_read_whole_and_the_connection_is_not_reused() {
     const CLOSE: &[u8] =
         b"HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\nretry-after: 7\r\ncontent-length: 4\r\n\r\nbusy";
-    let (url, accepted, _) = server(CLOSE, 1).await;
+    let (url, accepted, _) = server(CLOSE, 1);
     let mut connection = KeptAlive::new(&url, SECOND).unwrap();
     for _ in 0..2 {
         let answer = connection.get(SECOND, no_turn).await.unwrap();
@@ -246,7 +276,7 @@ async fn connection_close_answers_are_read_whole_and_the_connection_is_not_reuse
 async fn an_abandoned_request_does_not_leave_its_connection_for_the_next_one() {
     // A server that reads the request and never answers: the timeout drops the
     // exchange half-way.
-    let (url, accepted, _) = server(b"", usize::MAX).await;
+    let (url, accepted, _) = server(b"", usize::MAX);
     let mut connection = KeptAlive::new(&url, SECOND).unwrap();
     for _ in 0..2 {
         let timed_out = connection
@@ -283,10 +313,84 @@ fn only_plain_http_endpoints_get_a_kept_alive_connection() {
     let ipv6 = Url::parse("http://[fd00::1]:8080/metadata/scheduledevents?a=b").unwrap();
     let connection = KeptAlive::new(&ipv6, Duration::from_secs(1)).unwrap();
     assert_eq!(connection.authority, "[fd00::1]:8080");
-    assert_eq!(connection.host, "[fd00::1]:8080");
-    assert_eq!(connection.target, "/metadata/scheduledevents?a=b");
+    let request = String::from_utf8(connection.request).unwrap();
+    assert!(
+        request.starts_with(
+            "GET /metadata/scheduledevents?a=b HTTP/1.1\r\nHost: [fd00::1]:8080\r\nMetadata: true\r\n"
+        ),
+        "{request}"
+    );
     let default_port = Url::parse("http://169.254.169.254/metadata/scheduledevents").unwrap();
     let connection = KeptAlive::new(&default_port, Duration::from_secs(1)).unwrap();
     assert_eq!(connection.authority, "169.254.169.254:80");
-    assert_eq!(connection.host, "169.254.169.254");
+    let request = String::from_utf8(connection.request).unwrap();
+    assert!(
+        request.contains("\r\nHost: 169.254.169.254\r\n"),
+        "{request}"
+    );
+}
+
+/// A server that takes each request and answers it one byte every 20 ms, forever.
+fn trickling_server() -> Url {
+    serve_elsewhere(|listener| async move {
+        loop {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let mut buffer = vec![0u8; 4096];
+                read_request(&mut socket, &mut buffer).await;
+                for byte in b"HTTP/1.1 200 OK\r\nx-slow: "
+                    .iter()
+                    .chain(std::iter::repeat(&b'a'))
+                {
+                    if socket.write_all(&[*byte]).await.is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            });
+        }
+    })
+}
+
+#[tokio::test]
+async fn an_answer_that_trickles_in_times_out_at_the_timeout_not_per_read() {
+    let url = trickling_server();
+    let mut connection = KeptAlive::new(&url, SECOND).unwrap();
+    let started = std::time::Instant::now();
+    // Bounded here too, so that a timeout taken per read fails the test, not hang it.
+    let unanswered = tokio::time::timeout(
+        Duration::from_secs(2),
+        connection.get(Duration::from_millis(300), no_turn),
+    )
+    .await
+    .expect("timed out by its own timeout, not this one")
+    .unwrap_err();
+    assert!(matches!(unanswered, Unanswered::TimedOut), "{unanswered:?}");
+    assert!(
+        started.elapsed() < Duration::from_millis(500),
+        "timed out after {:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn what_the_poll_loop_waits_on_beside_a_request_is_seen_within_a_slice() {
+    // A server that takes the request and never answers, and one that answers a byte at a
+    // time; the poll loop selects on its stop beside the request, as here on a timer.
+    let (hangs, _, _) = server(b"", usize::MAX);
+    for url in [hangs, trickling_server()] {
+        let mut connection = KeptAlive::new(&url, SECOND).unwrap();
+        let started = std::time::Instant::now();
+        tokio::select! {
+            answered = connection.get(Duration::from_secs(10), no_turn) => {
+                panic!("no answer was sent whole: {answered:?}");
+            }
+            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+        }
+        assert!(
+            started.elapsed() < Duration::from_millis(500),
+            "the stop was seen after {:?}",
+            started.elapsed()
+        );
+    }
 }
