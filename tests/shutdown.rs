@@ -1,6 +1,7 @@
 //! Shutdown keeps its deadline: SIGTERM ends the agent within `delivery.shutdown_timeout`
 //! (10 s by default) whatever hangs, so a supervisor's stop timeout never ends in SIGKILL,
-//! and what was not delivered stays in the outbox for the next start.
+//! and what was not delivered stays in the outbox for the next start; a poll that hangs does
+//! not hold it back at all.
 
 mod common;
 
@@ -73,6 +74,49 @@ fn sigterm_ends_the_agent_within_the_shutdown_timeout_while_an_approval_hangs() 
     assert!(
         took <= Duration::from_secs(13),
         "shutdown took {took:?}, past delivery.shutdown_timeout (10 s):\n{}",
+        agent.log()
+    );
+}
+
+/// A metadata service that takes the poll's GET and never answers, from 2 s on.
+const HANGING_GET: &str = r#"
+[[events]]
+id = "f0000000-0000-4000-8000-0000000000bb"
+type = "Reboot"
+resources = ["WestNO_0"]
+notice = "1h"
+
+[[faults]]
+kind = "delay"
+delay = "120s"
+method = "GET"
+after = "2s"
+lasting = "10m"
+"#;
+
+#[test]
+fn sigterm_ends_the_agent_at_once_while_a_poll_hangs() {
+    let dir = tempfile::tempdir().unwrap();
+    let scenario = dir.path().join("scenario.toml");
+    std::fs::write(&scenario, HANGING_GET).unwrap();
+    let started = Instant::now();
+    let sim = SimProcess::start(scenario.to_str().unwrap(), 1.0);
+    let mut agent = AgentProcess::start_on_defaults(&sim.url, "");
+    agent.wait_for_id(
+        "f0000000-0000-4000-8000-0000000000bb:scheduled",
+        Duration::from_secs(15),
+    );
+    // Polls from 2 s on hang for their whole request timeout (5 s on the shipped defaults):
+    // at 4.5 s one is under way, with 2.5 s or more to go.
+    std::thread::sleep(Duration::from_millis(4500).saturating_sub(started.elapsed()));
+    let stopping = Instant::now();
+    agent.signal("TERM");
+    let status = agent.wait(Duration::from_secs(30));
+    let took = stopping.elapsed();
+    assert!(status.success(), "exit {status}:\n{}", agent.log());
+    assert!(
+        took <= Duration::from_secs(2),
+        "shutdown took {took:?}: it waited for the hanging poll:\n{}",
         agent.log()
     );
 }
