@@ -176,7 +176,9 @@ impl Poller {
         let mut connection = self.client.poll_connection();
         loop {
             let started = Instant::now();
+            // The stop first: the fetch blocks this thread a slice at a time when polled.
             let fetched = tokio::select! {
+                biased;
                 _ = &mut shutdown => return,
                 fetched = async {
                     match &mut connection {

@@ -13,8 +13,10 @@
 //! the shared client.
 //!
 //! Blocking is for the poll thread only, which runs nothing but the poll loop: a read blocks
-//! its thread for at most [`SLICE`], then the exchange yields to the runtime, so whatever the
-//! poll loop waits on beside it (a stop) is seen within a slice while the service hangs.
+//! its thread for at most [`SLICE`], and the exchange yields to the runtime at least every
+//! slice, so whatever the poll loop waits on beside it (a stop) is seen within two slices
+//! while the service hangs or trickles its answer. An exchange reads at most a head, the
+//! largest body and a trailer, however the service frames what it sends.
 //!
 //! Faults: a kept connection the service has closed (or written to unasked) while idle is
 //! found before the next request is sent on it, and replaced. A request on a kept connection
@@ -39,9 +41,12 @@ use wire::Open;
 /// More than any Scheduled Events document (a thousand events are about half a megabyte):
 /// an endless answer is refused, not buffered until memory runs out.
 pub const MAX_BODY: usize = 16 * 1024 * 1024;
-/// The longest the exchange blocks its thread at a time: how late a stop is seen while the
-/// service hangs or trickles.
-pub(crate) const SLICE: Duration = Duration::from_millis(100);
+/// The longest the exchange blocks its thread at a time. It yields to the runtime at least
+/// every slice, and a read begun just before blocks one more: a stop is seen within two,
+/// while the service hangs or trickles.
+pub(crate) const SLICE: Duration = Duration::from_millis(50);
+/// A timeout beyond this is taken as this (an `Instant` cannot go on for ever).
+const FOREVER: Duration = Duration::from_secs(365 * 24 * 3600);
 /// The read buffer kept between polls; one that grew past this (a large document) is let go.
 const KEPT_BUFFER: usize = 64 * 1024;
 
@@ -132,6 +137,7 @@ impl KeptAlive {
     ) -> Result<Answer, Unanswered> {
         self.forget_if_closed();
         let reused = self.open.is_some();
+        let timeout = timeout.min(FOREVER);
         let started = Instant::now();
         match self.get_once(started + timeout).await {
             Err(Unanswered::Failed(error)) if reused => {

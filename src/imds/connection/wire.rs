@@ -14,12 +14,19 @@ use super::{Answer, MAX_BODY, SLICE, Unanswered};
 const MAX_HEAD: usize = 64 * 1024;
 /// The most headers an answer may have.
 const MAX_HEADERS: usize = 64;
+/// The most informational (1xx) answers passed over before the answer.
+const MAX_INFORMATIONAL: usize = 8;
+/// The most an exchange reads, all told: a head, the largest body, a trailer.
+const MAX_READ: usize = MAX_HEAD + MAX_BODY + MAX_HEAD;
+/// The most one read asks for (and zeroes first).
+const READ_CHUNK: usize = 64 * 1024;
 
 /// An open connection, owned by the exchange on it.
 pub(super) struct Open {
     stream: TcpStream,
-    /// The socket's read timeout as last set: set again only when it changes.
+    /// The socket's read and write timeouts as last set: set again only when they change.
     read_timeout: Option<Duration>,
+    write_timeout: Option<Duration>,
     /// When the exchange next yields to the runtime, whether or not it is waiting: a service
     /// that trickles its answer does not keep the poll loop from its stop either.
     yield_at: Instant,
@@ -52,6 +59,7 @@ impl Open {
         Open {
             stream,
             read_timeout: None,
+            write_timeout: None,
             yield_at: Instant::now() + SLICE,
         }
     }
@@ -80,16 +88,23 @@ impl Open {
         self.yield_at = Instant::now() + SLICE;
         let mut sent = 0;
         while sent < request.len() {
-            if Instant::now() >= deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
                 return Err(Unanswered::TimedOut);
+            }
+            let wait = left.min(SLICE);
+            if self.write_timeout != Some(wait) {
+                if let Err(e) = self.stream.set_write_timeout(Some(wait)) {
+                    return Err(Unanswered::Failed(format!("cannot send the request: {e}")));
+                }
+                self.write_timeout = Some(wait);
             }
             match self.stream.write(&request[sent..]) {
                 Ok(0) => return Err(Unanswered::Failed("the connection took no more".into())),
                 Ok(n) => sent += n,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                    tokio::task::yield_now().await
-                }
+                // A socket timeout that ran out (ETIMEDOUT is the connection's own, a failure).
+                Err(e) if e.kind() == ErrorKind::WouldBlock => tokio::task::yield_now().await,
                 Err(e) => {
                     return Err(Unanswered::Failed(format!(
                         "sending the request failed: {e}"
@@ -101,13 +116,19 @@ impl Open {
     }
 
     /// Reads into `buffer` what the service sends next, by `deadline`: how many bytes, 0 once
-    /// it has closed the connection. Blocks for at most [`SLICE`] at a time.
+    /// it has closed the connection. Blocks for at most [`SLICE`] at a time, and yields to the
+    /// runtime at least every slice, whether or not bytes come.
     async fn fill(&mut self, buffer: &mut Vec<u8>, deadline: Instant) -> Result<usize, Unanswered> {
-        if buffer.capacity() - buffer.len() < 4096 {
-            buffer.reserve(buffer.capacity().max(8192));
-        }
         let filled = buffer.len();
-        buffer.resize(buffer.capacity(), 0);
+        let room = MAX_READ.saturating_sub(filled);
+        if room == 0 {
+            return Err(too_large());
+        }
+        // Zeroed before the read: no more than a read takes, whatever was reserved.
+        let want = (buffer.capacity() - filled)
+            .clamp(4096, READ_CHUNK)
+            .min(room);
+        buffer.resize(filled + want, 0);
         let read = loop {
             let now = Instant::now();
             if now >= self.yield_at {
@@ -130,9 +151,8 @@ impl Open {
             match self.stream.read(&mut buffer[filled..]) {
                 Ok(n) => break Ok(n),
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                    tokio::task::yield_now().await
-                }
+                // The slice ran out (ETIMEDOUT is the connection's own, a failure).
+                Err(e) if e.kind() == ErrorKind::WouldBlock => tokio::task::yield_now().await,
                 Err(e) => {
                     break Err(Unanswered::Failed(format!(
                         "reading the answer failed: {e}"
@@ -151,10 +171,17 @@ impl Open {
         deadline: Instant,
     ) -> Result<(Answer, bool), Unanswered> {
         let mut start = 0;
+        let mut informational = 0;
         let head = loop {
             match parse_head(&buffer[start..])? {
                 // Informational answers (100 Continue, 103 Early Hints) precede the answer.
                 Some(head) if (100..200).contains(&head.status) && head.status != 101 => {
+                    informational += 1;
+                    if informational > MAX_INFORMATIONAL {
+                        return Err(failed(format!(
+                            "more than {MAX_INFORMATIONAL} informational answers before the answer"
+                        )));
+                    }
                     start += head.length;
                 }
                 Some(head) => break head,
@@ -239,6 +266,7 @@ impl Open {
                     at += size + 2;
                 }
                 // The trailer: header lines, ignored, up to an empty line.
+                let trailer = at;
                 loop {
                     match buffer[at..].windows(2).position(|pair| pair == b"\r\n") {
                         Some(0) => {
@@ -246,7 +274,7 @@ impl Open {
                             break;
                         }
                         Some(line) => at += line + 2,
-                        None if buffer.len() - at > MAX_HEAD => {
+                        None if buffer.len() - trailer > MAX_HEAD => {
                             return Err(failed(format!(
                                 "a chunked answer's trailer over {MAX_HEAD} bytes"
                             )));

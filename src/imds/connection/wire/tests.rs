@@ -2,8 +2,9 @@
 //! HTTP or too large, against the servers of the parent module's tests.
 
 use std::sync::atomic::Ordering::SeqCst;
+use std::time::Duration;
 
-use super::super::tests::{SECOND, no_turn, server, server_in_parts};
+use super::super::tests::{SECOND, no_turn, serve_elsewhere, server, server_in_parts};
 use super::super::{KeptAlive, Unanswered};
 
 #[tokio::test]
@@ -124,4 +125,60 @@ async fn bytes_after_an_answer_that_nobody_asked_for_end_the_connection() {
         assert!(connection.open.is_none(), "let go at once");
     }
     assert_eq!(accepted.load(SeqCst), 2);
+}
+
+/// A server that answers each request with `head`, then `line` over and over, forever.
+fn endless_server(head: &'static [u8], line: &'static [u8]) -> url::Url {
+    use tokio::io::AsyncWriteExt;
+    serve_elsewhere(move |listener| async move {
+        loop {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let mut buffer = vec![0u8; 4096];
+                super::super::tests::read_request(&mut socket, &mut buffer).await;
+                let lines = line.repeat(1024);
+                if socket.write_all(head).await.is_err() {
+                    return;
+                }
+                while socket.write_all(&lines).await.is_ok() {}
+            });
+        }
+    })
+}
+
+#[tokio::test]
+async fn an_answer_that_never_ends_its_head_or_trailer_is_refused_not_buffered() {
+    for (head, line, expected) in [
+        (
+            &b""[..],
+            &b"HTTP/1.1 100 Continue\r\n\r\n"[..],
+            "informational answers",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0\r\n",
+            b"x-more: trailer\r\n",
+            "trailer over 65536 bytes",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nx-long: ",
+            b"a",
+            "head over 65536 bytes",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\n\r\n",
+            b"{}",
+            "answers over 16777216 bytes are refused",
+        ),
+    ] {
+        let url = endless_server(head, line);
+        let mut connection = KeptAlive::new(&url, SECOND).unwrap();
+        let unanswered = connection
+            .get(Duration::from_secs(30), no_turn)
+            .await
+            .unwrap_err();
+        let Unanswered::Failed(error) = unanswered else {
+            panic!("refused, not read until the timeout: {unanswered:?}");
+        };
+        assert!(error.contains(expected), "{error}");
+    }
 }
