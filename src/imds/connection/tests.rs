@@ -32,6 +32,14 @@ where
     url
 }
 
+/// Why a GET on `connection` failed; panics if it was answered or timed out instead.
+pub(super) async fn failure(connection: &mut KeptAlive, timeout: Duration) -> String {
+    match connection.get(timeout, no_turn).await {
+        Err(Unanswered::Failed(reason)) => reason,
+        other => panic!("a failure, not {other:?}"),
+    }
+}
+
 /// A turn of the pacer that is always there at once.
 pub(super) async fn no_turn() {}
 
@@ -295,14 +303,7 @@ async fn an_abandoned_request_does_not_leave_its_connection_for_the_next_one() {
 async fn an_endpoint_nobody_listens_on_is_a_clear_failure() {
     let port = sched_relay_transport::testing::free_port();
     let url = Url::parse(&format!("http://127.0.0.1:{port}/metadata/scheduledevents")).unwrap();
-    let Unanswered::Failed(error) = KeptAlive::new(&url, SECOND)
-        .unwrap()
-        .get(SECOND, no_turn)
-        .await
-        .unwrap_err()
-    else {
-        panic!("a refused connection is a failure, not a timeout");
-    };
+    let error = failure(&mut KeptAlive::new(&url, SECOND).unwrap(), SECOND).await;
     assert!(
         error.contains(&format!("cannot connect to 127.0.0.1:{port}")),
         "{error}"

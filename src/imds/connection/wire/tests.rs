@@ -4,8 +4,8 @@
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::Duration;
 
-use super::super::tests::{SECOND, no_turn, serve_elsewhere, server, server_in_parts};
-use super::super::{KeptAlive, Unanswered};
+use super::super::KeptAlive;
+use super::super::tests::{SECOND, failure, no_turn, serve_elsewhere, server, server_in_parts};
 
 #[tokio::test]
 async fn chunked_answers_are_read_whole_and_the_connection_is_kept() {
@@ -66,14 +66,8 @@ async fn an_answer_over_the_size_limit_is_refused_without_reading_it() {
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1000001\r\n{",
     ] {
         let (url, _, _) = server(answer, usize::MAX);
-        let Unanswered::Failed(error) = KeptAlive::new(&url, SECOND)
-            .unwrap()
-            .get(SECOND, no_turn)
-            .await
-            .unwrap_err()
-        else {
-            panic!("refused at once, not timed out waiting for the rest");
-        };
+        // Refused at once, not timed out waiting for the rest.
+        let error = failure(&mut KeptAlive::new(&url, SECOND).unwrap(), SECOND).await;
         assert!(
             error.contains("answers over 16777216 bytes are refused"),
             "{error}"
@@ -104,9 +98,7 @@ async fn answers_that_are_not_http_are_a_clear_failure() {
     ] {
         let (url, _, _) = server(answer, usize::MAX);
         let mut connection = KeptAlive::new(&url, SECOND).unwrap();
-        let Unanswered::Failed(error) = connection.get(SECOND, no_turn).await.unwrap_err() else {
-            panic!("a failure, not a timeout");
-        };
+        let error = failure(&mut connection, SECOND).await;
         assert!(error.contains(expected), "{error}");
         assert!(connection.open.is_none(), "not kept after {expected}");
     }
@@ -172,13 +164,8 @@ async fn an_answer_that_never_ends_its_head_or_trailer_is_refused_not_buffered()
     ] {
         let url = endless_server(head, line);
         let mut connection = KeptAlive::new(&url, SECOND).unwrap();
-        let unanswered = connection
-            .get(Duration::from_secs(30), no_turn)
-            .await
-            .unwrap_err();
-        let Unanswered::Failed(error) = unanswered else {
-            panic!("refused, not read until the timeout: {unanswered:?}");
-        };
+        // Refused, not read until the timeout.
+        let error = failure(&mut connection, Duration::from_secs(30)).await;
         assert!(error.contains(expected), "{error}");
     }
 }
