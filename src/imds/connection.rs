@@ -12,11 +12,11 @@
 //! (StartRequests, the VM's identity, the approval checks' fresh documents) still goes through
 //! the shared client.
 //!
-//! Blocking is for the poll thread only, which runs nothing but the poll loop: a read blocks
-//! its thread for at most [`SLICE`], and the exchange yields to the runtime at least every
-//! slice, so whatever the poll loop waits on beside it (a stop) is seen within two slices
-//! while the service hangs or trickles its answer. An exchange reads at most a head, the
-//! largest body and a trailer, however the service frames what it sends.
+//! Blocking is for the poll thread only, which runs nothing but the poll loop: the exchange
+//! yields to the runtime at least every [`SLICE`] (no read blocks past that), so whatever the
+//! poll loop waits on beside it (a stop) is seen within a slice while the service hangs or
+//! trickles its answer. An exchange reads a bounded amount however the service frames what
+//! it sends: the body at most 16 MiB, its heads and framing at most as much again.
 //!
 //! Faults: a kept connection the service has closed (or written to unasked) while idle is
 //! found before the next request is sent on it, and replaced. A request on a kept connection
@@ -41,9 +41,9 @@ use wire::Open;
 /// More than any Scheduled Events document (a thousand events are about half a megabyte):
 /// an endless answer is refused, not buffered until memory runs out.
 pub const MAX_BODY: usize = 16 * 1024 * 1024;
-/// The longest the exchange blocks its thread at a time. It yields to the runtime at least
-/// every slice, and a read begun just before blocks one more: a stop is seen within two,
-/// while the service hangs or trickles.
+/// How often, at least, the exchange yields to the runtime (no read blocks past the next
+/// yield): a stop is seen within a slice and the kernel's rounding of a socket timeout, while
+/// the service hangs or trickles.
 pub(crate) const SLICE: Duration = Duration::from_millis(50);
 /// A timeout beyond this is taken as this (an `Instant` cannot go on for ever).
 const FOREVER: Duration = Duration::from_secs(365 * 24 * 3600);

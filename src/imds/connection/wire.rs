@@ -16,8 +16,9 @@ const MAX_HEAD: usize = 64 * 1024;
 const MAX_HEADERS: usize = 64;
 /// The most informational (1xx) answers passed over before the answer.
 const MAX_INFORMATIONAL: usize = 8;
-/// The most an exchange reads, all told: a head, the largest body, a trailer.
-const MAX_READ: usize = MAX_HEAD + MAX_BODY + MAX_HEAD;
+/// The most an exchange reads, all told: its heads (informational ones too), the largest
+/// body, as much again for a chunked body's framing, and a trailer.
+const MAX_READ: usize = 2 * MAX_BODY + (MAX_INFORMATIONAL + 2) * MAX_HEAD;
 /// The most one read asks for (and zeroes first).
 const READ_CHUNK: usize = 64 * 1024;
 
@@ -59,13 +60,15 @@ impl Open {
         Open {
             stream,
             read_timeout: None,
-            write_timeout: None,
+            // As `connect` set it.
+            write_timeout: Some(SLICE),
             yield_at: Instant::now() + SLICE,
         }
     }
 
     /// Whether the connection is open and quiet: a look at the socket that does not wait.
     /// False once the service has closed it, or sent what no request asked for.
+    #[cfg(target_os = "linux")]
     pub(super) fn is_idle(&self) -> bool {
         use rustix::net::{RecvFlags, recv};
         let mut byte = [0u8; 1];
@@ -77,6 +80,19 @@ impl Open {
             ),
             Err(rustix::io::Errno::WOULDBLOCK | rustix::io::Errno::INTR)
         )
+    }
+
+    /// As on Linux, in three system calls instead of one.
+    #[cfg(not(target_os = "linux"))]
+    pub(super) fn is_idle(&self) -> bool {
+        if self.stream.set_nonblocking(true).is_err() {
+            return false;
+        }
+        let idle = matches!(
+            self.stream.peek(&mut [0u8; 1]),
+            Err(e) if e.kind() == ErrorKind::WouldBlock
+        );
+        self.stream.set_nonblocking(false).is_ok() && idle
     }
 
     /// Writes `request` whole, by `deadline`.
@@ -116,30 +132,44 @@ impl Open {
     }
 
     /// Reads into `buffer` what the service sends next, by `deadline`: how many bytes, 0 once
-    /// it has closed the connection. Blocks for at most [`SLICE`] at a time, and yields to the
-    /// runtime at least every slice, whether or not bytes come.
+    /// it has closed the connection. Yields to the runtime at least every [`SLICE`] (plus the
+    /// kernel's rounding of a socket timeout), whether or not bytes come: no read waits past
+    /// the next yield.
     async fn fill(&mut self, buffer: &mut Vec<u8>, deadline: Instant) -> Result<usize, Unanswered> {
         let filled = buffer.len();
         let room = MAX_READ.saturating_sub(filled);
         if room == 0 {
-            return Err(too_large());
+            return Err(failed(format!(
+                "the service sent over {MAX_READ} bytes for one answer, heads and framing included"
+            )));
         }
-        // Zeroed before the read: no more than a read takes, whatever was reserved.
-        let want = (buffer.capacity() - filled)
-            .clamp(4096, READ_CHUNK)
-            .min(room);
+        // Zeroed before the read: no more than a read takes. Into what was reserved (the
+        // exact length of a Content-Length body), else a little more.
+        let spare = buffer.capacity() - filled;
+        let want = if spare > 0 {
+            spare.min(READ_CHUNK)
+        } else {
+            4096
+        }
+        .min(room);
         buffer.resize(filled + want, 0);
+        // The wait before the next yield, in whole steps: the same from poll to poll, so the
+        // socket's timeout is not set again every poll.
+        let step = SLICE / 10;
         let read = loop {
             let now = Instant::now();
-            if now >= self.yield_at {
+            let until_yield = self.yield_at.saturating_duration_since(now);
+            let until_yield = step * (until_yield.as_nanos() / step.as_nanos()) as u32;
+            if until_yield.is_zero() {
                 tokio::task::yield_now().await;
-                self.yield_at = now + SLICE;
+                self.yield_at = Instant::now() + SLICE;
+                continue;
             }
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = deadline.saturating_duration_since(now);
             if left.is_zero() {
                 break Err(Unanswered::TimedOut);
             }
-            let wait = left.min(SLICE);
+            let wait = left.min(until_yield);
             if self.read_timeout != Some(wait) {
                 if let Err(e) = self.stream.set_read_timeout(Some(wait)) {
                     break Err(Unanswered::Failed(format!(
@@ -151,8 +181,9 @@ impl Open {
             match self.stream.read(&mut buffer[filled..]) {
                 Ok(n) => break Ok(n),
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                // The slice ran out (ETIMEDOUT is the connection's own, a failure).
-                Err(e) if e.kind() == ErrorKind::WouldBlock => tokio::task::yield_now().await,
+                // The wait ran out: the loop yields, or times out (ETIMEDOUT is the
+                // connection's own, a failure).
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {}
                 Err(e) => {
                     break Err(Unanswered::Failed(format!(
                         "reading the answer failed: {e}"

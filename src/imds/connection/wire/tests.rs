@@ -169,3 +169,30 @@ async fn an_answer_that_never_ends_its_head_or_trailer_is_refused_not_buffered()
         assert!(error.contains(expected), "{error}");
     }
 }
+
+#[tokio::test]
+async fn a_body_within_the_limit_is_read_whatever_its_framing_takes() {
+    // The largest body by its length, and a 12 MiB one in 16-byte chunks: 16.5 MiB on the
+    // wire, more than the body limit, all of it framing.
+    let largest = vec![b'7'; 16 * 1024 * 1024];
+    let mut whole = b"HTTP/1.1 200 OK\r\ncontent-length: 16777216\r\n\r\n".to_vec();
+    whole.extend_from_slice(&largest);
+    let chunked_body = vec![b'c'; 12 * 1024 * 1024];
+    let mut chunked = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
+    for chunk in chunked_body.chunks(16) {
+        chunked.extend_from_slice(format!("{:x}\r\n", chunk.len()).as_bytes());
+        chunked.extend_from_slice(chunk);
+        chunked.extend_from_slice(b"\r\n");
+    }
+    chunked.extend_from_slice(b"0\r\n\r\n");
+    for (answer, body) in [(whole, largest), (chunked, chunked_body)] {
+        let (url, _, _) = server(answer.leak(), usize::MAX);
+        let mut connection = KeptAlive::new(&url, SECOND).unwrap();
+        let answer = connection
+            .get(Duration::from_secs(30), no_turn)
+            .await
+            .unwrap();
+        assert_eq!(answer.body.len(), body.len());
+        assert!(answer.body[..] == body[..]);
+    }
+}
