@@ -16,7 +16,7 @@
 //! yields to the runtime at least every [`SLICE`] (no read blocks past that), so whatever the
 //! poll loop waits on beside it (a stop) is seen within a slice while the service hangs or
 //! trickles its answer. An exchange reads a bounded amount however the service frames what
-//! it sends: the body at most 16 MiB, its heads and framing at most as much again.
+//! it sends: a body of at most 16 MiB, its framing at most as much again, ten 64 KiB heads.
 //!
 //! Faults: a kept connection the service has closed (or written to unasked) while idle is
 //! found before the next request is sent on it, and replaced. A request on a kept connection

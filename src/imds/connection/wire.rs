@@ -16,8 +16,8 @@ const MAX_HEAD: usize = 64 * 1024;
 const MAX_HEADERS: usize = 64;
 /// The most informational (1xx) answers passed over before the answer.
 const MAX_INFORMATIONAL: usize = 8;
-/// The most an exchange reads, all told: its heads (informational ones too), the largest
-/// body, as much again for a chunked body's framing, and a trailer.
+/// The most an exchange reads, all told: twice the largest body (a chunked body's framing may
+/// take as much as its data) and ten heads (informational ones, the answer's, a trailer).
 const MAX_READ: usize = 2 * MAX_BODY + (MAX_INFORMATIONAL + 2) * MAX_HEAD;
 /// The most one read asks for (and zeroes first).
 const READ_CHUNK: usize = 64 * 1024;
@@ -25,6 +25,8 @@ const READ_CHUNK: usize = 64 * 1024;
 /// An open connection, owned by the exchange on it.
 pub(super) struct Open {
     stream: TcpStream,
+    /// What the exchange under way has read so far, all told (see [`MAX_READ`]).
+    read: usize,
     /// The socket's read and write timeouts as last set: set again only when they change.
     read_timeout: Option<Duration>,
     write_timeout: Option<Duration>,
@@ -59,6 +61,7 @@ impl Open {
     pub(super) fn new(stream: TcpStream) -> Open {
         Open {
             stream,
+            read: 0,
             read_timeout: None,
             // As `connect` set it.
             write_timeout: Some(SLICE),
@@ -102,6 +105,7 @@ impl Open {
         deadline: Instant,
     ) -> Result<(), Unanswered> {
         self.yield_at = Instant::now() + SLICE;
+        self.read = 0;
         let mut sent = 0;
         while sent < request.len() {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -137,7 +141,7 @@ impl Open {
     /// the next yield.
     async fn fill(&mut self, buffer: &mut Vec<u8>, deadline: Instant) -> Result<usize, Unanswered> {
         let filled = buffer.len();
-        let room = MAX_READ.saturating_sub(filled);
+        let room = MAX_READ.saturating_sub(self.read);
         if room == 0 {
             return Err(failed(format!(
                 "the service sent over {MAX_READ} bytes for one answer, heads and framing included"
@@ -191,7 +195,9 @@ impl Open {
                 }
             }
         };
-        buffer.truncate(filled + read.as_ref().copied().unwrap_or(0));
+        let got = read.as_ref().copied().unwrap_or(0);
+        buffer.truncate(filled + got);
+        self.read += got;
         read
     }
 
@@ -295,6 +301,12 @@ impl Open {
                     }
                     body.extend_from_slice(&buffer[at..at + size]);
                     at += size + 2;
+                    // What is decoded leaves the buffer: many small chunks do not pile up
+                    // beside the body.
+                    if at >= READ_CHUNK {
+                        buffer.drain(..at);
+                        at = 0;
+                    }
                 }
                 // The trailer: header lines, ignored, up to an empty line.
                 let trailer = at;
