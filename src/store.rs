@@ -7,18 +7,20 @@
 //! fetched document: either the transaction committed (the events will be delivered, after a
 //! restart if need be) or it did not (the document was not processed: the poller keeps its
 //! events for the next commit, and after a crash the document is fetched and diffed again,
-//! yielding the same ids). The sinks get the events while that transaction is written (the
-//! fan-out's tail, handed over by [`Outbox::commit_placing`] once they are numbered), so a
-//! crash or a failed commit can mean an event delivered twice, never one lost. An event
-//! leaves the outbox only when its sink confirmed it (or it was dead-lettered) and its
+//! yielding the same ids). The fan-out's tails get the events while that transaction is
+//! written (handed over by [`Outbox::commit_placing`] once they are numbered), but no sink
+//! sends one before the transaction is durable: a sink never holds a transition of a
+//! document the agent did not process. A commit that reports a failure may still have
+//! reached the disk (a failed fsync), so its events can come back after a reopen and be
+//! stored again: delivered twice with the same ids, never lost. An event leaves the outbox only when its sink confirmed it (or it was dead-lettered) and its
 //! commit is durable; removals are made durable in batches ([`Outbox::remove_below`],
 //! [`Outbox::flush`]): a crash in between delivers them again.
 //!
 //! Faults it survives, and the test that proves each:
 //! - a crash between any two writes: the transaction above; `tests/recovery.rs`
 //!   (`kill_minus_9_at_random_moments_loses_and_invents_nothing`);
-//! - a commit that fails after its events were handed over, and one the disk is slow to
-//!   make durable: `fanout::tests_handover`;
+//! - a commit that fails at its fsync, and one the disk is slow to make durable (nothing is
+//!   sent before it is): `fanout::tests_handover`;
 //! - a damaged file: opening fails with the path and `--fresh-state` moves it aside
 //!   (`a_damaged_store_is_reported_and_fresh_state_moves_it_aside`);
 //! - a full disk, or any I/O error, that later clears: redb then fails every transaction
@@ -119,7 +121,16 @@ pub struct Outbox {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Access {
     Read,
-    Write,
+    /// A commit of events and the processed document: what the store is for. Its success
+    /// says the store can be written; its failure that only such a commit can say so again.
+    Events,
+    /// Any other durable commit (a meta value, an approval's record, removals, making them
+    /// durable): small, so a full disk often lets it through (it reuses pages). Its success
+    /// says the store can be written only if no commit of events failed.
+    Upkeep,
+    /// A commit that is not made durable (redb `Durability::None`): it may reach no disk, so
+    /// its success says nothing.
+    Volatile,
 }
 
 impl Outbox {
@@ -177,7 +188,7 @@ impl Outbox {
             generation: Default::default(),
         };
         // Create the tables, and read what a restart needs, so damage shows at start.
-        outbox.with_db(Access::Write, |db| {
+        outbox.with_db(Access::Upkeep, |db| {
             let txn = outbox.write(db)?;
             txn.open_table(EVENTS).map_err(|e| outbox.io(e))?;
             txn.open_table(META).map_err(|e| outbox.io(e))?;
@@ -219,8 +230,11 @@ impl Outbox {
         drop(guard);
         let shown = self.path.display().to_string();
         match &result {
-            Err(StoreError::Io { reason, .. }) => self.health.failed(&shown, reason),
-            Ok(_) if access == Access::Write => self.health.wrote(&shown),
+            Err(StoreError::Io { reason, .. }) => {
+                self.health.failed(&shown, reason, access == Access::Events)
+            }
+            Ok(_) if access == Access::Events => self.health.wrote(&shown, true),
+            Ok(_) if access == Access::Upkeep => self.health.wrote(&shown, false),
             _ => {}
         }
         result

@@ -267,7 +267,8 @@ async fn jetstream_and_rabbitmq_sources_keep_consuming_after_an_outcome_cannot_b
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_core_nats_requester_gets_a_retriable_error_and_the_source_keeps_answering() {
+async fn a_core_nats_requester_gets_a_retriable_error_readyz_recovers_by_itself_and_the_source_keeps_answering()
+ {
     if !broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
         return;
     }
@@ -279,11 +280,14 @@ async fn a_core_nats_requester_gets_a_retriable_error_and_the_source_keeps_answe
     .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let prefix = unique("approvals_core");
+    let port = sched_relay_transport::testing::free_port();
     let sources = format!(
         "[approvals.nats]\nconnection = {{ url = \"{NATS_URL}\", subject = \"unused\" }}\n\
-         subject = \"{prefix}.{{vmname}}\"\n"
+         subject = \"{prefix}.{{vmname}}\"\n\n[telemetry]\nlisten = \"127.0.0.1:{port}\"\n"
     );
     let (faults, stop, agent) = start_agent(&sim, dir.path(), &sources).await;
+    let incarnation = sim.snapshot().incarnation;
+    let readyz = move || common::blocking_get(&format!("http://127.0.0.1:{port}/readyz"), &[]);
     let client = async_nats::connect(NATS_URL).await.unwrap();
     let subject = format!("{prefix}.WestNO_0");
     let (draft, event) = signed(FIRST);
@@ -309,8 +313,30 @@ async fn a_core_nats_requester_gets_a_retriable_error_and_the_source_keeps_answe
     let reply: Value = serde_json::from_slice(&answer.payload).unwrap();
     assert_eq!(reply["outcome"], "not_handled", "{reply}");
     assert_eq!(reply["retriable"], true, "{reply}");
+    let (status, body) = tokio::task::spawn_blocking(readyz).await.unwrap();
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("state store cannot be written"), "{body}");
 
     faults.free();
+    // The outcome that could not be stored is not committed again by anyone, and no new
+    // document comes: `/readyz` must find out by itself (the poller probes).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (status, body) = tokio::task::spawn_blocking(readyz).await.unwrap();
+        if status == 200 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/readyz still failing 10 s after the disk freed: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        sim.snapshot().incarnation,
+        incarnation,
+        "no new document came meanwhile"
+    );
     // The same request again (the requester retries): the source still answers.
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {

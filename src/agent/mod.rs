@@ -8,6 +8,7 @@
 //! leaves the previous document in place, so the next good document is diffed against the
 //! last good one.
 
+mod chores;
 mod identity;
 mod local_policy;
 mod poll_timer;

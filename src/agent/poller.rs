@@ -61,8 +61,11 @@ pub(super) struct Poller {
     pub(super) unstored: Vec<sched_relay_core::Event>,
     /// Counts the documents `previous` has been: local policy is fed each one once.
     pub(super) generation: u64,
-    /// The accepted EventIds last written to the store (`ACCEPTED_EVENT_IDS`).
-    pub(super) persisted_accepted: Option<Vec<String>>,
+    /// Small writes to the store, off the loop (the approved EventIds, the probe).
+    pub(super) chores: Arc<super::chores::Chores>,
+    /// Whether `previous` is the document the store holds as processed (false after its
+    /// commit failed, even with no transitions to keep).
+    pub(super) previous_stored: bool,
     /// The last body that parsed: the same bytes again are the same document as `previous`
     /// and the shared snapshot, and are not parsed and compared again.
     pub(super) last_body: Option<LastBody>,
@@ -94,7 +97,8 @@ impl Poller {
             warned: None,
             unstored: Vec::new(),
             generation: 0,
-            persisted_accepted: None,
+            chores: Default::default(),
+            previous_stored: true,
             last_body: None,
         }
     }
@@ -203,7 +207,7 @@ impl Poller {
                     self.telemetry.imds.answered();
                     if !answer_recorded {
                         answer_recorded = true;
-                        self.record_answer();
+                        super::chores::Chores::record_answer(self.fanout.publisher().outbox());
                     }
                     metrics::gauge!("sched_relay_imds_last_success_timestamp_seconds")
                         .set(Utc::now().timestamp() as f64);
@@ -226,7 +230,8 @@ impl Poller {
                             .first_poll_done
                             .store(true, std::sync::atomic::Ordering::Relaxed);
                     }
-                    self.persist_accepted();
+                    self.chores
+                        .persist_accepted(self.fanout.publisher().outbox(), self.client.accepted());
                     // Local policy judges the first document after start in full (an event
                     // stored before a restart is approved too), then each new one, stored or
                     // not: an approval needs the metadata service, not the state store, and a
@@ -327,35 +332,6 @@ impl Poller {
         }
     }
 
-    /// Keeps the EventIds this agent approved in the store when they changed (off the
-    /// runtime), so that a restart still knows them.
-    fn persist_accepted(&mut self) {
-        let accepted = self.client.accepted();
-        if self.persisted_accepted.as_ref() == Some(&accepted) {
-            return;
-        }
-        let outbox = self.fanout.publisher().outbox().clone();
-        let value = serde_json::json!(accepted);
-        self.persisted_accepted = Some(accepted);
-        tokio::task::spawn_blocking(move || {
-            if let Err(error) = outbox.set_meta(crate::store::ACCEPTED_EVENT_IDS, &value) {
-                tracing::debug!(error = %error, "Cannot keep the approved EventIds in the state store");
-            }
-        });
-    }
-
-    /// Remembers in the store, once per start and off the runtime, that the service answers:
-    /// a restart within the day then needs no long first call (see `run`).
-    fn record_answer(&self) {
-        let outbox = self.fanout.publisher().outbox().clone();
-        tokio::task::spawn_blocking(move || {
-            let now = serde_json::json!(Utc::now().timestamp());
-            if let Err(error) = outbox.set_meta(crate::store::IMDS_ANSWERED, &now) {
-                tracing::debug!(error = %error, "Cannot note that the metadata service answers");
-            }
-        });
-    }
-
     /// `sched_relay_document_events{event_type, status}`: how many events of each kind the
     /// current document holds (kinds that left go back to 0); `gauges` are the label pairs
     /// set before.
@@ -432,7 +408,13 @@ impl Poller {
 
     /// `previous` was fetched again: stores what an earlier commit could not, if anything.
     async fn on_unchanged(&mut self) -> Option<bool> {
-        if self.unstored.is_empty() {
+        if self.unstored.is_empty() && self.previous_stored {
+            // Nothing of its own to store: whether the store can be written again is found
+            // by a probe (the commit of what it kept does that otherwise).
+            if let Some(previous) = &self.previous {
+                self.chores
+                    .probe(self.fanout.publisher().outbox(), &previous.raw, self.epoch);
+            }
             return Some(false);
         }
         self.commit(true).await
@@ -457,6 +439,7 @@ impl Poller {
             .publish_shared(events.clone(), Some(processed))
             .await;
         pending.settle(committed.is_ok());
+        self.previous_stored = committed.is_ok();
         if let Err(error) = committed {
             // Kept in memory: the next poll tries again, and the next document is diffed
             // against this one, so no transition seen meanwhile is lost (a restart before

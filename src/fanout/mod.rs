@@ -207,8 +207,6 @@ impl Fanout {
                 removed_below: 0,
                 removed_in: outbox.generation(),
                 volatile_since: None,
-                committing: Vec::new(),
-                sent_unstored: Default::default(),
             };
             tasks.spawn(worker.run());
             names.push(name);
@@ -308,9 +306,11 @@ impl Publisher {
 
     /// Stores events for every sink (with the document they came from and its epoch, which
     /// is then processed) durably, and hands them to the sinks (see [`tail`]): as soon as
-    /// they are numbered, while the commit is written. Never waits for a sink. When this
-    /// returns an error nothing was stored: the caller must not treat the document as
-    /// processed (and must publish its events again, with the same ids).
+    /// they are numbered, while the commit is written; a sink sends them once the commit is
+    /// durable. Never waits for a sink. When this
+    /// returns an error the caller must not treat the document as processed and must publish
+    /// its events again, with the same ids (a failed fsync may still have stored them: then
+    /// they are delivered twice, with the same ids).
     pub async fn publish(
         &self,
         events: &[Event],
@@ -337,14 +337,15 @@ impl Publisher {
                 epoch: *epoch,
             });
             let ticket = Ticket::new();
+            let _settled = tail::SettledAtDrop(ticket.clone());
             let committed = publisher.outbox.commit_placing(
                 &publisher.names,
                 &events,
                 document,
                 |placements| {
-                    // While the store cannot be written, its commits are expected to fail: the
-                    // sinks then wait for one that does not, rather than get the same events
-                    // from every poll's attempt.
+                    // While the store cannot be written, its commits are expected to fail:
+                    // nothing is handed over (one that succeeds wakes the sinks below, and
+                    // they read it back from the outbox).
                     if publisher.outbox.unwritable().is_some() {
                         return;
                     }

@@ -2,14 +2,14 @@
 //! back from the outbox.
 //!
 //! A new document's events are handed to every sink's tail as soon as the outbox has numbered
-//! them, while its durable commit is still being written (about a millisecond of fsync), and
-//! the sink's task delivers them from here at once. At least once still holds: an event leaves
-//! the outbox only after its sink confirmed it *and* its commit is durable ([`Ticket`]); a
-//! commit that fails is taken out of the tails (what was already delivered of it is delivered
-//! again when the poller stores it again, with the same ids), and a crash before the commit
-//! means the document was not processed, so it is fetched and derived again with the same ids
-//! after the restart (`tests/recovery.rs`). A sink that falls behind reads the outbox instead:
-//! a tail keeps at most [`TAIL_EVENTS`] events whose commit is durable.
+//! them, while its durable commit is still being written, so that the sink's task has them
+//! the moment the commit is durable ([`Ticket`]), without a read back. It delivers none of
+//! them before: a transition a sink has seen must come from a document the agent processed,
+//! or a crash before the commit makes the next start derive other transitions from a later
+//! document (an event reported started, then cancelled, when it completed). A commit that
+//! fails is taken out of the tails; the poller stores its events again. A sink that falls
+//! behind reads the outbox instead: a tail keeps at most [`TAIL_EVENTS`] events whose commit
+//! is durable.
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -53,6 +53,18 @@ impl Ticket {
 
     pub(super) fn is_settled(&self) -> bool {
         self.settled.borrow().is_some()
+    }
+}
+
+/// Settles its ticket as failed if it is dropped before the commit settled it (a commit that
+/// panicked): a sink's task waiting for the ticket must not wait for ever.
+pub(super) struct SettledAtDrop(pub(super) Arc<Ticket>);
+
+impl Drop for SettledAtDrop {
+    fn drop(&mut self) {
+        if !self.0.is_settled() {
+            self.0.settle(false);
+        }
     }
 }
 
@@ -231,6 +243,24 @@ mod tests {
                 until: Some(first)
             } if first == TAIL_EVENTS as u64
         ));
+    }
+
+    #[test]
+    fn a_commit_that_panics_leaves_its_ticket_failed_not_pending() {
+        let ticket = Ticket::new();
+        let panicked = std::panic::catch_unwind(|| {
+            let _settled = SettledAtDrop(ticket.clone());
+            panic!("redb asserted inside the commit");
+        });
+        assert!(panicked.is_err());
+        assert!(ticket.is_settled() && !ticket.is_durable());
+        // A commit that settles keeps its verdict.
+        let durable = Ticket::new();
+        {
+            let _settled = SettledAtDrop(durable.clone());
+            durable.settle(true);
+        }
+        assert!(durable.is_durable());
     }
 
     #[tokio::test]

@@ -165,9 +165,8 @@ async fn a_full_outbox_dead_letters_instead_of_blocking() {
     fanout.shutdown(Duration::from_millis(50)).await;
 }
 
-/// A sink that fills the state disk while delivering its first batch, once the batch's
-/// commit is durable (it is handed over while the commit is written): the batch arrives, and
-/// then its removal from the outbox fails.
+/// A sink that fills the state disk while delivering its first batch (whose commit is durable
+/// by then): the batch arrives, and then its removal from the outbox fails.
 struct FillsTheDiskOnDelivery {
     sink: RecordingSink,
     faults: Arc<crate::store::DiskFaults>,

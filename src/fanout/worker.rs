@@ -16,16 +16,13 @@ use sched_relay_transport::{Event, Sink, SinkError};
 use tokio::sync::{Notify, watch};
 
 use super::dead_letter::DeadLetter;
-use super::tail::{Next, Tail, Ticket};
+use super::tail::{Next, Tail};
 use super::{DeliveryConfig, MAX_RETRY_AFTER, Mode, STORE_RETRY, SinkHealth};
 use crate::retry::Backoff;
 use crate::store::{Outbox, StoreError};
 
 /// The longest a drain goes on with removals that are not durable yet.
 const FLUSH_EVERY: Duration = Duration::from_secs(1);
-/// How many ids of events sent before their commit failed are remembered (a disk that filled
-/// under a burst); beyond, the oldest may be sent again (at least once).
-pub(super) const SENT_UNSTORED_KEPT: usize = 10_000;
 
 pub(super) struct Worker {
     pub(super) name: String,
@@ -45,20 +42,12 @@ pub(super) struct Worker {
     pub(super) removed_in: u64,
     /// Since when removals are not durable.
     pub(super) volatile_since: Option<Instant>,
-    /// The commits of passed events handed over from memory that are not settled yet, with
-    /// the ids of those events.
-    pub(super) committing: Vec<(Arc<Ticket>, Vec<String>)>,
-    /// Ids of events the sink got from memory whose commit then failed: when the poller
-    /// stores them again (with the same ids) they are passed, not sent a second time.
-    pub(super) sent_unstored: std::collections::HashSet<String>,
 }
 
 /// A batch of one sink's events and their outbox numbers.
 struct Batch {
     events: Events,
     seqs: Vec<u64>,
-    /// The commit of events handed over from memory, which may still be in flight.
-    ticket: Option<Arc<Ticket>>,
 }
 
 enum Events {
@@ -106,7 +95,7 @@ impl Worker {
             // Delivered (or dead-lettered), and its commit durable: it leaves the outbox. If the
             // store fails, before anything else is read, while the cursor keeps it from being
             // delivered again (a restart meanwhile delivers it once more: at least once).
-            if !self.remove_passed(false).await {
+            if !self.remove_passed().await {
                 tokio::select! {
                     _ = tokio::time::sleep(STORE_RETRY) => continue,
                     _ = self.stopped() => return,
@@ -137,7 +126,7 @@ impl Worker {
                 // at the next document (a commit that hangs is given up at a stop).
                 let stopped = self.stopped();
                 let removed = tokio::select! {
-                    removed = self.remove_passed(true) => removed,
+                    removed = self.remove_passed() => removed,
                     _ = stopped => return,
                 };
                 if !removed {
@@ -177,24 +166,26 @@ impl Worker {
         let max = self.delivery.batch_size;
         loop {
             let until = match self.tail.next(self.cursor, max) {
-                Next::Memory(mut fresh) => {
-                    let taken = &fresh.events[fresh.range.clone()];
-                    match taken
-                        .iter()
-                        .position(|e| self.sent_unstored.contains(e.id()))
-                    {
-                        Some(0) => {
-                            self.pass_sent_unstored(fresh.first_seq, &taken[0]);
-                            continue;
+                Next::Memory(fresh) => {
+                    // Nothing goes out before the commit that stored it is durable: a crash
+                    // in between would leave the sink with transitions of a document the
+                    // agent never processed, and the next start would derive others from a
+                    // later one (a Freeze reported started, then cancelled: it completed).
+                    if !fresh.ticket.is_settled() {
+                        tokio::select! {
+                            _ = fresh.ticket.durable() => {}
+                            _ = self.stopped() => return Ok(None),
                         }
-                        Some(cut) => fresh.range.end = fresh.range.start + cut,
-                        None => {}
+                    }
+                    if !fresh.ticket.is_durable() {
+                        // Stored nowhere: the poller stores the events again, with new numbers.
+                        self.tail.discard(&fresh.ticket);
+                        continue;
                     }
                     let seqs = (fresh.first_seq..).take(fresh.range.len()).collect();
                     return Ok(Some(Batch {
                         events: Events::Memory(fresh.events, fresh.range),
                         seqs,
-                        ticket: Some(fresh.ticket),
                     }));
                 }
                 Next::Outbox { until } => until,
@@ -227,13 +218,6 @@ impl Worker {
             let mut seqs = Vec::with_capacity(stored.len());
             for stored in stored {
                 match stored.event {
-                    // Sent already, from a commit that failed: passed, not sent again.
-                    Ok(event) if self.sent_unstored.contains(event.id()) => {
-                        if !events.is_empty() {
-                            break;
-                        }
-                        self.pass_sent_unstored(stored.seq, &event);
-                    }
                     Ok(event) => {
                         events.push(event);
                         seqs.push(stored.seq);
@@ -251,7 +235,6 @@ impl Worker {
                 return Ok(Some(Batch {
                     events: Events::Read(events),
                     seqs,
-                    ticket: None,
                 }));
             }
         }
@@ -276,7 +259,7 @@ impl Worker {
     /// (one request for the batch) is retried event by event first. Returns false when told
     /// to stop before the whole batch was settled.
     async fn deliver(&mut self, whole: &Batch) -> bool {
-        let (batch, seqs, ticket) = (whole.events(), &whole.seqs, whole.ticket.as_ref());
+        let (batch, seqs) = (whole.events(), &whole.seqs);
         let mut attempt: u32 = 0;
         let mut start = 0;
         let mut one_by_one = false;
@@ -299,7 +282,7 @@ impl Worker {
                         tracing::info!(sink = %self.name, attempts = attempt + 1, "Sink recovered, batch delivered");
                     }
                     self.confirmed(part);
-                    self.passed(seqs[end - 1] + 1, part, ticket).await;
+                    self.passed(seqs[end - 1] + 1).await;
                     start = end;
                     attempt = 0;
                     continue;
@@ -311,8 +294,7 @@ impl Worker {
             let confirmed = error.confirmed.min(part.len());
             if confirmed > 0 {
                 self.confirmed(&part[..confirmed]);
-                self.passed(seqs[start + confirmed - 1] + 1, &part[..confirmed], ticket)
-                    .await;
+                self.passed(seqs[start + confirmed - 1] + 1).await;
                 start += confirmed;
                 attempt = 0;
             }
@@ -344,7 +326,7 @@ impl Worker {
                 let stopped = self.stopped();
                 tokio::select! {
                     _ = async {
-                        self.remove_passed(true).await;
+                        self.remove_passed().await;
                         tokio::time::sleep(wait).await;
                     } => {}
                     _ = stopped => return false,
@@ -360,7 +342,7 @@ impl Worker {
                 // letter's write does.
                 let stopped = self.stopped();
                 tokio::select! {
-                    _ = self.remove_passed(true) => {}
+                    _ = self.remove_passed() => {}
                     _ = stopped => return false,
                 }
                 loop {
@@ -384,8 +366,7 @@ impl Worker {
                 metrics::counter!("sched_relay_sink_dead_lettered_total", "sink" => self.name.clone())
                     .increment(1);
                 tracing::error!(sink = %self.name, event_id = %event_id, error = %error, "Delivery refused, event written to the dead-letter file; the events after it go on");
-                self.passed(seqs[start] + 1, &batch[start..start + 1], ticket)
-                    .await;
+                self.passed(seqs[start] + 1).await;
                 start += 1;
                 attempt = 0;
             } else {

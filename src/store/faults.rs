@@ -19,6 +19,7 @@ pub struct DiskFaults {
     full: AtomicBool,
     refused: AtomicU64,
     syncs_held: AtomicBool,
+    panic_at_sync: AtomicBool,
 }
 
 impl DiskFaults {
@@ -40,6 +41,11 @@ impl DiskFaults {
     /// written but not durable, as on a slow disk).
     pub fn hold_syncs(&self) {
         self.syncs_held.store(true, Ordering::SeqCst);
+    }
+
+    /// The next sync panics, as code inside a commit that asserts would (once).
+    pub fn panic_at_next_sync(&self) {
+        self.panic_at_sync.store(true, Ordering::SeqCst);
     }
 
     /// Syncs go through again, held ones first.
@@ -105,6 +111,9 @@ impl StorageBackend for FaultInjectingBackend {
     }
     fn sync_data(&self) -> Result<(), std::io::Error> {
         self.faults.wait_while_syncs_held();
+        if self.faults.panic_at_sync.swap(false, Ordering::SeqCst) {
+            panic!("a panic injected at a sync of the state store");
+        }
         self.faults.check()?;
         self.file.sync_data()
     }

@@ -2,7 +2,7 @@
 //! agent learned once and must still know after a restart when its source fails (the VM
 //! identity from instance metadata).
 
-use redb::ReadableDatabase;
+use redb::{ReadableDatabase, ReadableTable};
 use serde_json::Value;
 
 use super::{Access, META, Outbox, StoreError};
@@ -40,11 +40,63 @@ impl Outbox {
             })
     }
 
+    /// While the store is known not to be writable, writes `processed` (the last document
+    /// processed) again, with no events, if the store still holds it as the last one: a
+    /// commit that changes nothing (a newer document committed meanwhile is left alone) and
+    /// whose success ends that state. For a caller with nothing of its own to store (the
+    /// poller, when no document changed), so that a commit of events nobody makes again (an
+    /// approval's outcome) does not leave `/readyz` failing once the disk is fine. It is
+    /// about a document's size, not a burst's: a disk with room for it and not for a burst
+    /// is found out by the next commit of that burst.
+    pub fn probe(&self, processed: super::Processed) {
+        if self.unwritable().is_none() {
+            return;
+        }
+        let Ok(bytes) = serde_json::to_vec(processed.document) else {
+            return;
+        };
+        let epoch = processed.epoch_bytes();
+        self.reopen_if_due();
+        // Reported as a read: only a commit that was made says the store can be written.
+        let probed = self.with_db(Access::Read, |db| {
+            let txn = self.write(db)?;
+            {
+                let mut meta = txn.open_table(META).map_err(|e| self.io(e))?;
+                let held = |key: &str| -> Result<Option<Vec<u8>>, StoreError> {
+                    Ok(meta
+                        .get(key)
+                        .map_err(|e| self.io(e))?
+                        .map(|value| value.value().to_vec()))
+                };
+                if held(super::LAST_DOCUMENT)?.as_deref() != Some(bytes.as_slice())
+                    // A store written before epochs has none: epoch 0.
+                    || held(super::EPOCH)?.unwrap_or_else(|| 0u64.to_be_bytes().to_vec())
+                        != epoch.as_slice()
+                {
+                    return Ok(false);
+                }
+                meta.insert(super::LAST_DOCUMENT, bytes.as_slice())
+                    .map_err(|e| self.io(e))?;
+                meta.insert(super::EPOCH, epoch.as_slice())
+                    .map_err(|e| self.io(e))?;
+            }
+            txn.commit().map_err(|e| self.io(e))?;
+            Ok(true)
+        });
+        match probed {
+            Ok(true) => self.health.wrote(&self.path.display().to_string(), true),
+            Ok(false) => tracing::debug!("No probe of the state store: its last document moved on"),
+            Err(error) => {
+                tracing::debug!(error = %error, "The state store still cannot be written")
+            }
+        }
+    }
+
     /// Keeps `value` under `key`, durably.
     pub fn set_meta(&self, key: &str, value: &Value) -> Result<(), StoreError> {
         let bytes = serde_json::to_vec(value).map_err(|e| self.io(e))?;
         self.reopen_if_due();
-        self.with_db(Access::Write, |db| {
+        self.with_db(Access::Upkeep, |db| {
             let txn = self.write(db)?;
             {
                 let mut meta = txn.open_table(META).map_err(|e| self.io(e))?;

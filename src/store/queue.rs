@@ -17,7 +17,7 @@ pub(super) struct Counter {
     pub(super) depth: usize,
     /// Read again from the table before use (after a reopen); `next` then stays a floor, so
     /// a sequence number is never handed out twice in one process (a sink's task may have
-    /// delivered events under numbers whose commit failed).
+    /// moved its cursor past the numbers of a commit that failed).
     pub(super) stale: bool,
 }
 
@@ -46,7 +46,7 @@ impl Outbox {
 
     /// As [`Outbox::commit`], and tells `placed` where each sink's events go once their
     /// sequence numbers are known, before the durable commit: the fan-out hands them to the
-    /// sinks from memory while the commit is written. Numbers are handed out in commit
+    /// sinks in memory while the commit is written (they send them once it is durable). Numbers are handed out in commit
     /// order and never twice in one process, even when the commit fails (a failed commit
     /// leaves a gap).
     pub fn commit_placing(
@@ -96,7 +96,7 @@ impl Outbox {
             })
             .transpose()
             .map_err(|e| self.io(e))?;
-        self.with_db(Access::Write, |db| {
+        self.with_db(Access::Events, |db| {
             let txn = self.write(db)?;
             {
                 let mut table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
@@ -205,7 +205,7 @@ impl Outbox {
     pub fn remove_below(&self, sink: &str, below: u64) -> Result<(), StoreError> {
         self.reopen_if_due();
         let mut counters = self.lock_counters();
-        let removed = self.with_db(Access::Write, |db| {
+        let removed = self.with_db(Access::Volatile, |db| {
             // Counted before anything leaves: numbers after a removal must go on from the
             // highest ever stored (a sink's task is past the removed ones), not restart from
             // what is left (after a restart, the backlog is often delivered before anything
@@ -236,7 +236,7 @@ impl Outbox {
     /// Makes every earlier commit durable (the removals of [`Outbox::remove_below`]).
     pub fn flush(&self) -> Result<(), StoreError> {
         self.reopen_if_due();
-        self.with_db(Access::Write, |db| {
+        self.with_db(Access::Upkeep, |db| {
             self.write(db)?.commit().map_err(|e| self.io(e))
         })
     }
@@ -245,7 +245,7 @@ impl Outbox {
     pub fn remove(&self, sink: &str, seqs: &[u64]) -> Result<(), StoreError> {
         self.reopen_if_due();
         let mut counters = self.lock_counters();
-        let removed = self.with_db(Access::Write, |db| {
+        let removed = self.with_db(Access::Upkeep, |db| {
             self.counter(db, &mut counters, sink)?;
             let txn = self.write(db)?;
             let mut removed = 0;

@@ -1,8 +1,9 @@
 //! Whether the state store can be written, and when to reopen it. redb latches the first
 //! I/O error of a database (`PreviousIo`): every later transaction fails, even once the disk
 //! has room again. So after an I/O error the outbox closes the database and opens the file
-//! anew (redb repairs it from the last durable commit), with backoff, until a write
-//! succeeds. Meanwhile `/readyz` and `sched_relay_state_store_writable` say why it cannot be
+//! anew (redb repairs it from the last durable commit), with backoff, until a commit
+//! succeeds: one of events, if one of those failed (a small commit reuses pages, which a full
+//! disk allows: see [`Health::wrote`]). Meanwhile `/readyz` and `sched_relay_state_store_writable` say why it cannot be
 //! written.
 
 use std::path::Path;
@@ -32,6 +33,10 @@ struct Unwritable {
     reason: String,
     reopen_attempts: u32,
     next_reopen: Instant,
+    /// A commit of events failed: only such a commit ends it (a full disk still takes small
+    /// commits, which reuse pages). Until then (a read, another commit failed) any durable
+    /// commit does.
+    events_failed: bool,
 }
 
 impl Health {
@@ -39,14 +44,15 @@ impl Health {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// An operation failed with an I/O error: the database is latched until reopened.
-    pub(super) fn failed(&self, path: &str, reason: &str) {
+    /// An operation failed with an I/O error (`events`: a commit of events): the database is
+    /// latched until reopened.
+    pub(super) fn failed(&self, path: &str, reason: &str, events: bool) {
         metrics::counter!("sched_relay_state_store_errors_total").increment(1);
         let mut state = self.lock();
         match state.as_mut() {
             // Keep the first reason (say ENOSPC): later ones are mostly redb's "previous I/O
             // error", which says less.
-            Some(_) => {}
+            Some(unwritable) => unwritable.events_failed |= events,
             None => {
                 tracing::error!(path, error = %reason, "The state store cannot be written; new transitions are kept in memory and stored once it can (reopening it with backoff)");
                 metrics::gauge!("sched_relay_state_store_writable").set(0.0);
@@ -55,6 +61,7 @@ impl Health {
                     reason: reason.to_owned(),
                     reopen_attempts: 0,
                     next_reopen: Instant::now(),
+                    events_failed: events,
                 });
             }
         }
@@ -101,9 +108,13 @@ impl Health {
         }
     }
 
-    /// A write transaction committed: the store is writable (again).
-    pub(super) fn wrote(&self, path: &str) {
+    /// A durable commit succeeded (`events`: a commit of events): the store is writable
+    /// (again), unless this was another commit and one of events had failed.
+    pub(super) fn wrote(&self, path: &str, events: bool) {
         let mut state = self.lock();
+        if !events && state.as_ref().is_some_and(|u| u.events_failed) {
+            return;
+        }
         if let Some(unwritable) = state.take() {
             let seconds = (chrono::Utc::now() - unwritable.since).num_seconds();
             tracing::info!(
@@ -140,5 +151,35 @@ pub(super) fn open_database(
         Some(faults) => redb::Builder::new().create_with_backend(
             super::faults::FaultInjectingBackend::open(path, faults.clone())?,
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_small_commit_on_a_full_disk_does_not_make_the_store_ready() {
+        let health = Health::default();
+        // The poller's commit of new events found the disk full ...
+        health.failed("outbox.redb", "No space left on device", true);
+        // ... and a sink's removal or a meta value, which reuse pages, still commit.
+        health.wrote("outbox.redb", false);
+        assert!(health.describe().is_some(), "still unwritable");
+        health.wrote("outbox.redb", true);
+        assert!(health.describe().is_none(), "a commit of events ends it");
+    }
+
+    #[test]
+    fn a_failed_small_commit_is_over_once_another_commits() {
+        let health = Health::default();
+        health.failed("outbox.redb", "Input/output error", false);
+        health.wrote("outbox.redb", false);
+        assert!(health.describe().is_none());
+        // A commit of events failing meanwhile makes small commits no proof again.
+        health.failed("outbox.redb", "Input/output error", false);
+        health.failed("outbox.redb", "No space left on device", true);
+        health.wrote("outbox.redb", false);
+        assert!(health.describe().is_some());
     }
 }

@@ -74,7 +74,7 @@ impl Outbox {
     /// (retriably), not be called a replay.
     pub fn begin_request(&self, id: &str, keep_until: i64, now: i64) -> Result<Seen, StoreError> {
         self.reopen_if_due();
-        self.with_db(Access::Write, |db| {
+        self.with_db(Access::Upkeep, |db| {
             let txn = self.write(db)?;
             let seen = {
                 let mut legacy = txn.open_table(SEEN_REQUESTS).map_err(|e| self.io(e))?;
@@ -130,7 +130,7 @@ impl Outbox {
             return Ok(());
         }
         self.reopen_if_due();
-        self.with_db(Access::Write, |db| {
+        self.with_db(Access::Upkeep, |db| {
             let txn = self.write(db)?;
             {
                 let mut table = txn.open_table(APPROVAL_REQUESTS).map_err(|e| self.io(e))?;
@@ -194,7 +194,7 @@ impl Outbox {
             return Ok(());
         }
         self.reopen_if_due();
-        self.with_db(Access::Write, |db| {
+        self.with_db(Access::Upkeep, |db| {
             let txn = self.write(db)?;
             {
                 let mut table = txn.open_table(APPROVAL_REQUESTS).map_err(|e| self.io(e))?;

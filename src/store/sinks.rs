@@ -50,7 +50,7 @@ impl Outbox {
         }
         self.reopen_if_due();
         let mut counters = self.lock_counters();
-        let moved = self.with_db(Access::Write, |db| {
+        let moved = self.with_db(Access::Upkeep, |db| {
             let txn = self.write(db)?;
             let moved = {
                 let mut table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;

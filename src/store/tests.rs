@@ -236,3 +236,96 @@ proptest::proptest! {
         proptest::prop_assert_eq!(outbox.depth(&to).unwrap(), backlogs[&from]);
     }
 }
+
+#[test]
+fn once_the_disk_frees_small_commits_do_not_say_writable_and_a_probe_does_changing_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let faults = DiskFaults::new();
+    let outbox = Outbox::open_with_faults(dir.path(), 100, faults.clone()).unwrap();
+    let first = serde_json::json!({"DocumentIncarnation": 1, "Events": []});
+    outbox
+        .commit(
+            &sinks(&["a"]),
+            &[event("1"), event("2")],
+            Some(processed(&first)),
+        )
+        .unwrap();
+    faults.fill();
+    // A commit of events (an approval's outcome, say, that nobody commits again) fails.
+    assert!(outbox.commit(&sinks(&["a"]), &[event("3")], None).is_err());
+    faults.free();
+    // A sink's removals and a meta value commit after the reopen: small commits, which a
+    // full disk takes too, so no proof that the next document can be stored.
+    eventually(|| outbox.remove_below("a", 1));
+    outbox.flush().unwrap();
+    outbox.set_meta("k", &serde_json::json!(1)).unwrap();
+    assert!(outbox.unwritable().is_some(), "small commits say nothing");
+    // The poller, with nothing of its own to store, commits the last document again.
+    outbox.probe(processed(&first));
+    assert_eq!(outbox.unwritable(), None, "a commit of its size says it");
+    assert_eq!(outbox.last_document().unwrap(), Some(first));
+    assert_eq!(ids(&outbox.pending("a", 10).unwrap()), ["2"]);
+}
+
+#[test]
+fn a_removal_that_is_not_made_durable_says_nothing_about_the_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let faults = DiskFaults::new();
+    let outbox = Outbox::open_with_faults(dir.path(), 100, faults.clone()).unwrap();
+    outbox
+        .commit(&sinks(&["a"]), &[event("1"), event("2")], None)
+        .unwrap();
+    faults.fill();
+    // Making removals durable fails (a failing fsync) ...
+    assert!(outbox.flush().is_err());
+    faults.free();
+    // ... and a removal that is not fsync'd commits: no proof.
+    eventually(|| outbox.remove_below("a", 1));
+    assert!(
+        outbox.unwritable().is_some(),
+        "a volatile commit says nothing"
+    );
+    outbox.flush().unwrap();
+    assert_eq!(outbox.unwritable(), None, "a durable one does");
+}
+
+#[test]
+fn a_probe_with_a_document_older_than_the_stored_one_changes_nothing_and_proves_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let faults = DiskFaults::new();
+    let outbox = Outbox::open_with_faults(dir.path(), 100, faults.clone()).unwrap();
+    let older = serde_json::json!({"DocumentIncarnation": 1, "Events": []});
+    let newer = serde_json::json!({"DocumentIncarnation": 2, "Events": []});
+    outbox
+        .commit(&sinks(&["a"]), &[event("1")], Some(processed(&older)))
+        .unwrap();
+    outbox
+        .commit(&sinks(&["a"]), &[event("2")], Some(processed(&newer)))
+        .unwrap();
+    faults.fill();
+    assert!(outbox.commit(&sinks(&["a"]), &[event("3")], None).is_err());
+    faults.free();
+    // A probe that took its document before the newer one was stored comes late.
+    outbox.probe(processed(&older));
+    assert_eq!(outbox.last_document().unwrap(), Some(newer.clone()));
+    assert!(outbox.unwritable().is_some(), "nothing was committed");
+    outbox.probe(processed(&newer));
+    assert_eq!(outbox.unwritable(), None);
+    assert_eq!(outbox.last_document().unwrap(), Some(newer));
+}
+
+#[test]
+fn a_probe_on_a_store_written_before_epochs_takes_the_missing_epoch_as_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let faults = DiskFaults::new();
+    let outbox = Outbox::open_with_faults(dir.path(), 100, faults.clone()).unwrap();
+    // The last document as a store of that age holds it: no epoch beside it.
+    let document = serde_json::json!({"DocumentIncarnation": 4, "Events": []});
+    outbox.set_meta(super::LAST_DOCUMENT, &document).unwrap();
+    faults.fill();
+    assert!(outbox.commit(&sinks(&["a"]), &[event("1")], None).is_err());
+    faults.free();
+    eventually(|| outbox.pending("a", 1));
+    outbox.probe(processed(&document));
+    assert_eq!(outbox.unwritable(), None);
+}

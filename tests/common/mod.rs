@@ -412,7 +412,7 @@ pub fn read_events(path: &Path) -> Vec<Value> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
         .lines()
-        .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}")))
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line:.300}")))
         .collect()
 }
 
