@@ -364,9 +364,7 @@ async fn a_core_nats_requester_gets_a_retriable_error_readyz_recovers_by_itself_
 /// (not running), the request's id and the simulator.
 fn killed_at(point: &str) -> Killed {
     let dir = tempfile::tempdir().unwrap();
-    let scenario = dir.path().join("scenario.toml");
-    std::fs::write(&scenario, SCENARIO).unwrap();
-    let sim = common::SimProcess::start(scenario.to_str().unwrap(), 1.0);
+    let sim = common::SimProcess::start(&common::scenario_file(dir.path(), SCENARIO), 1.0);
     let exchange = unique("approvals_kill");
     let sources = format!(
         "[identity]\nvm_name = \"WestNO_0\"\n\n[[approvals.keys]]\nid = \"orchestrator\"\n\
@@ -630,11 +628,9 @@ async fn the_kafka_source_reads_a_record_again_after_its_outcome_could_not_be_st
 #[test]
 fn an_agent_whose_approval_checker_dies_stops_with_an_error_instead_of_running_without_approvals() {
     let dir = tempfile::tempdir().unwrap();
-    let scenario = dir.path().join("scenario.toml");
-    std::fs::write(&scenario, SCENARIO).unwrap();
     let key = dir.path().join("orchestrator.key");
     std::fs::write(&key, format!("hmac-sha256:{SECRET}")).unwrap();
-    let sim = common::SimProcess::start(scenario.to_str().unwrap(), 1.0);
+    let sim = common::SimProcess::start(&common::scenario_file(dir.path(), SCENARIO), 1.0);
     let port = sched_relay_transport::testing::free_port();
     let mut agent = common::AgentProcess::start_with_env(
         &sim.url,

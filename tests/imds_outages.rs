@@ -19,17 +19,11 @@ use common::{
 /// The detection goal after an outage: the poll interval (1 s) + 5 s.
 const DETECTION_GOAL_MS: u64 = 6_000;
 
-fn scenario(dir: &tempfile::TempDir, toml: &str) -> String {
-    let path = dir.path().join("scenario.toml");
-    std::fs::write(&path, toml).unwrap();
-    path.display().to_string()
-}
-
 /// A 40 s outage answering `status`, then a Spot eviction with its 30 s notice.
 fn preempt_after_outage(status: u16) {
     let dir = tempfile::tempdir().unwrap();
-    let path = scenario(
-        &dir,
+    let path = common::scenario_file(
+        dir.path(),
         &format!(
             r#"
 [[faults]]
@@ -87,8 +81,8 @@ fn a_410_gone_is_retried_on_the_normal_schedule_and_costs_no_eviction() {
 #[test]
 fn a_throttled_service_gets_the_wait_it_asks_for() {
     let dir = tempfile::tempdir().unwrap();
-    let path = scenario(
-        &dir,
+    let path = common::scenario_file(
+        dir.path(),
         r#"
 [[faults]]
 kind = "status"
@@ -137,8 +131,8 @@ count = 2
 #[test]
 fn readiness_fails_after_ten_seconds_of_imds_errors_and_recovers() {
     let dir = tempfile::tempdir().unwrap();
-    let path = scenario(
-        &dir,
+    let path = common::scenario_file(
+        dir.path(),
         r#"
 [[faults]]
 kind = "status"
@@ -244,8 +238,8 @@ fn a_refused_document_is_reported_once_counted_every_poll_and_named_in_readyz() 
 #[test]
 fn a_hanging_service_across_a_restart_is_noticed_within_six_seconds_of_recovery() {
     let dir = tempfile::tempdir().unwrap();
-    let path = scenario(
-        &dir,
+    let path = common::scenario_file(
+        dir.path(),
         r#"
 [[faults]]
 kind = "delay"

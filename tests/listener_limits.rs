@@ -69,11 +69,9 @@ fn closed(stream: &mut TcpStream) -> bool {
 fn ten_thousand_half_open_connections_cost_little_are_all_closed_and_approvals_still_work() {
     raise_open_files_limit(FLOOD as u64 + 1024);
     let dir = tempfile::tempdir().unwrap();
-    let scenario = dir.path().join("scenario.toml");
-    std::fs::write(&scenario, SCENARIO).unwrap();
     let key = dir.path().join("orchestrator.key");
     std::fs::write(&key, format!("hmac-sha256:{SECRET}")).unwrap();
-    let sim = SimProcess::start(scenario.to_str().unwrap(), 1.0);
+    let sim = SimProcess::start(&common::scenario_file(dir.path(), SCENARIO), 1.0);
     let port = sched_relay_transport::testing::free_port();
     let agent = AgentProcess::start(
         &sim.url,

@@ -63,9 +63,7 @@ fn approvals_over_https_go_through_and_plain_or_untrusting_clients_get_nothing()
     let dir = tempfile::tempdir().unwrap();
     let pki = tls::Pki::generate(dir.path());
     let ca = std::fs::read_to_string(&pki.ca).unwrap();
-    let scenario = dir.path().join("scenario.toml");
-    std::fs::write(&scenario, SCENARIO).unwrap();
-    let sim = SimProcess::start(scenario.to_str().unwrap(), 1.0);
+    let sim = SimProcess::start(&common::scenario_file(dir.path(), SCENARIO), 1.0);
     let port = sched_relay_transport::testing::free_port();
     let agent = AgentProcess::start(
         &sim.url,

@@ -26,12 +26,6 @@ notice = "15m"
 
 const APPROVE_USER: &str = "[policy]\napprove_user_initiated = true\n";
 
-fn scenario(dir: &tempfile::TempDir, toml: &str) -> String {
-    let path = dir.path().join("scenario.toml");
-    std::fs::write(&path, toml).unwrap();
-    path.display().to_string()
-}
-
 fn posts(sim: &SimProcess) -> Vec<Value> {
     sim.requests()
         .into_iter()
@@ -52,7 +46,7 @@ fn posted_ids(post: &Value) -> Vec<String> {
 #[test]
 fn a_user_reboot_stored_before_a_restart_is_approved_after_it() {
     let dir = tempfile::tempdir().unwrap();
-    let sim = SimProcess::start(&scenario(&dir, USER_REBOOTS), 1.0);
+    let sim = SimProcess::start(&common::scenario_file(dir.path(), USER_REBOOTS), 1.0);
     // First run without policy: the events are seen and stored, nothing is approved.
     let mut agent = AgentProcess::start_on_defaults(&sim.url, "");
     agent.wait_for_id("R2:scheduled", Duration::from_secs(10));
@@ -75,7 +69,7 @@ fn a_combined_approval_refused_with_400_is_retried_one_event_at_a_time() {
     let toml = format!(
         "{USER_REBOOTS}\n[[faults]]\nkind = \"bad_request\"\nmethod = \"POST\"\ncount = 1\n"
     );
-    let sim = SimProcess::start(&scenario(&dir, &toml), 1.0);
+    let sim = SimProcess::start(&common::scenario_file(dir.path(), &toml), 1.0);
     let agent = AgentProcess::start_on_defaults(&sim.url, APPROVE_USER);
     agent.wait_for_id("policy:R1:accepted", Duration::from_secs(10));
     agent.wait_for_id("policy:R2:accepted", Duration::from_secs(10));
@@ -105,7 +99,7 @@ status = 503
 method = "POST"
 lasting = "15s"
 "#;
-    let sim = SimProcess::start(&scenario(&dir, toml), 1.0);
+    let sim = SimProcess::start(&common::scenario_file(dir.path(), toml), 1.0);
     let agent = AgentProcess::start_on_defaults(&sim.url, APPROVE_USER);
     let events = agent.wait_for_id("policy:R1:accepted", Duration::from_secs(40));
     assert!(
@@ -135,7 +129,7 @@ status = 503
 method = "POST"
 lasting = "60s"
 "#;
-    let sim = SimProcess::start(&scenario(&dir, toml), 1.0);
+    let sim = SimProcess::start(&common::scenario_file(dir.path(), toml), 1.0);
     let agent = AgentProcess::start_on_defaults(
         &sim.url,
         "[policy]\napprove_event_types = [\"Preempt\"]\n",
@@ -185,7 +179,7 @@ delay = "30s"
 method = "POST"
 count = 1
 "#;
-    let sim = SimProcess::start(&scenario(&dir, toml), 1.0);
+    let sim = SimProcess::start(&common::scenario_file(dir.path(), toml), 1.0);
     let agent = AgentProcess::start_on_defaults(&sim.url, APPROVE_USER);
     // Seen at the next poll, while the approval POST still waits for its answer.
     agent.wait_for_id("spot:scheduled", Duration::from_secs(10));

@@ -143,9 +143,7 @@ fn no_secret_of_any_sink_or_source_reaches_logs_endpoints_dead_letters_or_check_
     let hook = webhook_receiver();
     let listen = free_port();
     let dir = tempfile::tempdir().unwrap();
-    let scenario = dir.path().join("scenario.toml");
-    std::fs::write(&scenario, SCENARIO).unwrap();
-    let sim = SimProcess::start(scenario.to_str().unwrap(), 1.0);
+    let sim = SimProcess::start(&common::scenario_file(dir.path(), SCENARIO), 1.0);
     let prefix = unique("secrets");
     let sinks = format!(
         r#"

@@ -32,11 +32,9 @@ lasting = "10m"
 #[test]
 fn sigterm_ends_the_agent_within_the_shutdown_timeout_while_an_approval_hangs() {
     let dir = tempfile::tempdir().unwrap();
-    let scenario = dir.path().join("scenario.toml");
-    std::fs::write(&scenario, SCENARIO).unwrap();
     let key = dir.path().join("orchestrator.key");
     std::fs::write(&key, "hmac-sha256:shutdown-test-secret-0001").unwrap();
-    let sim = SimProcess::start(scenario.to_str().unwrap(), 1.0);
+    let sim = SimProcess::start(&common::scenario_file(dir.path(), SCENARIO), 1.0);
     let port = sched_relay_transport::testing::free_port();
     let mut agent = AgentProcess::start_on_defaults(
         &sim.url,
@@ -97,10 +95,8 @@ lasting = "10m"
 #[test]
 fn sigterm_ends_the_agent_at_once_while_a_poll_hangs() {
     let dir = tempfile::tempdir().unwrap();
-    let scenario = dir.path().join("scenario.toml");
-    std::fs::write(&scenario, HANGING_GET).unwrap();
     let started = Instant::now();
-    let sim = SimProcess::start(scenario.to_str().unwrap(), 1.0);
+    let sim = SimProcess::start(&common::scenario_file(dir.path(), HANGING_GET), 1.0);
     let mut agent = AgentProcess::start_on_defaults(&sim.url, "");
     agent.wait_for_id(
         "f0000000-0000-4000-8000-0000000000bb:scheduled",

@@ -34,9 +34,7 @@ fn a_stdout_and_a_stderr_nobody_reads_do_not_stop_polling_other_sinks_health_or_
         panic!("taskset (util-linux) is needed to pin the agent to one CPU");
     }
     let dir = tempfile::tempdir().unwrap();
-    let scenario_file = dir.path().join("scenario.toml");
-    std::fs::write(&scenario_file, scenario()).unwrap();
-    let sim = SimProcess::start(scenario_file.to_str().unwrap(), 1.0);
+    let sim = SimProcess::start(&common::scenario_file(dir.path(), &scenario()), 1.0);
     let port = sched_relay_transport::testing::free_port();
     let mut agent = AgentProcess::configure(
         &sim.url,

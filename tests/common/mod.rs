@@ -33,6 +33,14 @@ impl Drop for KillOnDrop {
     }
 }
 
+/// Writes `toml` (a `sched-relay simulate` scenario) to `scenario.toml` in `dir`; returns
+/// the file's path.
+pub fn scenario_file(dir: &Path, toml: &str) -> String {
+    let path = dir.join("scenario.toml");
+    std::fs::write(&path, toml).unwrap();
+    path.display().to_string()
+}
+
 impl SimProcess {
     pub fn start(scenario: &str, time_scale: f64) -> SimProcess {
         SimProcess::start_fleet(&[scenario], time_scale)
