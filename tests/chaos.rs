@@ -268,8 +268,7 @@ struct Totals {
 async fn round(rng: &mut fastrand::Rng, number: u64, totals: &mut Totals) {
     let (scenario_text, planned, faults, mut edges) = random_scenario(rng, number);
     let work = tempfile::tempdir().unwrap();
-    let scenario = work.path().join("scenario.toml");
-    std::fs::write(&scenario, &scenario_text).unwrap();
+    let scenario = common::scenario_file(work.path(), &scenario_text);
 
     // Brokers, each behind something the driver can take away.
     let nats_proxy = CuttableProxy::start("127.0.0.1:4222").await;
@@ -348,7 +347,7 @@ timeout = "2s"
         env.push(("SCHED_RELAY_STATE__DIR", dir.as_str()));
     }
     let started = Instant::now();
-    let sim = SimProcess::start(scenario.to_str().unwrap(), 1.0);
+    let sim = SimProcess::start(&scenario, 1.0);
     // Fast polls, so that 2.5 s phases survive kills, but the shipped backoff ceiling, which
     // is what decides how soon a long outage's end is noticed.
     let mut agent = AgentProcess::start_with_env(&sim.url, &sinks, &env);

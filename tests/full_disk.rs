@@ -210,13 +210,12 @@ fn on_a_real_full_tmpfs_the_agent_keeps_what_it_saw_and_delivers_it_once_space_r
         }
     };
     let work = tempfile::tempdir().unwrap();
-    let scenario = work.path().join("scenario.toml");
     // A large event: redb reuses free pages inside its file and the sink's file ends in a
     // partly used page, so small commits can still succeed on a "full" tmpfs. Each commit
     // of this one needs far more than that slack.
     let big = "x".repeat(300_000);
-    std::fs::write(&scenario, format!("{SCENARIO}description = \"{big}\"\n")).unwrap();
-    let sim = SimProcess::start(scenario.to_str().unwrap(), 1.0);
+    let scenario = format!("{SCENARIO}description = \"{big}\"\n");
+    let sim = SimProcess::start(&common::scenario_file(work.path(), &scenario), 1.0);
     // The state and the file sink both on the small disk: the store must recover, and the
     // file must hold only whole lines.
     let events = disk.path().join("events.jsonl");

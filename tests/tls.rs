@@ -149,9 +149,7 @@ fn health(listen: u16) -> (String, Value) {
 #[test]
 fn sinks_and_approval_sources_connect_over_tls_and_refuse_a_wrong_ca_host_or_client_certificate() {
     let servers = Servers::start();
-    let path = servers.dir.path().join("scenario.toml");
-    std::fs::write(&path, scenario()).unwrap();
-    let sim = SimProcess::start(path.to_str().unwrap(), 1.0);
+    let sim = SimProcess::start(&common::scenario_file(servers.dir.path(), &scenario()), 1.0);
     sinks_connect_with_the_right_trust_and_refuse_the_wrong_one(&servers, &sim);
     approval_sources_connect_with_the_right_trust(&servers, &sim);
     approval_sources_refuse_the_wrong_trust(&servers, &sim);
