@@ -717,6 +717,10 @@ fn footprint(report: &mut Report, sizes: &Sizes, topology: &Topology, collector:
     // The default-feature binary (NATS, RabbitMQ, webhook; no librdkafka), when scripts/bench
     // built one: what most users install from source.
     let default_binary = std::env::var_os("BENCH_DEFAULT_FEATURES_BINARY").map(PathBuf::from);
+    // The every-sink binary as shipped (`cargo build --release --all-features`), when
+    // scripts/bench built one. `cargo bench` builds its own, with the sinks' `testing`
+    // features the benchmarks' dev-dependencies turn on: other code, laid out otherwise.
+    let every_binary = std::env::var_os("BENCH_EVERY_FEATURE_BINARY").map(PathBuf::from);
     let mut setups: Vec<(String, String, &str, Option<PathBuf>)> = vec![
         ("file sink".into(), identity.into(), "1s", None),
         (
@@ -753,7 +757,7 @@ fn footprint(report: &mut Report, sizes: &Sizes, topology: &Topology, collector:
     let mut agents = Vec::new();
     for (name, extra, poll, binary) in &setups {
         let sim = SimProcess::start(&path, 1.0);
-        let agent = match binary {
+        let agent = match binary.as_ref().or(every_binary.as_ref()) {
             None => agent_logging(&sim, extra, poll, "info"),
             Some(binary) => {
                 let mut agent =
@@ -855,7 +859,11 @@ fn footprint(report: &mut Report, sizes: &Sizes, topology: &Topology, collector:
     };
     let mut binaries = format!(
         "Binary (stripped release): every sink {:.1} MB",
-        size(std::path::Path::new(common::BINARY))
+        size(
+            every_binary
+                .as_deref()
+                .unwrap_or(std::path::Path::new(common::BINARY))
+        )
     );
     if let Some(binary) = &default_binary {
         binaries.push_str(&format!(
