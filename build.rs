@@ -12,10 +12,14 @@
 //! LLD, Rust's default on x86_64 Linux since 1.90. A one-line program linked here with the
 //! same compiler, target, flags and linker proves it; elsewhere the build goes on as before.
 //! A name the build does not have (a dependency updated since, another feature set) is
-//! skipped (symbol names carry a hash of the compiler, the profile and each crate's version
-//! and features): the order moves code, it never changes what is built. Such builds also write the
-//! linker's map to `$OUT_DIR/sched-relay.map`, from which `scripts/symbol-order` names the
-//! functions it saw run, and `scripts/symbol-order --check` says when the list went stale.
+//! skipped: symbol names carry a hash of the compiler, the profile and each crate's version
+//! and features. The order moves code, it never changes what is built.
+//!
+//! Such builds also write, to OUT_DIR, the linker's map (`sched-relay.map`), from which
+//! `scripts/symbol-order` names the functions it saw run, and what was decided and why
+//! (`symbol-order.status`). With both, `scripts/symbol-order --check` says whether the list
+//! went stale. `cargo bench` shares that OUT_DIR with `cargo build --release` (the same build
+//! script run) and writes the map of its own binary there; the check tells them apart.
 
 use std::env;
 use std::path::{Path, PathBuf};
@@ -29,9 +33,14 @@ fn main() {
     println!("cargo::rerun-if-changed=build.rs");
     let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("set by cargo"));
     let out = PathBuf::from(env::var_os("OUT_DIR").expect("set by cargo"));
+    // What was decided, for `scripts/symbol-order --check`: "laid out", or why not (in
+    // parentheses where there is nothing to check).
+    let status = out.join("symbol-order.status");
     if env::var("PROFILE").as_deref() != Ok("release")
         || env::var("CARGO_CFG_TARGET_OS").as_deref() != Ok("linux")
     {
+        let why = "not laid out: only release builds for Linux are (not Linux or not release)\n";
+        std::fs::write(&status, why).expect("OUT_DIR is writable");
         return;
     }
     let order = manifest.join(ORDER);
@@ -45,29 +54,30 @@ fn main() {
             order.display()
         ));
     }
-    // What was decided, for `scripts/symbol-order --check`: there is nothing to check where
-    // the linker cannot lay the code out.
-    let status = if !links_with(&out, &arguments) {
-        "not laid out: the linker does not take --symbol-ordering-file (not LLD)\n"
-    } else {
-        for argument in &arguments {
-            println!("cargo::rustc-link-arg-bin={BINARY}={argument}");
-        }
-        if order.is_file() {
-            "laid out\n"
-        } else {
-            "not laid out: there is no deploy/symbol-order.txt (the map is written)\n"
+    let decided = match links_with(&out, &arguments) {
+        Err(error) => format!(
+            "not laid out: a program does not link with {} (not LLD): {error}\n",
+            arguments.join(" ")
+        ),
+        Ok(()) => {
+            for argument in &arguments {
+                println!("cargo::rustc-link-arg-bin={BINARY}={argument}");
+            }
+            if order.is_file() {
+                "laid out\n".into()
+            } else {
+                format!("not laid out: there is no {ORDER} (the map is written)\n")
+            }
         }
     };
-    std::fs::write(out.join("symbol-order.status"), status).expect("OUT_DIR is writable");
+    std::fs::write(&status, decided).expect("OUT_DIR is writable");
 }
 
-/// Whether a program links as this package's binary does, with `arguments` added.
-fn links_with(out: &Path, arguments: &[String]) -> bool {
+/// Whether a program links as this package's binary does, with `arguments` added; if not,
+/// the first line the compiler said.
+fn links_with(out: &Path, arguments: &[String]) -> Result<(), String> {
     let source = out.join("probe.rs");
-    if std::fs::write(&source, "fn main() {}\n").is_err() {
-        return false;
-    }
+    std::fs::write(&source, "fn main() {}\n").map_err(|error| error.to_string())?;
     let rustc = env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
     let mut command = Command::new(rustc);
     command
@@ -91,8 +101,10 @@ fn links_with(out: &Path, arguments: &[String]) -> bool {
     if let Ok(flags) = env::var("CARGO_ENCODED_RUSTFLAGS") {
         command.args(flags.split('\u{1f}').filter(|flag| !flag.is_empty()));
     }
-    command
-        .output()
-        .map(|output| output.status.success())
-        .unwrap_or(false)
+    let output = command.output().map_err(|error| error.to_string())?;
+    if output.status.success() {
+        return Ok(());
+    }
+    let said = String::from_utf8_lossy(&output.stderr);
+    Err(said.lines().next().unwrap_or("no message").to_owned())
 }
