@@ -62,6 +62,15 @@ fn start_on_faults(
     (fanout, outbox, faults, released)
 }
 
+/// Publishes `batch`, again every 50 ms while the store refuses the commit, for at most 10 s.
+async fn publish_once_it_commits(fanout: &Fanout, batch: &[Event], never: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while fanout.publish(batch, None).await.is_err() {
+        assert!(std::time::Instant::now() < deadline, "{never}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 async fn until(what: &str, mut done: impl FnMut() -> bool) {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while !done() {
@@ -119,14 +128,7 @@ async fn a_commit_that_fails_at_its_fsync_delivers_nothing_first_and_loses_nothi
     // poller stores what it kept, with the same ids.
     // The store reopens with backoff; until then a commit is refused before anything is
     // numbered or handed over.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while fanout.publish(&events(3..=3), None).await.is_err() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the store never reopened"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    publish_once_it_commits(&fanout, &events(3..=3), "the store never reopened").await;
     fanout.publish(&events(1..=2), None).await.unwrap();
     until("all delivered and removed", || {
         sink.delivered().len() >= 3 && outbox.depth("s").unwrap() == 0
@@ -174,14 +176,12 @@ async fn a_commit_that_panics_does_not_leave_its_sinks_waiting_for_it() {
     // ... which panics inside the store.
     faults.release_syncs();
     assert!(committing.await.unwrap().is_err());
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while fanout.publish(&events(3..=3), None).await.is_err() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the store never took a commit again"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    publish_once_it_commits(
+        &fanout,
+        &events(3..=3),
+        "the store never took a commit again",
+    )
+    .await;
     until("the next event delivered", || {
         ids(&sink.delivered()).contains(&"3".to_owned())
     })
