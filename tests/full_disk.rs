@@ -6,7 +6,8 @@
 //! injector (`store::DiskFaults`), and the real binary with `state.dir` on a small tmpfs that
 //! the test fills and frees (needs root for `mount`; without it the test says so and is
 //! skipped, except under `CI`, where it fails). On the same kind of tmpfs, the file sink's
-//! batch that the full disk cuts short must leave only whole lines.
+//! batch that the full disk cuts short must leave only whole lines, and the state store used
+//! from many threads at once never hangs while the disk fills and frees again and again.
 
 mod common;
 
@@ -412,4 +413,151 @@ async fn local_policy_approves_while_the_state_disk_is_full_and_reports_it_once_
     let _ = stop.send(());
     agent.await.unwrap().unwrap();
     sim.stop().await;
+}
+
+/// The state store as the agent uses it, from many threads at once (the poller's commits, each
+/// sink's reads, removals and flushes, approvals' and metrics' small reads and writes), while
+/// a real tmpfs fills and frees again and again: no operation may hang, and the store is
+/// writable again after each fill. The chaos driver found a sink's recount looping for ever
+/// on a database whose handle had failed (redb then yields `PreviousIo` from a range for
+/// ever), holding the store's lock: the poller's next commit waited behind it, and what it
+/// saw meanwhile was lost at the next restart.
+#[test]
+fn the_state_store_never_hangs_while_a_real_disk_fills_and_frees_under_concurrent_use() {
+    use sched_relay::store::{Outbox, Processed};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+    /// Stops the workers however the test ends, so that a failed one does not leave them
+    /// spinning beside the other tests.
+    struct Stop(Arc<AtomicBool>);
+    impl Drop for Stop {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    let disk = match Tmpfs::mount("8m") {
+        Ok(disk) => disk,
+        Err(why) if std::env::var_os("CI").is_some() => panic!("needs a tmpfs: {why}"),
+        Err(why) => {
+            eprintln!("skipped: {why}");
+            return;
+        }
+    };
+    let outbox = Arc::new(Outbox::open(disk.path(), 10_000, false).unwrap());
+    let sinks: Vec<String> = ["file", "bus", "rabbit", "kafka"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let stop = Stop(Arc::new(AtomicBool::new(false)));
+    let template = sched_relay_transport::testing::live_migration_events("WestNO_0");
+    let mut workers = Vec::new();
+    let mut beats = Vec::new();
+    let mut spawn = |name: &'static str, mut work: Box<dyn FnMut(u64) + Send>| {
+        let beat = Arc::new(AtomicU64::new(0));
+        beats.push((name, beat.clone()));
+        let stop = stop.0.clone();
+        workers.push(std::thread::spawn(move || {
+            let mut round = 0;
+            while !stop.load(Ordering::SeqCst) {
+                work(round);
+                round += 1;
+                beat.store(round, Ordering::SeqCst);
+            }
+        }));
+    };
+    {
+        let (outbox, sinks) = (outbox.clone(), sinks.clone());
+        spawn(
+            "poller",
+            Box::new(move |round| {
+                let events: Vec<_> = (0..8)
+                    .map(|i| template[0].clone().with_id(format!("e{round}-{i}")))
+                    .collect();
+                let document = serde_json::json!({"DocumentIncarnation": round, "Events": [], "pad": "x".repeat(2000)});
+                let processed = || Processed {
+                    document: &document,
+                    epoch: 0,
+                };
+                let _ = outbox.commit(&sinks, &events, Some(processed()));
+                outbox.probe(processed());
+                std::thread::sleep(Duration::from_millis(2));
+            }),
+        );
+    }
+    for sink in sinks.clone() {
+        let outbox = outbox.clone();
+        spawn(
+            "sink",
+            Box::new(move |round| {
+                if let Ok(pending) = outbox.pending(&sink, 50)
+                    && let Some(last) = pending.last()
+                {
+                    let _ = outbox.remove_below(&sink, last.seq + 1);
+                }
+                if round % 4 == 0 {
+                    let _ = outbox.flush();
+                }
+                let _ = outbox.depth(&sink);
+                std::thread::sleep(Duration::from_millis(1));
+            }),
+        );
+    }
+    {
+        let outbox = outbox.clone();
+        spawn(
+            "approvals",
+            Box::new(move |round| {
+                let _ = outbox.begin_request(&format!("r{round}"), i64::MAX, 0);
+                let _ = outbox.set_meta("imds_answered", &serde_json::json!(round));
+                let _ = outbox.meta("identity");
+                std::thread::sleep(Duration::from_millis(5));
+            }),
+        );
+    }
+    let filler = disk.path().join("filler");
+    let mut rng = fastrand::Rng::with_seed(7);
+    let mut fills = 0;
+    let until = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < until {
+        fill(&filler);
+        fills += 1;
+        let mut seen: Vec<u64> = beats
+            .iter()
+            .map(|(_, b)| b.load(Ordering::SeqCst))
+            .collect();
+        std::thread::sleep(Duration::from_millis(rng.u64(50..400)));
+        std::fs::remove_file(&filler).unwrap();
+        // Every thread goes on, and the store is writable again, within seconds of the space
+        // coming back (the reopen backoff is at most 1 s).
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for (index, (name, beat)) in beats.iter().enumerate() {
+            while beat.load(Ordering::SeqCst) == seen[index] {
+                assert!(
+                    Instant::now() < deadline,
+                    "the {name} thread hung in the state store (after {fills} fills)"
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            seen[index] = beat.load(Ordering::SeqCst);
+        }
+        while let Some(why) = outbox.unwritable() {
+            assert!(
+                Instant::now() < deadline,
+                "still unwritable after {fills} fills: {why}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    drop(stop);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !workers.iter().all(|worker| worker.is_finished()) {
+        assert!(Instant::now() < deadline, "a thread did not stop");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for worker in workers {
+        worker.join().unwrap();
+    }
+    assert!(fills > 10, "{fills} fills");
 }

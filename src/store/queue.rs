@@ -289,10 +289,12 @@ impl Outbox {
             Some(last) => last.map_err(|e| self.io(e))?.0.value().1 + 1,
             None => 0,
         };
-        let depth = table
-            .range((sink, 0)..=(sink, u64::MAX))
-            .map_err(|e| self.io(e))?
-            .count();
+        let depth = count_until_error(
+            table
+                .range((sink, 0)..=(sink, u64::MAX))
+                .map_err(|e| self.io(e))?,
+        )
+        .map_err(|e| self.io(e))?;
         Ok(Counter {
             next,
             depth,
@@ -328,8 +330,34 @@ impl Outbox {
     }
 }
 
+/// How many entries a range holds, or its first error. Not `Iterator::count`: once a read
+/// fails (a database whose handle failed reads `PreviousIo` from every page it has not
+/// cached) a redb range yields that error for ever, and counting the errors never ends. The
+/// agent hung so on a full disk, in a sink's recount holding the store's lock.
+fn count_until_error<T, E>(entries: impl Iterator<Item = Result<T, E>>) -> Result<usize, E> {
+    let mut count = 0;
+    for entry in entries {
+        entry?;
+        count += 1;
+    }
+    Ok(count)
+}
+
 /// A stored event, or why it cannot be read (with what was stored, for the log).
 fn decode(bytes: &[u8]) -> Result<Event, String> {
     Event::from_json_slice(bytes)
         .map_err(|e| format!("{e}; stored bytes: {}", String::from_utf8_lossy(bytes)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::count_until_error;
+
+    #[test]
+    fn a_range_that_fails_for_ever_is_counted_to_its_first_error() {
+        // What a redb range does once a read fails: that error, again and again.
+        let failing = (0..).map(|i| if i < 3 { Ok(i) } else { Err("PreviousIo") });
+        assert_eq!(count_until_error(failing), Err("PreviousIo"));
+        assert_eq!(count_until_error((0..5).map(Ok::<_, ()>)), Ok(5));
+    }
 }
