@@ -523,7 +523,7 @@ fn the_state_store_never_hangs_while_a_real_disk_fills_and_frees_under_concurren
     while Instant::now() < until {
         fill(&filler);
         fills += 1;
-        let mut seen: Vec<u64> = beats
+        let seen: Vec<u64> = beats
             .iter()
             .map(|(_, b)| b.load(Ordering::SeqCst))
             .collect();
@@ -532,16 +532,16 @@ fn the_state_store_never_hangs_while_a_real_disk_fills_and_frees_under_concurren
         // Every thread goes on, and the store is writable again, within seconds of the space
         // coming back (the reopen backoff is at most 1 s).
         let deadline = Instant::now() + Duration::from_secs(5);
-        for (index, (name, beat)) in beats.iter().enumerate() {
-            while beat.load(Ordering::SeqCst) == seen[index] {
-                assert!(
-                    Instant::now() < deadline,
-                    "the {name} thread hung in the state store (after {fills} fills)"
-                );
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            seen[index] = beat.load(Ordering::SeqCst);
+        for ((name, beat), before) in beats.iter().zip(&seen) {
+            wait_for(
+                &format!(
+                    "the {name} thread to go on (hung in the state store after {fills} fills?)"
+                ),
+                deadline.saturating_duration_since(Instant::now()),
+                || beat.load(Ordering::SeqCst) != *before,
+            );
         }
+        // Not `wait_for`: the failure says why the store is still unwritable.
         while let Some(why) = outbox.unwritable() {
             assert!(
                 Instant::now() < deadline,
@@ -551,11 +551,9 @@ fn the_state_store_never_hangs_while_a_real_disk_fills_and_frees_under_concurren
         }
     }
     drop(stop);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !workers.iter().all(|worker| worker.is_finished()) {
-        assert!(Instant::now() < deadline, "a thread did not stop");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_for("every thread to stop", Duration::from_secs(10), || {
+        workers.iter().all(|worker| worker.is_finished())
+    });
     for worker in workers {
         worker.join().unwrap();
     }
