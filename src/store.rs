@@ -39,6 +39,10 @@
 //!   and on a real full tmpfs with the binary,
 //!   `on_a_real_full_tmpfs_the_agent_keeps_what_it_saw_and_delivers_it_once_space_returns`.
 //!
+//! - the file removed or replaced while the agent runs: a reopen makes its tables again
+//!   (`a_state_file_removed_while_the_agent_runs_is_made_anew_at_the_next_reopen`); what it
+//!   held is gone.
+//!
 //! Not survived: a restart while the disk is still full loses the transitions kept in memory
 //! (the next document is then diffed against the last one stored, as after any restart).
 
@@ -189,13 +193,7 @@ impl Outbox {
         };
         // Create the tables, and read what a restart needs, so damage shows at start.
         outbox.with_db(Access::Upkeep, |db| {
-            let txn = outbox.write(db)?;
-            txn.open_table(EVENTS).map_err(|e| outbox.io(e))?;
-            txn.open_table(META).map_err(|e| outbox.io(e))?;
-            txn.open_table(SEEN_REQUESTS).map_err(|e| outbox.io(e))?;
-            txn.open_table(requests::APPROVAL_REQUESTS)
-                .map_err(|e| outbox.io(e))?;
-            txn.commit().map_err(|e| outbox.io(e))
+            create_tables(db).map_err(|e| outbox.io(e))
         })?;
         outbox.last_document()?;
         Ok(outbox)
@@ -256,7 +254,10 @@ impl Outbox {
         // The old handle must be gone first: it holds the file's lock.
         *db = None;
         let shown = self.path.display().to_string();
-        let result = match open_database(&self.path, self.faults.as_ref()) {
+        let result = match open_database(&self.path, self.faults.as_ref())
+            .map_err(|e| e.to_string())
+            .and_then(|reopened| self.tables_made_again(reopened))
+        {
             Ok(reopened) => {
                 *db = Some(reopened);
                 // The file holds what its last durable commit held: count again.
@@ -267,9 +268,32 @@ impl Outbox {
                     .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 Ok(())
             }
-            Err(error) => Err(error.to_string()),
+            Err(error) => Err(error),
         };
         self.health.reopen_tried(&shown, result);
+    }
+
+    /// A reopened file without the tables was removed or replaced while the agent ran (the
+    /// old handle kept writing the unlinked file until the I/O error): reads fail on a
+    /// missing table, so they are made again before the store is used. What the old file held
+    /// is gone with it; the poller's next commit stores the current document.
+    fn tables_made_again(&self, db: Database) -> Result<Database, String> {
+        let missing = (|| -> Result<bool, redb::Error> {
+            let txn = db.begin_read()?;
+            let exists = |result: Result<_, redb::TableError>| match result {
+                Ok(_) => Ok(true),
+                Err(redb::TableError::TableDoesNotExist(_)) => Ok(false),
+                Err(e) => Err(e),
+            };
+            Ok(!exists(txn.open_table(EVENTS).map(drop))?
+                || !exists(txn.open_table(META).map(drop))?)
+        })()
+        .map_err(|e| e.to_string())?;
+        if missing {
+            tracing::warn!(path = %self.path.display(), "The state store file was removed or replaced while the agent ran; its tables were made again (undelivered events it held are gone with it)");
+            create_tables(&db).map_err(|e| format!("cannot make its tables again: {e}"))?;
+        }
+        Ok(db)
     }
 
     /// Counts the reopens after an I/O error (see [`Outbox::remove_below`]).
@@ -304,6 +328,17 @@ impl Outbox {
                 reason: e.to_string(),
             })
     }
+}
+
+/// Makes every table the store reads (a read fails on a missing table; a write makes it).
+fn create_tables(db: &Database) -> Result<(), redb::Error> {
+    let txn = db.begin_write()?;
+    txn.open_table(EVENTS)?;
+    txn.open_table(META)?;
+    txn.open_table(SEEN_REQUESTS)?;
+    txn.open_table(requests::APPROVAL_REQUESTS)?;
+    txn.commit()?;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -329,3 +329,31 @@ fn a_probe_on_a_store_written_before_epochs_takes_the_missing_epoch_as_zero() {
     outbox.probe(processed(&document));
     assert_eq!(outbox.unwritable(), None);
 }
+
+#[test]
+fn a_state_file_removed_while_the_agent_runs_is_made_anew_at_the_next_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let faults = DiskFaults::new();
+    let outbox = Outbox::open_with_faults(dir.path(), 100, faults.clone()).unwrap();
+    let first = serde_json::json!({"DocumentIncarnation": 1, "Events": []});
+    outbox
+        .commit(&sinks(&["a"]), &[event("1")], Some(processed(&first)))
+        .unwrap();
+    // Someone removes the file (a clean-up script, `rm -rf` of the state dir); the open
+    // handle still writes the unlinked file until an I/O error makes the store reopen it.
+    std::fs::remove_file(dir.path().join(super::FILE_NAME)).unwrap();
+    faults.fill();
+    assert!(outbox.commit(&sinks(&["a"]), &[event("2")], None).is_err());
+    faults.free();
+
+    // The reopen finds an empty file: its tables are made again, and the store works.
+    let after = serde_json::json!({"DocumentIncarnation": 2, "Events": []});
+    eventually(|| outbox.commit(&sinks(&["a"]), &[event("2")], Some(processed(&after))));
+    assert_eq!(outbox.unwritable(), None, "writable again");
+    assert_eq!(ids(&outbox.pending("a", 10).unwrap()), ["2"]);
+    assert_eq!(outbox.last_document().unwrap(), Some(after));
+    assert!(outbox.remember_request("r1", 100, 50).unwrap());
+    drop(outbox);
+    let reopened = Outbox::open(dir.path(), 100, false).unwrap();
+    assert_eq!(ids(&reopened.pending("a", 10).unwrap()), ["2"]);
+}
