@@ -338,6 +338,7 @@ impl Publisher {
             });
             let ticket = Ticket::new();
             let _settled = tail::SettledAtDrop(ticket.clone());
+            let began = std::time::Instant::now();
             let committed = publisher.outbox.commit_placing(
                 &publisher.names,
                 &events,
@@ -361,6 +362,17 @@ impl Publisher {
                 },
             );
             ticket.settle(committed.is_ok());
+            if committed.is_ok() {
+                // The fsync every sink waits for: on a slow disk, the agent's own latency.
+                let took = began.elapsed();
+                metrics::histogram!("sched_relay_state_store_commit_seconds")
+                    .record(took.as_secs_f64());
+                tracing::debug!(
+                    events = events.len(),
+                    commit_us = took.as_micros() as u64,
+                    "Stored"
+                );
+            }
             let overflow = match committed {
                 Ok(overflow) => overflow,
                 Err(error) => {

@@ -110,6 +110,11 @@ pub const METRICS: &[(&str, &str, &str)] = &[
         "1 while the state store can be written; 0 after an I/O error (full disk) until it can again.",
     ),
     (
+        "sched_relay_state_store_commit_seconds",
+        "histogram",
+        "Durable commits of a document's events, fsync included; every sink waits for it.",
+    ),
+    (
         "sched_relay_state_store_errors_total",
         "counter",
         "State store operations that failed with an I/O error.",
