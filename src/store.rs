@@ -39,12 +39,17 @@
 //!   and on a real full tmpfs with the binary,
 //!   `on_a_real_full_tmpfs_the_agent_keeps_what_it_saw_and_delivers_it_once_space_returns`.
 //!
-//! - the file removed or replaced while the agent runs: a reopen makes its tables again
-//!   (`a_state_file_removed_while_the_agent_runs_is_made_anew_at_the_next_reopen`); what it
-//!   held is gone.
-//!
 //! Not survived: a restart while the disk is still full loses the transitions kept in memory
 //! (the next document is then diffed against the last one stored, as after any restart).
+//! Nor is the file's removal (or replacement) while the agent runs: the agent goes on with
+//! the open, unlinked file (delivering what it holds), and notices nothing until an I/O
+//! error makes it reopen the path; a restart before then loses what the file held. The
+//! reopen makes a removed file anew, atomically (so a disk still full leaves nothing redb
+//! cannot open), makes missing tables, numbers new events above every number a sink's task
+//! may stand at, and takes the poller's current document at its next probe:
+//! `a_state_file_removed_while_the_disk_is_full_is_made_anew_once_it_frees`,
+//! `a_file_made_anew_numbers_above_every_event_a_sink_has_passed`. A replacement that is a
+//! valid store with its tables is taken as it is.
 
 mod config;
 mod error;
@@ -119,6 +124,13 @@ pub struct Outbox {
     /// How many times the file was opened anew after an I/O error: what was not durable
     /// before a reopen (removals of delivered events) is back in the table after it.
     generation: std::sync::atomic::AtomicU64,
+    /// One more than the highest sequence number handed out or read in this process, of any
+    /// sink: a file made anew numbers from here, so no sink's task (whose position is below
+    /// it) takes a new event for one it already passed.
+    issued: std::sync::atomic::AtomicU64,
+    /// Set when a reopen made the file anew: [`issued`](Outbox::issued) then, the floor of
+    /// every sink's numbers.
+    floor: std::sync::atomic::AtomicU64,
 }
 
 /// What an operation does to the file, for the writability record.
@@ -190,10 +202,12 @@ impl Outbox {
             health: Default::default(),
             counters: Default::default(),
             generation: Default::default(),
+            issued: Default::default(),
+            floor: Default::default(),
         };
         // Create the tables, and read what a restart needs, so damage shows at start.
         outbox.with_db(Access::Upkeep, |db| {
-            create_tables(db).map_err(|e| outbox.io(e))
+            recovery::create_tables(db).map_err(|e| outbox.io(e))
         })?;
         outbox.last_document()?;
         Ok(outbox)
@@ -238,64 +252,6 @@ impl Outbox {
         result
     }
 
-    /// After an I/O error, closes the latched database and opens the file again, when the
-    /// backoff allows. Every public operation calls it first, holding no lock, so whichever
-    /// user comes next (the poller, a sink's task, an approval, `/metrics`) brings the store
-    /// back once the disk allows.
-    fn reopen_if_due(&self) {
-        if !self.health.reopen_due() {
-            return;
-        }
-        let mut counters = self.lock_counters();
-        let mut db = self.db.write().unwrap_or_else(|p| p.into_inner());
-        if !self.health.reopen_due() {
-            return; // another thread just did
-        }
-        // The old handle must be gone first: it holds the file's lock.
-        *db = None;
-        let shown = self.path.display().to_string();
-        let result = match open_database(&self.path, self.faults.as_ref())
-            .map_err(|e| e.to_string())
-            .and_then(|reopened| self.tables_made_again(reopened))
-        {
-            Ok(reopened) => {
-                *db = Some(reopened);
-                // The file holds what its last durable commit held: count again.
-                for counter in counters.values_mut() {
-                    counter.stale = true;
-                }
-                self.generation
-                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                Ok(())
-            }
-            Err(error) => Err(error),
-        };
-        self.health.reopen_tried(&shown, result);
-    }
-
-    /// A reopened file without the tables was removed or replaced while the agent ran (the
-    /// old handle kept writing the unlinked file until the I/O error): reads fail on a
-    /// missing table, so they are made again before the store is used. What the old file held
-    /// is gone with it; the poller's next commit stores the current document.
-    fn tables_made_again(&self, db: Database) -> Result<Database, String> {
-        let missing = (|| -> Result<bool, redb::Error> {
-            let txn = db.begin_read()?;
-            let exists = |result: Result<_, redb::TableError>| match result {
-                Ok(_) => Ok(true),
-                Err(redb::TableError::TableDoesNotExist(_)) => Ok(false),
-                Err(e) => Err(e),
-            };
-            Ok(!exists(txn.open_table(EVENTS).map(drop))?
-                || !exists(txn.open_table(META).map(drop))?)
-        })()
-        .map_err(|e| e.to_string())?;
-        if missing {
-            tracing::warn!(path = %self.path.display(), "The state store file was removed or replaced while the agent ran; its tables were made again (undelivered events it held are gone with it)");
-            create_tables(&db).map_err(|e| format!("cannot make its tables again: {e}"))?;
-        }
-        Ok(db)
-    }
-
     /// Counts the reopens after an I/O error (see [`Outbox::remove_below`]).
     pub fn generation(&self) -> u64 {
         self.generation.load(std::sync::atomic::Ordering::SeqCst)
@@ -328,17 +284,6 @@ impl Outbox {
                 reason: e.to_string(),
             })
     }
-}
-
-/// Makes every table the store reads (a read fails on a missing table; a write makes it).
-fn create_tables(db: &Database) -> Result<(), redb::Error> {
-    let txn = db.begin_write()?;
-    txn.open_table(EVENTS)?;
-    txn.open_table(META)?;
-    txn.open_table(SEEN_REQUESTS)?;
-    txn.open_table(requests::APPROVAL_REQUESTS)?;
-    txn.commit()?;
-    Ok(())
 }
 
 #[cfg(test)]

@@ -20,6 +20,7 @@ pub struct DiskFaults {
     refused: AtomicU64,
     syncs_held: AtomicBool,
     panic_at_sync: AtomicBool,
+    sparse: AtomicBool,
 }
 
 impl DiskFaults {
@@ -30,6 +31,12 @@ impl DiskFaults {
     /// From now on every write, sync and resize fails with ENOSPC.
     pub fn fill(&self) {
         self.full.store(true, Ordering::SeqCst);
+    }
+
+    /// From now on growing a file succeeds while the disk is full, as `ftruncate` does on
+    /// ext4 and tmpfs (the space is taken when written); writes and syncs still fail.
+    pub fn grow_sparsely(&self) {
+        self.sparse.store(true, Ordering::SeqCst);
     }
 
     /// Space is back: writes pass through again.
@@ -106,7 +113,9 @@ impl StorageBackend for FaultInjectingBackend {
         self.file.read(offset, out)
     }
     fn set_len(&self, len: u64) -> Result<(), std::io::Error> {
-        self.faults.check()?;
+        if !self.faults.sparse.load(Ordering::SeqCst) {
+            self.faults.check()?;
+        }
         self.file.set_len(len)
     }
     fn sync_data(&self) -> Result<(), std::io::Error> {

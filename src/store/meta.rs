@@ -43,7 +43,8 @@ impl Outbox {
     /// While the store is known not to be writable, writes `processed` (the last document
     /// processed) again, with no events, if the store still holds it as the last one: a
     /// commit that changes nothing (a newer document committed meanwhile is left alone) and
-    /// whose success ends that state. For a caller with nothing of its own to store (the
+    /// whose success ends that state; a store that holds no document (its file was made anew)
+    /// takes this one. For a caller with nothing of its own to store (the
     /// poller, when no document changed), so that a commit of events nobody makes again (an
     /// approval's outcome) does not leave `/readyz` failing once the disk is fine. It is
     /// about a document's size, not a burst's: a disk with room for it and not for a burst
@@ -68,10 +69,13 @@ impl Outbox {
                         .map_err(|e| self.io(e))?
                         .map(|value| value.value().to_vec()))
                 };
-                if held(super::LAST_DOCUMENT)?.as_deref() != Some(bytes.as_slice())
-                    // A store written before epochs has none: epoch 0.
-                    || held(super::EPOCH)?.unwrap_or_else(|| 0u64.to_be_bytes().to_vec())
-                        != epoch.as_slice()
+                // No last document at all: the file was made anew while the agent ran
+                // (`recovery`); the caller's document is the one it should hold.
+                if let Some(held_document) = held(super::LAST_DOCUMENT)?
+                    && (held_document != bytes
+                        // A store written before epochs has none: epoch 0.
+                        || held(super::EPOCH)?.unwrap_or_else(|| 0u64.to_be_bytes().to_vec())
+                            != epoch.as_slice())
                 {
                     return Ok(false);
                 }

@@ -80,6 +80,7 @@ impl Outbox {
         for placement in &placements {
             let counter = counters.entry(sinks[placement.sink].clone()).or_default();
             counter.next = placement.first_seq + placement.stored as u64;
+            self.note_issued(counter.next);
         }
         placed(&placements);
         // Encoded once the sinks have the events: for a burst this is milliseconds.
@@ -137,7 +138,11 @@ impl Outbox {
         if let Some(counter) = counters.get(sink).filter(|c| !c.stale) {
             return Ok(*counter);
         }
-        let floor = counters.get(sink).map(|c| c.next).unwrap_or(0);
+        let floor = counters
+            .get(sink)
+            .map(|c| c.next)
+            .unwrap_or(0)
+            .max(self.floor.load(std::sync::atomic::Ordering::SeqCst));
         let txn = db.begin_read().map_err(|e| self.io(e))?;
         let table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
         let mut counted = self.count(&table, sink)?;
@@ -162,6 +167,9 @@ impl Outbox {
                     seq: key.value().1,
                     event: decode(value.value()),
                 });
+            }
+            if let Some(last) = stored.last() {
+                self.note_issued(last.seq + 1);
             }
             Ok(stored)
         })
@@ -193,6 +201,9 @@ impl Outbox {
                     seq: key.value().1,
                     event: decode(value.value()),
                 });
+            }
+            if let Some(last) = stored.last() {
+                self.note_issued(last.seq + 1);
             }
             Ok(stored)
         })

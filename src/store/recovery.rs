@@ -10,9 +10,11 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use redb::Database;
+use std::sync::atomic::Ordering;
 
-use super::DiskFaults;
+use redb::{Database, ReadableDatabase};
+
+use super::{DiskFaults, EVENTS, META, Outbox, SEEN_REQUESTS, requests};
 use crate::retry::Backoff;
 
 /// Waits between attempts to reopen: the first at once, then 250 ms doubling to 1 s, so space
@@ -152,6 +154,110 @@ pub(super) fn open_database(
             super::faults::FaultInjectingBackend::open(path, faults.clone())?,
         ),
     }
+}
+
+impl Outbox {
+    /// After an I/O error, closes the latched database and opens the file again, when the
+    /// backoff allows. Every public operation calls it first, holding no lock, so whichever
+    /// user comes next (the poller, a sink's task, an approval, `/metrics`) brings the store
+    /// back once the disk allows.
+    pub(super) fn reopen_if_due(&self) {
+        if !self.health.reopen_due() {
+            return;
+        }
+        let mut counters = self.lock_counters();
+        let mut db = self.db.write().unwrap_or_else(|p| p.into_inner());
+        if !self.health.reopen_due() {
+            return; // another thread just did
+        }
+        // The old handle must be gone first: it holds the file's lock.
+        *db = None;
+        let shown = self.path.display().to_string();
+        let result = self.reopen_file().map(|(reopened, anew)| {
+            *db = Some(reopened);
+            if anew {
+                // Its numbers start above every one a sink's task may stand at.
+                let issued = self.issued.load(Ordering::SeqCst);
+                self.floor.fetch_max(issued, Ordering::SeqCst);
+                tracing::warn!(path = %shown, numbered_from = issued, "The state store file was removed or replaced while the agent ran; made it anew. What the old one held (undelivered events, approval request records) is gone; the current document is stored again at the next poll");
+            }
+            // The file holds what its last durable commit held: count again.
+            for counter in counters.values_mut() {
+                counter.stale = true;
+            }
+            self.generation.fetch_add(1, Ordering::SeqCst);
+        });
+        self.health.reopen_tried(&shown, result);
+    }
+
+    /// Opens the file again; true when it had to be made anew (it was removed, or replaced
+    /// by a database without the tables).
+    fn reopen_file(&self) -> Result<(Database, bool), String> {
+        let gone = matches!(
+            std::fs::symlink_metadata(&self.path),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound
+        );
+        if gone {
+            self.make_file_anew()?;
+        }
+        let db = open_database(&self.path, self.faults.as_ref()).map_err(|e| e.to_string())?;
+        let missing = (|| -> Result<bool, redb::Error> {
+            let txn = db.begin_read()?;
+            let exists = |result: Result<(), redb::TableError>| match result {
+                Ok(()) => Ok(true),
+                Err(redb::TableError::TableDoesNotExist(_)) => Ok(false),
+                Err(e) => Err(e),
+            };
+            Ok(!exists(txn.open_table(EVENTS).map(drop))?
+                || !exists(txn.open_table(META).map(drop))?)
+        })()
+        .map_err(|e| e.to_string())?;
+        if missing {
+            // Reads fail on a missing table (a write would make it).
+            create_tables(&db).map_err(|e| format!("cannot make its tables again: {e}"))?;
+        }
+        Ok((db, gone || missing))
+    }
+
+    /// Writes an empty store with its tables beside the file's path, then renames it into
+    /// place. Created in place, a disk still full would leave a file of zeros (growing a file
+    /// takes no space; its header's write fails), which redb refuses to open for good.
+    fn make_file_anew(&self) -> Result<(), String> {
+        let staged = self.path.with_extension("redb.new");
+        let _ = std::fs::remove_file(&staged);
+        let made = open_database(&staged, self.faults.as_ref())
+            .map_err(|e| e.to_string())
+            .and_then(|db| create_tables(&db).map_err(|e| e.to_string()))
+            .and_then(|()| std::fs::rename(&staged, &self.path).map_err(|e| e.to_string()))
+            .and_then(|()| match self.path.parent() {
+                // The rename is durable before anything is committed to the file.
+                Some(dir) => std::fs::File::open(dir)
+                    .and_then(|dir| dir.sync_all())
+                    .map_err(|e| e.to_string()),
+                None => Ok(()),
+            });
+        if let Err(error) = made {
+            let _ = std::fs::remove_file(&staged);
+            return Err(format!("the file is gone and cannot be made anew: {error}"));
+        }
+        Ok(())
+    }
+
+    /// Notes that sequence number `seq` was handed out or read (see [`Outbox::issued`]).
+    pub(super) fn note_issued(&self, next: u64) {
+        self.issued.fetch_max(next, Ordering::SeqCst);
+    }
+}
+
+/// Makes every table the store reads (a read fails on a missing table; a write makes it).
+pub(super) fn create_tables(db: &Database) -> Result<(), redb::Error> {
+    let txn = db.begin_write()?;
+    txn.open_table(EVENTS)?;
+    txn.open_table(META)?;
+    txn.open_table(SEEN_REQUESTS)?;
+    txn.open_table(requests::APPROVAL_REQUESTS)?;
+    txn.commit()?;
+    Ok(())
 }
 
 #[cfg(test)]

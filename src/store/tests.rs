@@ -330,30 +330,80 @@ fn a_probe_on_a_store_written_before_epochs_takes_the_missing_epoch_as_zero() {
     assert_eq!(outbox.unwritable(), None);
 }
 
+/// Someone removes the file while the agent runs (a clean-up script, `rm -rf` of the state
+/// dir): the open handle writes the unlinked file until an I/O error makes the store reopen
+/// it, here while the disk is still full, as real disks are (growing a file takes no space,
+/// writing its header does).
 #[test]
-fn a_state_file_removed_while_the_agent_runs_is_made_anew_at_the_next_reopen() {
+fn a_state_file_removed_while_the_disk_is_full_is_made_anew_once_it_frees() {
     let dir = tempfile::tempdir().unwrap();
     let faults = DiskFaults::new();
+    faults.grow_sparsely();
     let outbox = Outbox::open_with_faults(dir.path(), 100, faults.clone()).unwrap();
-    let first = serde_json::json!({"DocumentIncarnation": 1, "Events": []});
+    let current = serde_json::json!({"DocumentIncarnation": 1, "Events": []});
     outbox
-        .commit(&sinks(&["a"]), &[event("1")], Some(processed(&first)))
+        .commit(&sinks(&["a"]), &[event("1")], Some(processed(&current)))
         .unwrap();
-    // Someone removes the file (a clean-up script, `rm -rf` of the state dir); the open
-    // handle still writes the unlinked file until an I/O error makes the store reopen it.
     std::fs::remove_file(dir.path().join(super::FILE_NAME)).unwrap();
     faults.fill();
     assert!(outbox.commit(&sinks(&["a"]), &[event("2")], None).is_err());
+    let refused = faults.refused();
+    // Reopens tried while the disk stays full leave nothing redb could not open later.
+    let full_until = std::time::Instant::now() + std::time::Duration::from_millis(1500);
+    while std::time::Instant::now() < full_until {
+        assert!(outbox.last_document().is_err());
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(
+        faults.refused() > refused,
+        "a reopen was tried on the full disk"
+    );
     faults.free();
 
-    // The reopen finds an empty file: its tables are made again, and the store works.
-    let after = serde_json::json!({"DocumentIncarnation": 2, "Events": []});
-    eventually(|| outbox.commit(&sinks(&["a"]), &[event("2")], Some(processed(&after))));
-    assert_eq!(outbox.unwritable(), None, "writable again");
+    // The document does not change: the poller's probe with it must make the store
+    // writable again, and the new file must hold that document.
+    eventually(|| {
+        outbox.probe(processed(&current));
+        match outbox.unwritable() {
+            None => Ok(()),
+            Some(why) => Err(StoreError::Io {
+                path: "outbox".into(),
+                reason: why,
+            }),
+        }
+    });
+    assert_eq!(outbox.last_document().unwrap(), Some(current.clone()));
+    outbox.commit(&sinks(&["a"]), &[event("2")], None).unwrap();
     assert_eq!(ids(&outbox.pending("a", 10).unwrap()), ["2"]);
-    assert_eq!(outbox.last_document().unwrap(), Some(after));
     assert!(outbox.remember_request("r1", 100, 50).unwrap());
     drop(outbox);
     let reopened = Outbox::open(dir.path(), 100, false).unwrap();
     assert_eq!(ids(&reopened.pending("a", 10).unwrap()), ["2"]);
+    assert_eq!(reopened.last_document().unwrap(), Some(current));
+}
+
+/// After a restart a sink's task delivers its backlog from the outbox (numbers 0-2) before
+/// anything new is stored; the file is then removed and made anew. New events must not take
+/// numbers the task has passed: its next removal (below 3) would delete them unsent.
+#[test]
+fn a_file_made_anew_numbers_above_every_event_a_sink_has_passed() {
+    let dir = tempfile::tempdir().unwrap();
+    Outbox::open(dir.path(), 100, false)
+        .unwrap()
+        .commit(&sinks(&["a"]), &[event("1"), event("2"), event("3")], None)
+        .unwrap();
+    let faults = DiskFaults::new();
+    let outbox = Outbox::open_with_faults(dir.path(), 100, faults.clone()).unwrap();
+    let backlog = outbox.pending_between("a", 0, None, 10).unwrap();
+    assert_eq!(backlog.iter().map(|s| s.seq).collect::<Vec<_>>(), [0, 1, 2]);
+    std::fs::remove_file(dir.path().join(super::FILE_NAME)).unwrap();
+    faults.fill();
+    assert!(outbox.set_meta("probe", &serde_json::json!(1)).is_err());
+    faults.free();
+    eventually(|| outbox.commit(&sinks(&["a"]), &[event("4")], None));
+    let stored = outbox.pending("a", 10).unwrap();
+    assert_eq!(ids(&stored), ["4"]);
+    assert!(stored[0].seq >= 3, "numbered {}", stored[0].seq);
+    outbox.remove_below("a", 3).unwrap();
+    assert_eq!(ids(&outbox.pending("a", 10).unwrap()), ["4"]);
 }
