@@ -468,7 +468,8 @@ fn detection(
         .log()
         .lines()
         .filter_map(|line| serde_json::from_str::<Value>(line).ok())
-        .filter(|line| line["message"] == "Stored")
+        // The measured documents' commits, not the first document's (no events).
+        .filter(|line| line["message"] == "Stored" && line["events"].as_i64() > Some(0))
         .filter_map(|line| line["commit_us"].as_i64())
         .collect();
     let mut python_e2e: Vec<i64> = due

@@ -21,6 +21,11 @@ const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0,
 ];
 
+/// Seconds buckets for the state store's commit: an fsync takes 0.1-2 ms on a good disk.
+const COMMIT_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 0.5, 2.5, 10.0,
+];
+
 /// `[telemetry]`: the agent's own HTTP listener (`/healthz`, `POST /approvals`). Off unless
 /// `listen` is set; keep it on loopback unless something outside the VM must reach it.
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
@@ -72,6 +77,12 @@ pub fn prometheus() -> &'static PrometheusHandle {
     HANDLE.get_or_init(|| {
         let handle = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
+            .expect("the buckets are not empty")
+            // A full match wins over the suffix.
+            .set_buckets_for_metric(
+                Matcher::Full("sched_relay_state_store_commit_seconds".into()),
+                COMMIT_BUCKETS,
+            )
             .expect("the buckets are not empty")
             .install_recorder()
             .expect("no other metrics recorder is installed");

@@ -83,7 +83,7 @@ fn metrics_health_and_readiness_follow_the_agent() {
         "sched_relay_outbox_depth{sink=\"file\"} 0",
         "sched_relay_outbox_oldest_age_seconds{sink=\"file\"} 0",
         "sched_relay_document_events{",
-        "sched_relay_state_store_commit_seconds_bucket{le=",
+        "sched_relay_state_store_commit_seconds_bucket{le=\"0.0001\"}",
         "# HELP sched_relay_imds_polls_total",
     ] {
         assert!(

@@ -112,7 +112,7 @@ pub const METRICS: &[(&str, &str, &str)] = &[
     (
         "sched_relay_state_store_commit_seconds",
         "histogram",
-        "Durable commits of a document's events, fsync included; every sink waits for it.",
+        "Storing a change's events before the sinks may send them: the durable commit (fsync) and any wait for the store.",
     ),
     (
         "sched_relay_state_store_errors_total",
