@@ -44,12 +44,14 @@
 //! Nor is the file's removal (or replacement) while the agent runs: the agent goes on with
 //! the open, unlinked file (delivering what it holds), and notices nothing until an I/O
 //! error makes it reopen the path; a restart before then loses what the file held. The
-//! reopen makes a removed file anew, atomically (so a disk still full leaves nothing redb
-//! cannot open), makes missing tables, numbers new events above every number a sink's task
-//! may stand at, and takes the poller's current document at its next probe:
-//! `a_state_file_removed_while_the_disk_is_full_is_made_anew_once_it_frees`,
-//! `a_file_made_anew_numbers_above_every_event_a_sink_has_passed`. A replacement that is a
-//! valid store with its tables is taken as it is.
+//! reopen makes a removed file (and directory) anew, beside the path and linked into place
+//! (a disk still full leaves nothing redb cannot open), with the last processed document;
+//! makes missing tables; and numbers new events above every number a sink's task may stand
+//! at: `a_state_file_removed_while_the_disk_is_full_is_made_anew_once_it_frees`,
+//! `a_state_dir_removed_while_the_agent_runs_comes_back_with_the_last_document`,
+//! `a_file_made_anew_numbers_above_every_event_a_sink_has_passed`,
+//! `a_replaced_state_file_numbers_above_every_event_a_sink_has_passed`. A replacement that
+//! is a valid store with its tables is otherwise taken as it is.
 
 mod config;
 mod error;
@@ -131,6 +133,9 @@ pub struct Outbox {
     /// Set when a reopen made the file anew: [`issued`](Outbox::issued) then, the floor of
     /// every sink's numbers.
     floor: std::sync::atomic::AtomicU64,
+    /// The last processed document this process stored or found (JSON, epoch): what a file
+    /// made anew after a removal starts with (`recovery`).
+    processed: std::sync::Mutex<Option<(Vec<u8>, [u8; 8])>>,
 }
 
 /// What an operation does to the file, for the writability record.
@@ -185,7 +190,7 @@ impl Outbox {
             })?;
             tracing::warn!(path = %shown, moved_to = %aside.display(), "Starting with a fresh state store as asked; the old one was moved aside");
         }
-        let db = open_database(&path, faults.as_ref()).map_err(|e| match e {
+        let db = open_database(&path, faults.as_ref(), true).map_err(|e| match e {
             redb::DatabaseError::DatabaseAlreadyOpen => StoreError::InUse {
                 path: shown.clone(),
             },
@@ -204,12 +209,16 @@ impl Outbox {
             generation: Default::default(),
             issued: Default::default(),
             floor: Default::default(),
+            processed: Default::default(),
         };
         // Create the tables, and read what a restart needs, so damage shows at start.
         outbox.with_db(Access::Upkeep, |db| {
-            recovery::create_tables(db).map_err(|e| outbox.io(e))
+            outbox.create_tables(db).map_err(|e| outbox.io(e))
         })?;
-        outbox.last_document()?;
+        if let Some(document) = outbox.last_document()? {
+            let bytes = serde_json::to_vec(&document).map_err(|e| outbox.io(e))?;
+            outbox.remember_processed(bytes, outbox.last_epoch()?.to_be_bytes());
+        }
         Ok(outbox)
     }
 
@@ -250,6 +259,11 @@ impl Outbox {
             _ => {}
         }
         result
+    }
+
+    /// Keeps the last processed document durably stored (see [`Outbox::processed`]).
+    fn remember_processed(&self, document: Vec<u8>, epoch: [u8; 8]) {
+        *self.processed.lock().unwrap_or_else(|p| p.into_inner()) = Some((document, epoch));
     }
 
     /// Counts the reopens after an I/O error (see [`Outbox::remove_below`]).

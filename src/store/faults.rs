@@ -91,11 +91,12 @@ impl FaultInjectingBackend {
     pub(super) fn open(
         path: &std::path::Path,
         faults: Arc<DiskFaults>,
+        create: bool,
     ) -> Result<Self, redb::DatabaseError> {
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
-            .create(true)
+            .create(create)
             .truncate(false)
             .open(path)?;
         Ok(FaultInjectingBackend {

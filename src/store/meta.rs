@@ -88,7 +88,10 @@ impl Outbox {
             Ok(true)
         });
         match probed {
-            Ok(true) => self.health.wrote(&self.path.display().to_string(), true),
+            Ok(true) => {
+                self.remember_processed(bytes, epoch);
+                self.health.wrote(&self.path.display().to_string(), true)
+            }
             Ok(false) => tracing::debug!("No probe of the state store: its last document moved on"),
             Err(error) => {
                 tracing::debug!(error = %error, "The state store still cannot be written")

@@ -120,6 +120,9 @@ impl Outbox {
             txn.commit().map_err(|e| self.io(e))?;
             Ok(())
         })?;
+        if let Some((bytes, epoch)) = document {
+            self.remember_processed(bytes, epoch);
+        }
         for placement in &placements {
             if let Some(counter) = counters.get_mut(&sinks[placement.sink]) {
                 counter.depth += placement.stored;

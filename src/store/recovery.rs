@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 
 use std::sync::atomic::Ordering;
 
-use redb::{Database, ReadableDatabase};
+use redb::{Database, ReadableDatabase, ReadableTable};
 
-use super::{DiskFaults, EVENTS, META, Outbox, SEEN_REQUESTS, requests};
+use super::{DiskFaults, EPOCH, EVENTS, LAST_DOCUMENT, META, Outbox, SEEN_REQUESTS, requests};
 use crate::retry::Backoff;
 
 /// Waits between attempts to reopen: the first at once, then 250 ms doubling to 1 s, so space
@@ -143,15 +143,18 @@ impl Health {
     }
 }
 
-/// Opens (or creates) the redb file, through the fault injector when a test gave one.
+/// Opens the redb file (`create`: or creates it), through the fault injector when a test
+/// gave one.
 pub(super) fn open_database(
     path: &Path,
     faults: Option<&Arc<DiskFaults>>,
+    create: bool,
 ) -> Result<Database, redb::DatabaseError> {
     match faults {
-        None => Database::create(path),
+        None if create => Database::create(path),
+        None => redb::Builder::new().open(path),
         Some(faults) => redb::Builder::new().create_with_backend(
-            super::faults::FaultInjectingBackend::open(path, faults.clone())?,
+            super::faults::FaultInjectingBackend::open(path, faults.clone(), create)?,
         ),
     }
 }
@@ -173,14 +176,13 @@ impl Outbox {
         // The old handle must be gone first: it holds the file's lock.
         *db = None;
         let shown = self.path.display().to_string();
-        let result = self.reopen_file().map(|(reopened, anew)| {
+        let result = self.reopen_file().map(|reopened| {
             *db = Some(reopened);
-            if anew {
-                // Its numbers start above every one a sink's task may stand at.
-                let issued = self.issued.load(Ordering::SeqCst);
-                self.floor.fetch_max(issued, Ordering::SeqCst);
-                tracing::warn!(path = %shown, numbered_from = issued, "The state store file was removed or replaced while the agent ran; made it anew. What the old one held (undelivered events, approval request records) is gone; the current document is stored again at the next poll");
-            }
+            // New numbers start above every one a sink's task may stand at, whatever the
+            // file holds: made anew (after this attempt or a failed one), replaced, or
+            // itself (a gap in a sink's numbers is passed over).
+            self.floor
+                .fetch_max(self.issued.load(Ordering::SeqCst), Ordering::SeqCst);
             // The file holds what its last durable commit held: count again.
             for counter in counters.values_mut() {
                 counter.stale = true;
@@ -190,17 +192,16 @@ impl Outbox {
         self.health.reopen_tried(&shown, result);
     }
 
-    /// Opens the file again; true when it had to be made anew (it was removed, or replaced
-    /// by a database without the tables).
-    fn reopen_file(&self) -> Result<(Database, bool), String> {
-        let gone = matches!(
-            std::fs::symlink_metadata(&self.path),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound
-        );
-        if gone {
-            self.make_file_anew()?;
+    /// Opens the file again; makes it anew if it is gone, and its tables if they are.
+    fn reopen_file(&self) -> Result<Database, String> {
+        match std::fs::symlink_metadata(&self.path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => self.make_file_anew()?,
+            _ => {}
         }
-        let db = open_database(&self.path, self.faults.as_ref()).map_err(|e| e.to_string())?;
+        // Never created here: a file made in place on a full disk is left all zeros (growing
+        // a file takes no space; its header's write fails), which redb never opens again.
+        let db =
+            open_database(&self.path, self.faults.as_ref(), false).map_err(|e| e.to_string())?;
         let missing = (|| -> Result<bool, redb::Error> {
             let txn = db.begin_read()?;
             let exists = |result: Result<(), redb::TableError>| match result {
@@ -214,50 +215,73 @@ impl Outbox {
         .map_err(|e| e.to_string())?;
         if missing {
             // Reads fail on a missing table (a write would make it).
-            create_tables(&db).map_err(|e| format!("cannot make its tables again: {e}"))?;
+            self.create_tables(&db)
+                .map_err(|e| format!("cannot make its tables again: {e}"))?;
+            tracing::warn!(path = %self.path.display(), "The state store file was replaced while the agent ran by one without its tables; made them. What the old file held (undelivered events, approval request records) is gone");
         }
-        Ok((db, gone || missing))
+        Ok(db)
     }
 
-    /// Writes an empty store with its tables beside the file's path, then renames it into
-    /// place. Created in place, a disk still full would leave a file of zeros (growing a file
-    /// takes no space; its header's write fails), which redb refuses to open for good.
+    /// Writes a store with its tables and the last processed document beside the file's
+    /// path, then links it into place (never over a file put back meanwhile).
     fn make_file_anew(&self) -> Result<(), String> {
         let staged = self.path.with_extension("redb.new");
-        let _ = std::fs::remove_file(&staged);
-        let made = open_database(&staged, self.faults.as_ref())
-            .map_err(|e| e.to_string())
-            .and_then(|db| create_tables(&db).map_err(|e| e.to_string()))
-            .and_then(|()| std::fs::rename(&staged, &self.path).map_err(|e| e.to_string()))
-            .and_then(|()| match self.path.parent() {
-                // The rename is durable before anything is committed to the file.
-                Some(dir) => std::fs::File::open(dir)
-                    .and_then(|dir| dir.sync_all())
-                    .map_err(|e| e.to_string()),
-                None => Ok(()),
-            });
-        if let Err(error) = made {
+        let made = (|| -> Result<(), String> {
+            if let Some(dir) = self.path.parent() {
+                std::fs::create_dir_all(dir)
+                    .map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
+            }
             let _ = std::fs::remove_file(&staged);
-            return Err(format!("the file is gone and cannot be made anew: {error}"));
+            let db =
+                open_database(&staged, self.faults.as_ref(), true).map_err(|e| e.to_string())?;
+            self.create_tables(&db).map_err(|e| e.to_string())?;
+            drop(db);
+            match std::fs::hard_link(&staged, &self.path) {
+                Ok(()) => {
+                    tracing::warn!(path = %self.path.display(), "The state store file was removed while the agent ran; made it anew with the last processed document. What the old file held (undelivered events, approval request records) is gone");
+                }
+                // Put back meanwhile: that one is opened.
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(format!("cannot link {} into place: {e}", staged.display())),
+            }
+            // The link is durable before anything is committed to the file.
+            if let Some(dir) = self.path.parent() {
+                std::fs::File::open(dir)
+                    .and_then(|dir| dir.sync_all())
+                    .map_err(|e| format!("cannot sync {}: {e}", dir.display()))?;
+            }
+            Ok(())
+        })();
+        let _ = std::fs::remove_file(&staged);
+        made.map_err(|error| format!("the file is gone and cannot be made anew: {error}"))
+    }
+
+    /// Makes every table the store reads (a read fails on a missing table; a write makes
+    /// it), and writes the last processed document this process knows into a store that
+    /// holds none (a file made anew: a restart diffs against it).
+    pub(super) fn create_tables(&self, db: &Database) -> Result<(), redb::Error> {
+        let txn = db.begin_write()?;
+        txn.open_table(EVENTS)?;
+        {
+            let mut meta = txn.open_table(META)?;
+            let processed = self.processed.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some((document, epoch)) = processed.as_ref()
+                && meta.get(LAST_DOCUMENT)?.is_none()
+            {
+                meta.insert(LAST_DOCUMENT, document.as_slice())?;
+                meta.insert(EPOCH, epoch.as_slice())?;
+            }
         }
+        txn.open_table(SEEN_REQUESTS)?;
+        txn.open_table(requests::APPROVAL_REQUESTS)?;
+        txn.commit()?;
         Ok(())
     }
 
-    /// Notes that sequence number `seq` was handed out or read (see [`Outbox::issued`]).
+    /// Notes that numbers below `next` were handed out or read (see [`Outbox::issued`]).
     pub(super) fn note_issued(&self, next: u64) {
         self.issued.fetch_max(next, Ordering::SeqCst);
     }
-}
-
-/// Makes every table the store reads (a read fails on a missing table; a write makes it).
-pub(super) fn create_tables(db: &Database) -> Result<(), redb::Error> {
-    let txn = db.begin_write()?;
-    txn.open_table(EVENTS)?;
-    txn.open_table(META)?;
-    txn.open_table(SEEN_REQUESTS)?;
-    txn.open_table(requests::APPROVAL_REQUESTS)?;
-    txn.commit()?;
-    Ok(())
 }
 
 #[cfg(test)]

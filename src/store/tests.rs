@@ -407,3 +407,66 @@ fn a_file_made_anew_numbers_above_every_event_a_sink_has_passed() {
     outbox.remove_below("a", 3).unwrap();
     assert_eq!(ids(&outbox.pending("a", 10).unwrap()), ["4"]);
 }
+
+/// `rm -rf` of the state directory while the agent runs, and the outage ends with a small
+/// commit (a sink's flush), not a probe: the directory and the file come back holding the
+/// last processed document and its epoch, so a restart diffs against them.
+#[test]
+fn a_state_dir_removed_while_the_agent_runs_comes_back_with_the_last_document() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("state");
+    std::fs::create_dir(&dir).unwrap();
+    let faults = DiskFaults::new();
+    let outbox = Outbox::open_with_faults(&dir, 100, faults.clone()).unwrap();
+    let current = serde_json::json!({"DocumentIncarnation": 7, "Events": []});
+    let processed = Processed {
+        document: &current,
+        epoch: 3,
+    };
+    outbox
+        .commit(&sinks(&["a"]), &[event("1")], Some(processed))
+        .unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    faults.fill();
+    assert!(outbox.set_meta("probe", &serde_json::json!(1)).is_err());
+    faults.free();
+    eventually(|| outbox.flush());
+    assert_eq!(outbox.unwritable(), None, "writable again");
+    assert_eq!(outbox.last_document().unwrap(), Some(current.clone()));
+    assert_eq!(outbox.last_epoch().unwrap(), 3);
+    assert!(
+        !dir.join("outbox.redb.new").exists(),
+        "nothing left beside it"
+    );
+    drop(outbox);
+    let reopened = Outbox::open(&dir, 100, false).unwrap();
+    assert_eq!(reopened.last_document().unwrap(), Some(current));
+    assert_eq!(reopened.last_epoch().unwrap(), 3);
+}
+
+/// The file replaced by another valid store (a backup put back) while a sink's task stands
+/// at 3: new events are numbered above it, though the replacement has its tables.
+#[test]
+fn a_replaced_state_file_numbers_above_every_event_a_sink_has_passed() {
+    let dir = tempfile::tempdir().unwrap();
+    let other = tempfile::tempdir().unwrap();
+    drop(Outbox::open(other.path(), 100, false).unwrap());
+    Outbox::open(dir.path(), 100, false)
+        .unwrap()
+        .commit(&sinks(&["a"]), &[event("1"), event("2"), event("3")], None)
+        .unwrap();
+    // A restart: the task delivers the backlog before anything new is stored.
+    let faults = DiskFaults::new();
+    let outbox = Outbox::open_with_faults(dir.path(), 100, faults.clone()).unwrap();
+    assert_eq!(outbox.pending_between("a", 0, None, 10).unwrap().len(), 3);
+    let path = dir.path().join(super::FILE_NAME);
+    std::fs::remove_file(&path).unwrap();
+    std::fs::copy(other.path().join(super::FILE_NAME), &path).unwrap();
+    faults.fill();
+    assert!(outbox.set_meta("probe", &serde_json::json!(1)).is_err());
+    faults.free();
+    eventually(|| outbox.commit(&sinks(&["a"]), &[event("4")], None));
+    let stored = outbox.pending("a", 10).unwrap();
+    assert_eq!(ids(&stored), ["4"]);
+    assert!(stored[0].seq >= 3, "numbered {}", stored[0].seq);
+}
