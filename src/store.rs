@@ -50,8 +50,9 @@
 //! at: `a_state_file_removed_while_the_disk_is_full_is_made_anew_once_it_frees`,
 //! `a_state_dir_removed_while_the_agent_runs_comes_back_with_the_last_document`,
 //! `a_file_made_anew_numbers_above_every_event_a_sink_has_passed`,
-//! `a_replaced_state_file_numbers_above_every_event_a_sink_has_passed`. A replacement that
-//! is a valid store with its tables is otherwise taken as it is.
+//! `a_replaced_state_file_numbers_above_every_event_a_sink_has_passed`,
+//! `an_emptied_state_file_is_made_anew_at_the_next_reopen`. A replacement that is a valid
+//! store with its tables is otherwise taken as it is.
 
 mod config;
 mod error;
@@ -216,8 +217,11 @@ impl Outbox {
             outbox.create_tables(db).map_err(|e| outbox.io(e))
         })?;
         if let Some(document) = outbox.last_document()? {
-            let bytes = serde_json::to_vec(&document).map_err(|e| outbox.io(e))?;
-            outbox.remember_processed(bytes, outbox.last_epoch()?.to_be_bytes());
+            // A damaged epoch is the agent's to report (at start); the CLI's rescue commands
+            // open the store all the same.
+            if let (Ok(bytes), Ok(epoch)) = (serde_json::to_vec(&document), outbox.last_epoch()) {
+                outbox.remember_processed(bytes, epoch.to_be_bytes());
+            }
         }
         Ok(outbox)
     }
@@ -264,6 +268,14 @@ impl Outbox {
     /// Keeps the last processed document durably stored (see [`Outbox::processed`]).
     fn remember_processed(&self, document: Vec<u8>, epoch: [u8; 8]) {
         *self.processed.lock().unwrap_or_else(|p| p.into_inner()) = Some((document, epoch));
+    }
+
+    /// As [`Outbox::remember_processed`], when no document is kept yet.
+    fn remember_processed_if_none(&self, document: Vec<u8>, epoch: [u8; 8]) {
+        self.processed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert((document, epoch));
     }
 
     /// Counts the reopens after an I/O error (see [`Outbox::remove_below`]).

@@ -99,6 +99,13 @@ impl FaultInjectingBackend {
             .create(create)
             .truncate(false)
             .open(path)?;
+        if !create && file.metadata()?.len() == 0 {
+            // As redb's `Builder::open`: an empty file is initialised only when creating.
+            return Err(std::io::Error::other(
+                "the database file is empty and creating one was not asked for",
+            )
+            .into());
+        }
         Ok(FaultInjectingBackend {
             file: FileBackend::new(file)?,
             faults,

@@ -89,7 +89,9 @@ impl Outbox {
         });
         match probed {
             Ok(true) => {
-                self.remember_processed(bytes, epoch);
+                // What the file held already (kept at open or commit), unless it held no
+                // document: a commit meanwhile may have remembered a newer one.
+                self.remember_processed_if_none(bytes, epoch);
                 self.health.wrote(&self.path.display().to_string(), true)
             }
             Ok(false) => tracing::debug!("No probe of the state store: its last document moved on"),

@@ -196,6 +196,13 @@ impl Outbox {
     fn reopen_file(&self) -> Result<Database, String> {
         match std::fs::symlink_metadata(&self.path) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => self.make_file_anew()?,
+            // Emptied (`: > outbox.redb`): nothing in it to keep, and redb opens an empty
+            // file only to create a store in it, in place.
+            Ok(metadata) if metadata.is_file() && metadata.len() == 0 => {
+                std::fs::remove_file(&self.path)
+                    .map_err(|e| format!("cannot remove the emptied file: {e}"))?;
+                self.make_file_anew()?;
+            }
             _ => {}
         }
         // Never created here: a file made in place on a full disk is left all zeros (growing
@@ -228,21 +235,32 @@ impl Outbox {
         let staged = self.path.with_extension("redb.new");
         let made = (|| -> Result<(), String> {
             if let Some(dir) = self.path.parent() {
-                std::fs::create_dir_all(dir)
-                    .map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
+                // Only its owner reads what it holds (approval records, the VM's identity).
+                std::os::unix::fs::DirBuilderExt::mode(
+                    std::fs::DirBuilder::new().recursive(true),
+                    0o700,
+                )
+                .create(dir)
+                .map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
             }
             let _ = std::fs::remove_file(&staged);
             let db =
                 open_database(&staged, self.faults.as_ref(), true).map_err(|e| e.to_string())?;
             self.create_tables(&db).map_err(|e| e.to_string())?;
             drop(db);
-            match std::fs::hard_link(&staged, &self.path) {
-                Ok(()) => {
-                    tracing::warn!(path = %self.path.display(), "The state store file was removed while the agent ran; made it anew with the last processed document. What the old file held (undelivered events, approval request records) is gone");
-                }
+            let placed = match std::fs::hard_link(&staged, &self.path) {
                 // Put back meanwhile: that one is opened.
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-                Err(e) => return Err(format!("cannot link {} into place: {e}", staged.display())),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => false,
+                Ok(()) => true,
+                // A file system without hard links (vfat, some network mounts).
+                Err(_) => {
+                    std::fs::rename(&staged, &self.path)
+                        .map_err(|e| format!("cannot move {} into place: {e}", staged.display()))?;
+                    true
+                }
+            };
+            if placed {
+                tracing::warn!(path = %self.path.display(), "The state store file was removed while the agent ran; made it anew with the last processed document. What the old file held (undelivered events, approval request records) is gone");
             }
             // The link is durable before anything is committed to the file.
             if let Some(dir) = self.path.parent() {

@@ -470,3 +470,25 @@ fn a_replaced_state_file_numbers_above_every_event_a_sink_has_passed() {
     assert_eq!(ids(&stored), ["4"]);
     assert!(stored[0].seq >= 3, "numbered {}", stored[0].seq);
 }
+
+/// The file emptied in place while the agent runs (`: > outbox.redb`): the reopen makes it
+/// anew rather than failing for ever on an empty file.
+#[test]
+fn an_emptied_state_file_is_made_anew_at_the_next_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let faults = DiskFaults::new();
+    let outbox = Outbox::open_with_faults(dir.path(), 100, faults.clone()).unwrap();
+    let current = serde_json::json!({"DocumentIncarnation": 1, "Events": []});
+    outbox
+        .commit(&sinks(&["a"]), &[event("1")], Some(processed(&current)))
+        .unwrap();
+    let path = dir.path().join(super::FILE_NAME);
+    std::fs::remove_file(&path).unwrap();
+    std::fs::write(&path, b"").unwrap();
+    faults.fill();
+    assert!(outbox.commit(&sinks(&["a"]), &[event("2")], None).is_err());
+    faults.free();
+    eventually(|| outbox.commit(&sinks(&["a"]), &[event("2")], None));
+    assert_eq!(outbox.last_document().unwrap(), Some(current));
+    assert_eq!(ids(&outbox.pending("a", 10).unwrap()), ["2"]);
+}
