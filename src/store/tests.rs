@@ -383,10 +383,10 @@ fn a_state_file_removed_while_the_disk_is_full_is_made_anew_once_it_frees() {
 }
 
 /// After a restart a sink's task delivers its backlog from the outbox (numbers 0-2) before
-/// anything new is stored; the file is then removed and made anew. New events must not take
-/// numbers the task has passed: its next removal (below 3) would delete them unsent.
-#[test]
-fn a_file_made_anew_numbers_above_every_event_a_sink_has_passed() {
+/// anything new is stored; then `change` is done to the file, and an I/O error makes the
+/// store reopen it. New events must not take numbers the task has passed: its next removal
+/// (below 3) would delete them unsent.
+fn new_numbers_stay_above_a_delivered_backlog_after(change: impl FnOnce(&std::path::Path)) {
     let dir = tempfile::tempdir().unwrap();
     Outbox::open(dir.path(), 100, false)
         .unwrap()
@@ -396,7 +396,7 @@ fn a_file_made_anew_numbers_above_every_event_a_sink_has_passed() {
     let outbox = Outbox::open_with_faults(dir.path(), 100, faults.clone()).unwrap();
     let backlog = outbox.pending_between("a", 0, None, 10).unwrap();
     assert_eq!(backlog.iter().map(|s| s.seq).collect::<Vec<_>>(), [0, 1, 2]);
-    std::fs::remove_file(dir.path().join(super::FILE_NAME)).unwrap();
+    change(&dir.path().join(super::FILE_NAME));
     faults.fill();
     assert!(outbox.set_meta("probe", &serde_json::json!(1)).is_err());
     faults.free();
@@ -406,6 +406,22 @@ fn a_file_made_anew_numbers_above_every_event_a_sink_has_passed() {
     assert!(stored[0].seq >= 3, "numbered {}", stored[0].seq);
     outbox.remove_below("a", 3).unwrap();
     assert_eq!(ids(&outbox.pending("a", 10).unwrap()), ["4"]);
+}
+
+#[test]
+fn a_file_made_anew_numbers_above_every_event_a_sink_has_passed() {
+    new_numbers_stay_above_a_delivered_backlog_after(|path| std::fs::remove_file(path).unwrap());
+}
+
+/// Replaced by another valid store (a backup put back), which has its tables.
+#[test]
+fn a_replaced_state_file_numbers_above_every_event_a_sink_has_passed() {
+    let other = tempfile::tempdir().unwrap();
+    drop(Outbox::open(other.path(), 100, false).unwrap());
+    new_numbers_stay_above_a_delivered_backlog_after(|path| {
+        std::fs::remove_file(path).unwrap();
+        std::fs::copy(other.path().join(super::FILE_NAME), path).unwrap();
+    });
 }
 
 /// `rm -rf` of the state directory while the agent runs, and the outage ends with a small
@@ -442,33 +458,6 @@ fn a_state_dir_removed_while_the_agent_runs_comes_back_with_the_last_document() 
     let reopened = Outbox::open(&dir, 100, false).unwrap();
     assert_eq!(reopened.last_document().unwrap(), Some(current));
     assert_eq!(reopened.last_epoch().unwrap(), 3);
-}
-
-/// The file replaced by another valid store (a backup put back) while a sink's task stands
-/// at 3: new events are numbered above it, though the replacement has its tables.
-#[test]
-fn a_replaced_state_file_numbers_above_every_event_a_sink_has_passed() {
-    let dir = tempfile::tempdir().unwrap();
-    let other = tempfile::tempdir().unwrap();
-    drop(Outbox::open(other.path(), 100, false).unwrap());
-    Outbox::open(dir.path(), 100, false)
-        .unwrap()
-        .commit(&sinks(&["a"]), &[event("1"), event("2"), event("3")], None)
-        .unwrap();
-    // A restart: the task delivers the backlog before anything new is stored.
-    let faults = DiskFaults::new();
-    let outbox = Outbox::open_with_faults(dir.path(), 100, faults.clone()).unwrap();
-    assert_eq!(outbox.pending_between("a", 0, None, 10).unwrap().len(), 3);
-    let path = dir.path().join(super::FILE_NAME);
-    std::fs::remove_file(&path).unwrap();
-    std::fs::copy(other.path().join(super::FILE_NAME), &path).unwrap();
-    faults.fill();
-    assert!(outbox.set_meta("probe", &serde_json::json!(1)).is_err());
-    faults.free();
-    eventually(|| outbox.commit(&sinks(&["a"]), &[event("4")], None));
-    let stored = outbox.pending("a", 10).unwrap();
-    assert_eq!(ids(&stored), ["4"]);
-    assert!(stored[0].seq >= 3, "numbered {}", stored[0].seq);
 }
 
 /// The file emptied in place while the agent runs (`: > outbox.redb`): the reopen makes it
