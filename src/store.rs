@@ -128,12 +128,10 @@ pub struct Outbox {
     /// before a reopen (removals of delivered events) is back in the table after it.
     generation: std::sync::atomic::AtomicU64,
     /// One more than the highest sequence number handed out or read in this process, of any
-    /// sink: a file made anew numbers from here, so no sink's task (whose position is below
-    /// it) takes a new event for one it already passed.
+    /// sink: after a reopen (the file may have been made anew, or replaced) every sink's
+    /// numbers start at least here, so no sink's task (whose position is below it) takes a
+    /// new event for one it already passed.
     issued: std::sync::atomic::AtomicU64,
-    /// Set when a reopen made the file anew: [`issued`](Outbox::issued) then, the floor of
-    /// every sink's numbers.
-    floor: std::sync::atomic::AtomicU64,
     /// The last processed document this process stored or found (JSON, epoch): what a file
     /// made anew after a removal starts with (`recovery`).
     processed: std::sync::Mutex<Option<(Vec<u8>, [u8; 8])>>,
@@ -209,17 +207,17 @@ impl Outbox {
             counters: Default::default(),
             generation: Default::default(),
             issued: Default::default(),
-            floor: Default::default(),
             processed: Default::default(),
         };
         // Create the tables, and read what a restart needs, so damage shows at start.
         outbox.with_db(Access::Upkeep, |db| {
             outbox.create_tables(db).map_err(|e| outbox.io(e))
         })?;
-        if let Some(document) = outbox.last_document()? {
+        if let Some(bytes) = outbox.last_document_bytes()? {
+            outbox.parse_document(&bytes)?;
             // A damaged epoch is the agent's to report (at start); the CLI's rescue commands
             // open the store all the same.
-            if let (Ok(bytes), Ok(epoch)) = (serde_json::to_vec(&document), outbox.last_epoch()) {
+            if let Ok(epoch) = outbox.last_epoch() {
                 outbox.remember_processed(bytes, epoch.to_be_bytes());
             }
         }
@@ -290,25 +288,30 @@ impl Outbox {
 
     /// The last document the agent processed, as received.
     pub fn last_document(&self) -> Result<Option<Value>, StoreError> {
+        self.last_document_bytes()?
+            .map(|bytes| self.parse_document(&bytes))
+            .transpose()
+    }
+
+    /// The last processed document as stored (JSON).
+    fn last_document_bytes(&self) -> Result<Option<Vec<u8>>, StoreError> {
         self.reopen_if_due();
-        let bytes = self.with_db(Access::Read, |db| {
+        self.with_db(Access::Read, |db| {
             let txn = db.begin_read().map_err(|e| self.io(e))?;
             let meta = txn.open_table(META).map_err(|e| self.io(e))?;
             Ok(meta
                 .get(LAST_DOCUMENT)
                 .map_err(|e| self.io(e))?
                 .map(|bytes| bytes.value().to_vec()))
-        })?;
-        let Some(bytes) = bytes else {
-            return Ok(None);
-        };
-        serde_json::from_slice(&bytes)
-            .map(Some)
-            .map_err(|e| StoreError::Corrupt {
-                path: self.path.display().to_string(),
-                what: "last document",
-                reason: e.to_string(),
-            })
+        })
+    }
+
+    fn parse_document(&self, bytes: &[u8]) -> Result<Value, StoreError> {
+        serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt {
+            path: self.path.display().to_string(),
+            what: "last document",
+            reason: e.to_string(),
+        })
     }
 }
 

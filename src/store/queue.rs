@@ -141,11 +141,11 @@ impl Outbox {
         if let Some(counter) = counters.get(sink).filter(|c| !c.stale) {
             return Ok(*counter);
         }
-        let floor = counters
-            .get(sink)
-            .map(|c| c.next)
-            .unwrap_or(0)
-            .max(self.floor.load(std::sync::atomic::Ordering::SeqCst));
+        let mut floor = counters.get(sink).map(|c| c.next).unwrap_or(0);
+        if self.generation() > 0 {
+            // Reopened: see `Outbox::issued`.
+            floor = floor.max(self.issued.load(std::sync::atomic::Ordering::SeqCst));
+        }
         let txn = db.begin_read().map_err(|e| self.io(e))?;
         let table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
         let mut counted = self.count(&table, sink)?;
@@ -156,26 +156,7 @@ impl Outbox {
 
     /// Up to `max` of `sink`'s oldest events, in order.
     pub fn pending(&self, sink: &str, max: usize) -> Result<Vec<Stored>, StoreError> {
-        self.reopen_if_due();
-        self.with_db(Access::Read, |db| {
-            let txn = db.begin_read().map_err(|e| self.io(e))?;
-            let table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
-            let range = table
-                .range((sink, 0)..=(sink, u64::MAX))
-                .map_err(|e| self.io(e))?;
-            let mut stored = Vec::new();
-            for entry in range.take(max) {
-                let (key, value) = entry.map_err(|e| self.io(e))?;
-                stored.push(Stored {
-                    seq: key.value().1,
-                    event: decode(value.value()),
-                });
-            }
-            if let Some(last) = stored.last() {
-                self.note_issued(last.seq + 1);
-            }
-            Ok(stored)
-        })
+        self.pending_between(sink, 0, None, max)
     }
 
     /// Up to `max` of `sink`'s events numbered from `from` and below `until`, in order.

@@ -178,12 +178,9 @@ impl Outbox {
         let shown = self.path.display().to_string();
         let result = self.reopen_file().map(|reopened| {
             *db = Some(reopened);
-            // New numbers start above every one a sink's task may stand at, whatever the
-            // file holds: made anew (after this attempt or a failed one), replaced, or
-            // itself (a gap in a sink's numbers is passed over).
-            self.floor
-                .fetch_max(self.issued.load(Ordering::SeqCst), Ordering::SeqCst);
-            // The file holds what its last durable commit held: count again.
+            // The file holds what its last durable commit held (or nothing, made anew): count
+            // again, numbering above every number a sink's task may stand at (`issued`; a
+            // gap in a sink's numbers is passed over).
             for counter in counters.values_mut() {
                 counter.stale = true;
             }
@@ -233,16 +230,16 @@ impl Outbox {
     /// path, then links it into place (never over a file put back meanwhile).
     fn make_file_anew(&self) -> Result<(), String> {
         let staged = self.path.with_extension("redb.new");
+        // Never empty: `state.dir` is checked to name a directory.
+        let dir = self.path.parent().unwrap_or(Path::new("."));
         let made = (|| -> Result<(), String> {
-            if let Some(dir) = self.path.parent() {
-                // Only its owner reads what it holds (approval records, the VM's identity).
-                std::os::unix::fs::DirBuilderExt::mode(
-                    std::fs::DirBuilder::new().recursive(true),
-                    0o700,
-                )
-                .create(dir)
-                .map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
-            }
+            // Only its owner reads what it holds (approval records, the VM's identity).
+            std::os::unix::fs::DirBuilderExt::mode(
+                std::fs::DirBuilder::new().recursive(true),
+                0o700,
+            )
+            .create(dir)
+            .map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
             let _ = std::fs::remove_file(&staged);
             let db =
                 open_database(&staged, self.faults.as_ref(), true).map_err(|e| e.to_string())?;
@@ -263,12 +260,9 @@ impl Outbox {
                 tracing::warn!(path = %self.path.display(), "The state store file was removed while the agent ran; made it anew with the last processed document. What the old file held (undelivered events, approval request records) is gone");
             }
             // The link is durable before anything is committed to the file.
-            if let Some(dir) = self.path.parent() {
-                std::fs::File::open(dir)
-                    .and_then(|dir| dir.sync_all())
-                    .map_err(|e| format!("cannot sync {}: {e}", dir.display()))?;
-            }
-            Ok(())
+            std::fs::File::open(dir)
+                .and_then(|dir| dir.sync_all())
+                .map_err(|e| format!("cannot sync {}: {e}", dir.display()))
         })();
         let _ = std::fs::remove_file(&staged);
         made.map_err(|error| format!("the file is gone and cannot be made anew: {error}"))
