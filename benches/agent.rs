@@ -926,23 +926,67 @@ fn floor(url: &str) -> ! {
 /// 4a. A document with many events at once (a large placement group).
 fn burst(report: &mut Report, sizes: &Sizes, topology: &Topology) {
     let dir = tempfile::tempdir().unwrap();
+    // The document changes 4 s after the simulator starts: the agent is connected by then,
+    // and the CPU count below starts a second before it.
+    let appears_after = Duration::from_secs(4);
     let (path, events) = scenario(
         dir.path(),
         "burst",
         sizes.burst,
-        Duration::from_secs(2),
+        appears_after,
         Duration::ZERO,
     );
     let sim = SimProcess::start(&path, 1.0);
+    let appears = Instant::now() + appears_after;
     let collector_less = topology.sinks("http://127.0.0.1:9/unused").replace(
         "[[sinks]]\nname = \"webhook\"\nkind = \"webhook\"\nurl = \"http://127.0.0.1:9/unused\"\n",
         "",
     );
     let mut ours = agent(&sim, &collector_less, "1s");
     let expected = events.len();
+    std::thread::sleep(
+        appears
+            .saturating_duration_since(Instant::now())
+            .saturating_sub(Duration::from_secs(2)),
+    );
+    // Where the machine's cores go during the burst: the agent and each broker, by the
+    // schedstat of their threads (sampled as the burst goes, so a thread that ends keeps
+    // what it had spent by its last sample), less what each spends idle (measured over the
+    // second before: RabbitMQ's schedulers, say, spin now and then with nothing to do).
+    let mut meters: Vec<(&str, Meter)> = vec![("agent", Meter::new(ours.pid()))];
+    for (who, comm) in [
+        ("RabbitMQ", "beam.smp"),
+        ("NATS", "nats-server"),
+        ("tansu", "tansu"),
+    ] {
+        let pids = pids_named(comm);
+        if pids.is_empty() {
+            eprintln!("burst: no {comm} process; {who}'s CPU is not counted");
+        }
+        for pid in pids {
+            meters.push((who, Meter::new(pid)));
+        }
+    }
+    let idle_from: Vec<u64> = meters.iter().map(|(_, meter)| meter.totals().0).collect();
+    let idle_started = Instant::now();
+    std::thread::sleep(Duration::from_secs(1));
+    for (_, meter) in &mut meters {
+        meter.sample();
+    }
+    let idle = idle_started.elapsed().as_secs_f64();
+    let starts: Vec<u64> = meters.iter().map(|(_, meter)| meter.totals().0).collect();
+    let idle_per_second: Vec<f64> = starts
+        .iter()
+        .zip(&idle_from)
+        .map(|(now, then)| now.saturating_sub(*then) as f64 / idle)
+        .collect();
+    let window_started = Instant::now();
     let deadline = Instant::now() + Duration::from_secs(120);
     let mut per_sink: HashMap<String, Vec<i64>> = HashMap::new();
     while Instant::now() < deadline {
+        for (_, meter) in &mut meters {
+            meter.sample();
+        }
         per_sink.clear();
         for (sink, id, latency, _) in deliveries(&ours.log()) {
             if id.ends_with(":scheduled") {
@@ -957,7 +1001,30 @@ fn burst(report: &mut Report, sizes: &Sizes, topology: &Topology) {
         }
         std::thread::sleep(Duration::from_millis(200));
     }
+    for (_, meter) in &mut meters {
+        meter.sample();
+    }
+    let window = window_started.elapsed().as_secs_f64();
+    let mut cpu: Vec<(&str, u64)> = Vec::new();
+    for (((who, meter), start), idle) in meters.iter().zip(&starts).zip(&idle_per_second) {
+        let spent = meter
+            .totals()
+            .0
+            .saturating_sub(*start)
+            .saturating_sub((idle * window) as u64);
+        match cpu.iter_mut().find(|(w, _)| w == who) {
+            Some((_, total)) => *total += spent,
+            None => cpu.push((who, spent)),
+        }
+    }
     ours.stop();
+    let total: u64 = cpu.iter().map(|(_, ns)| ns).sum();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let spent = cpu
+        .iter()
+        .map(|(who, ns)| format!("{who} {:.0} ms", *ns as f64 / 1e6))
+        .collect::<Vec<_>>()
+        .join(", ");
     let mut rows = String::new();
     for sink in ["nats", "amqp", "kafka", "file"] {
         let latencies = per_sink.entry(sink.into()).or_default();
@@ -970,7 +1037,9 @@ fn burst(report: &mut Report, sizes: &Sizes, topology: &Topology) {
         ));
     }
     report.add(format!(
-        "## Burst: one document with {expected} events\n\nFrom the document's arrival to the last of its {expected} `scheduled` transitions confirmed, per sink (all sinks at once).\n\n| sink | delivered | last confirmed after ms | events/s |\n|---|---|---|---|\n{rows}"
+        "## Burst: one document with {expected} events\n\nFrom the document's arrival to the last of its {expected} `scheduled` transitions confirmed, per sink (all sinks at once).\n\n| sink | delivered | last confirmed after ms | events/s |\n|---|---|---|---|\n{rows}\nCPU the burst cost, from a second before the document changed to the benchmark's check (every 200 ms) that found every confirmation, less what each process spent idle in the second before (threads' `schedstat`; brokers found by process name): {spent}; {:.0} ms in all, {:.0} ms of wall time on {cores} cores. Not all of it lies before the last confirmation (the parse before the document's observation, the work after the last confirmation are in it); the agent's includes its debug `Delivered` line per event and sink, which this benchmark reads.",
+        total as f64 / 1e6,
+        total as f64 / 1e6 / cores as f64,
     ));
 }
 
