@@ -39,7 +39,9 @@ pub(super) struct Poller {
     pub(super) factory: EventFactory,
     pub(super) fanout: Fanout,
     pub(super) config: Config,
-    pub(super) previous: Option<Document>,
+    /// Shared, not copied, with the approval checks' snapshot and local policy: a document of
+    /// a thousand events is megabytes in memory (`benches/profiling.md`, section 18).
+    pub(super) previous: Option<Arc<Document>>,
     /// Local policy's feed: the first processed document after start, then each new one.
     pub(super) policy: Option<tokio::sync::watch::Sender<Option<Arc<Document>>>>,
     /// The incarnation epoch of `previous` (stored with it): resets seen so far.
@@ -88,7 +90,7 @@ impl Poller {
             factory,
             fanout,
             config,
-            previous,
+            previous: previous.map(Arc::new),
             policy: None,
             epoch,
             latest,
@@ -219,8 +221,9 @@ impl Poller {
                         }
                         Read::New(parsed) => {
                             self.note_odd_fields(parsed.document.incarnation, &parsed.warnings);
-                            self.share(&parsed.document);
-                            self.on_document(parsed.document).await
+                            let document = Arc::new(parsed.document);
+                            self.share(&document);
+                            self.on_document(document).await
                         }
                     };
                     // Ready once a fetched document is processed (its events stored): not when
@@ -242,7 +245,7 @@ impl Poller {
                         policy_fed = true;
                         policy_generation = self.generation;
                         if let Some(policy) = &self.policy {
-                            policy.send_replace(Some(Arc::new(previous.clone())));
+                            policy.send_replace(Some(previous.clone()));
                         }
                     }
                     interval
@@ -308,8 +311,8 @@ impl Poller {
         let processed = self
             .previous
             .as_ref()
-            .map(|document| crate::store::Processed {
-                document: &document.raw,
+            .map(|document| crate::fanout::ProcessedDocument {
+                document: document.clone(),
                 epoch: self.epoch,
             });
         let stored =
@@ -362,8 +365,8 @@ impl Poller {
     /// and those of any document seen while the store could not be written are durable in the
     /// outbox): `new` when something was stored. `None` while the store cannot be written:
     /// the transitions stay in memory (`unstored`) and the next poll stores them.
-    async fn on_document(&mut self, document: Document) -> Option<bool> {
-        let continuity = Continuity::of(self.previous.as_ref(), &document);
+    async fn on_document(&mut self, document: Arc<Document>) -> Option<bool> {
+        let continuity = Continuity::of(self.previous.as_deref(), &document);
         if continuity == Continuity::Unchanged {
             return self.on_unchanged().await;
         }
@@ -387,7 +390,7 @@ impl Poller {
         };
         let events = events_observed(
             &self.factory,
-            self.previous.as_ref(),
+            self.previous.as_deref(),
             &document,
             self.config.events.document_events,
             &observation,
@@ -426,8 +429,8 @@ impl Poller {
             // Nothing was ever derived without a document to derive it from.
             return Some(false);
         };
-        let processed = crate::store::Processed {
-            document: &document.raw,
+        let processed = crate::fanout::ProcessedDocument {
+            document: document.clone(),
             epoch: self.epoch,
         };
         // Shared with the sinks, not copied; back in `unstored` unless the commit succeeded

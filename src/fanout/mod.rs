@@ -18,6 +18,7 @@ use tokio::task::JoinSet;
 
 use crate::store::{Outbox, Processed, StoreError};
 use dead_letter::DeadLetter;
+use sched_relay_core::document::Document;
 use tail::{Tail, Ticket};
 use worker::Worker;
 
@@ -243,7 +244,7 @@ impl Fanout {
     pub async fn publish(
         &self,
         events: &[Event],
-        document: Option<Processed<'_>>,
+        document: Option<ProcessedDocument>,
     ) -> Result<(), StoreError> {
         self.publisher.publish(events, document).await
     }
@@ -252,7 +253,7 @@ impl Fanout {
     pub async fn publish_shared(
         &self,
         events: Arc<[Event]>,
-        document: Option<Processed<'_>>,
+        document: Option<ProcessedDocument>,
     ) -> Result<(), StoreError> {
         self.publisher.publish_shared(events, document).await
     }
@@ -298,6 +299,15 @@ impl Fanout {
     }
 }
 
+/// The document a commit stores as the last processed one, with its incarnation epoch:
+/// shared with the poller, not copied (a document of a thousand events is megabytes in
+/// memory; `benches/profiling.md`, section 18).
+#[derive(Debug, Clone)]
+pub struct ProcessedDocument {
+    pub document: Arc<Document>,
+    pub epoch: u64,
+}
+
 impl Publisher {
     /// The durable store the publisher writes to.
     pub fn outbox(&self) -> &Arc<Outbox> {
@@ -314,7 +324,7 @@ impl Publisher {
     pub async fn publish(
         &self,
         events: &[Event],
-        document: Option<Processed<'_>>,
+        document: Option<ProcessedDocument>,
     ) -> Result<(), StoreError> {
         self.publish_shared(events.into(), document).await
     }
@@ -325,16 +335,15 @@ impl Publisher {
     pub async fn publish_shared(
         &self,
         events: Arc<[Event]>,
-        document: Option<Processed<'_>>,
+        document: Option<ProcessedDocument>,
     ) -> Result<(), StoreError> {
         let publisher = self.clone();
-        let document = document.map(|processed| (processed.document.clone(), processed.epoch));
         // The commit and the dead-letter writes of what did not fit both fsync: off the
         // async threads.
         tokio::task::spawn_blocking(move || {
-            let document = document.as_ref().map(|(document, epoch)| Processed {
-                document,
-                epoch: *epoch,
+            let document = document.as_ref().map(|processed| Processed {
+                document: &processed.document.raw,
+                epoch: processed.epoch,
             });
             let ticket = Ticket::new();
             let _settled = tail::SettledAtDrop(ticket.clone());

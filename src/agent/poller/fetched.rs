@@ -83,10 +83,10 @@ impl Poller {
         }
     }
 
-    /// Tells the approval checks about the latest document (a copy only when it changed).
-    /// An unchanged document only renews the fetch time, which readers see without being
-    /// woken: an idle poll wakes nobody else.
-    pub(super) fn share(&self, document: &Document) {
+    /// Tells the approval checks about the latest document (shared, not copied, when it
+    /// changed). An unchanged document only renews the fetch time, which readers see without
+    /// being woken: an idle poll wakes nobody else.
+    pub(super) fn share(&self, document: &Arc<Document>) {
         self.latest.send_if_modified(|latest| match latest {
             Some(snapshot)
                 if Continuity::of(Some(&snapshot.document), document) == Continuity::Unchanged =>
@@ -96,7 +96,7 @@ impl Poller {
             }
             _ => {
                 *latest = Some(Snapshot {
-                    document: Arc::new(document.clone()),
+                    document: document.clone(),
                     fetched: Instant::now(),
                 });
                 true
