@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use chrono::Utc;
-use serde_json::Value;
+use sched_relay_core::document::Document;
 
 use crate::store::Outbox;
 
@@ -69,18 +69,23 @@ impl Chores {
         });
     }
 
-    /// While the store cannot be written: commits the last processed document (`raw`, with
-    /// its `epoch`) again, which the store holds already, so that its success ends the state
+    /// While the store cannot be written: commits the last processed document (with its
+    /// `epoch`) again, which the store holds already, so that its success ends the state
     /// (see [`Outbox::probe`]).
-    pub(super) fn probe(self: &Arc<Self>, outbox: &Arc<Outbox>, raw: &Value, epoch: u64) {
+    pub(super) fn probe(
+        self: &Arc<Self>,
+        outbox: &Arc<Outbox>,
+        document: &Arc<Document>,
+        epoch: u64,
+    ) {
         if outbox.unwritable().is_none() || self.probing.swap(true, Ordering::AcqRel) {
             return;
         }
-        let (chores, outbox, raw) = (self.clone(), outbox.clone(), raw.clone());
+        let (chores, outbox, document) = (self.clone(), outbox.clone(), document.clone());
         tokio::task::spawn_blocking(move || {
             let _done = Done(&chores.probing);
             outbox.probe(crate::store::Processed {
-                document: &raw,
+                document: &document.raw,
                 epoch,
             });
         });

@@ -416,7 +416,7 @@ impl Poller {
             // by a probe (the commit of what it kept does that otherwise).
             if let Some(previous) = &self.previous {
                 self.chores
-                    .probe(self.fanout.publisher().outbox(), &previous.raw, self.epoch);
+                    .probe(self.fanout.publisher().outbox(), previous, self.epoch);
             }
             return Some(false);
         }
