@@ -954,18 +954,8 @@ fn burst(report: &mut Report, sizes: &Sizes, topology: &Topology) {
     // what it had spent by its last sample), less what each spends idle (measured over the
     // second before: RabbitMQ's schedulers, say, spin now and then with nothing to do).
     let mut meters: Vec<(&str, Meter)> = vec![("agent", Meter::new(ours.pid()))];
-    for (who, comm) in [
-        ("RabbitMQ", "beam.smp"),
-        ("NATS", "nats-server"),
-        ("tansu", "tansu"),
-    ] {
-        let pids = pids_named(comm);
-        if pids.is_empty() {
-            eprintln!("burst: no {comm} process; {who}'s CPU is not counted");
-        }
-        for pid in pids {
-            meters.push((who, Meter::new(pid)));
-        }
+    for (who, pid) in broker_pids(false) {
+        meters.push((who, Meter::new(pid)));
     }
     let idle_from: Vec<u64> = meters.iter().map(|(_, meter)| meter.totals().0).collect();
     let idle_started = Instant::now();
@@ -1005,18 +995,12 @@ fn burst(report: &mut Report, sizes: &Sizes, topology: &Topology) {
         meter.sample();
     }
     let window = window_started.elapsed().as_secs_f64();
-    let mut cpu: Vec<(&str, u64)> = Vec::new();
-    for (((who, meter), start), idle) in meters.iter().zip(&starts).zip(&idle_per_second) {
-        let spent = meter
-            .totals()
-            .0
-            .saturating_sub(*start)
-            .saturating_sub((idle * window) as u64);
-        match cpu.iter_mut().find(|(w, _)| w == who) {
-            Some((_, total)) => *total += spent,
-            None => cpu.push((who, spent)),
-        }
-    }
+    let cpu = sum_by_who(meters.iter().zip(&starts).zip(&idle_per_second).map(
+        |(((who, meter), start), idle)| {
+            let spent = meter.totals().0.saturating_sub(*start);
+            (*who, spent.saturating_sub((idle * window) as u64))
+        },
+    ));
     ours.stop();
     let total: u64 = cpu.iter().map(|(_, ns)| ns).sum();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -1072,7 +1056,7 @@ async fn backlog(report: &mut Report, sizes: &Sizes, topology: &Topology, collec
             .cpu
             .iter()
             .map(|(who, ns)| {
-                let (per, what) = if who == "this process" {
+                let (per, what) = if *who == "this process" {
                     (all, "event of any sink")
                 } else {
                     (total as f64, "message")
@@ -1118,7 +1102,7 @@ struct Drained {
     rss_before: u64,
     rss_peak: u64,
     /// CPU ns over the drain: this process, then each broker process found.
-    cpu: Vec<(String, u64)>,
+    cpu: Vec<(&'static str, u64)>,
 }
 
 async fn drain(
@@ -1164,23 +1148,9 @@ async fn drain(
     let mut rss_peak = rss_before;
     // Whole processes from `stat` (threads that ended included; 10 ms ticks are fine for
     // seconds of CPU).
-    let mut meters: Vec<(String, u32)> = vec![("this process".into(), std::process::id())];
-    for (who, comm) in [
-        ("RabbitMQ", "beam.smp"),
-        ("NATS", "nats-server"),
-        ("tansu", "tansu"),
-    ] {
-        let pids = pids_named(comm);
-        assert!(
-            !pids.is_empty(),
-            "no {comm} process: cannot account for {who}'s CPU"
-        );
-        for pid in pids {
-            meters.push((who.into(), pid));
-        }
-    }
-    let meters: Vec<(String, u32, u64)> = meters
+    let meters: Vec<(&str, u32, u64)> = [("this process", std::process::id())]
         .into_iter()
+        .chain(broker_pids(true))
         .map(|(who, pid)| (who, pid, process_cpu_ns(pid)))
         .collect();
     let started = Instant::now();
@@ -1201,14 +1171,11 @@ async fn drain(
         names.len(),
         "not every sink drained its backlog within 900 s: only {drained:?}"
     );
-    let mut cpu: Vec<(String, u64)> = Vec::new();
-    for (who, pid, before) in &meters {
-        let spent = process_cpu_ns(*pid).saturating_sub(*before);
-        match cpu.iter_mut().find(|(w, _)| w == who) {
-            Some((_, total)) => *total += spent,
-            None => cpu.push((who.clone(), spent)),
-        }
-    }
+    let cpu = sum_by_who(
+        meters
+            .iter()
+            .map(|(who, pid, before)| (*who, process_cpu_ns(*pid).saturating_sub(*before))),
+    );
     fanout.shutdown(Duration::from_secs(5)).await;
     Drained {
         times: names
@@ -1244,6 +1211,41 @@ fn process_cpu_ns(pid: u32) -> u64 {
         .filter_map(|v| v.parse::<u64>().ok())
         .sum();
     ticks * 10_000_000 // USER_HZ is 100 on Linux
+}
+
+/// The brokers' processes on this machine, by their executables' names: (who, pid).
+/// `required`: a broker with no process stops the run (its CPU cannot be accounted for);
+/// otherwise it is said and left out.
+fn broker_pids(required: bool) -> Vec<(&'static str, u32)> {
+    let mut found = Vec::new();
+    for (who, comm) in [
+        ("RabbitMQ", "beam.smp"),
+        ("NATS", "nats-server"),
+        ("tansu", "tansu"),
+    ] {
+        let pids = pids_named(comm);
+        if pids.is_empty() {
+            assert!(
+                !required,
+                "no {comm} process: cannot account for {who}'s CPU"
+            );
+            eprintln!("no {comm} process; {who}'s CPU is not counted");
+        }
+        found.extend(pids.into_iter().map(|pid| (who, pid)));
+    }
+    found
+}
+
+/// CPU summed per `who` (a broker may run as several processes), in the order first seen.
+fn sum_by_who<'a>(spent: impl IntoIterator<Item = (&'a str, u64)>) -> Vec<(&'a str, u64)> {
+    let mut sums: Vec<(&str, u64)> = Vec::new();
+    for (who, ns) in spent {
+        match sums.iter_mut().find(|(w, _)| *w == who) {
+            Some((_, total)) => *total += ns,
+            None => sums.push((who, ns)),
+        }
+    }
+    sums
 }
 
 /// Processes whose `comm` is `name`, or `name-<version>` (the brokers, found by their
