@@ -1,6 +1,7 @@
 //! The durable outbox, in one redb file under `state.dir`: for every sink, the events it has
-//! not yet confirmed, in order; and the last document the agent processed, with its
-//! incarnation epoch ([`epoch`]).
+//! not yet confirmed, in order (each event stored once, named by every sink's queue that
+//! holds it: [`payloads`]); and the last document the agent processed, with its incarnation
+//! epoch ([`epoch`]).
 //!
 //! A document's events are written for every sink, and the document marked processed, in one
 //! fsync'd transaction. So a crash at any moment loses nothing that was derived from a
@@ -67,10 +68,11 @@ pub use error::StoreError;
 pub use faults::DiskFaults;
 use queue::Counter;
 pub use queue::Placement;
-use recovery::open_database;
+use recovery::open_database_with;
 pub use requests::{Seen, StoredOutcome};
 
 mod meta;
+mod payloads;
 
 pub use meta::{ACCEPTED_EVENT_IDS, IDENTITY, IMDS_ANSWERED};
 
@@ -81,8 +83,6 @@ use redb::{Database, ReadableDatabase, TableDefinition};
 use sched_relay_core::Event;
 use serde_json::Value;
 
-/// (sink name, sequence number) -> the structured CloudEvent as JSON.
-const EVENTS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("events");
 /// Small named values: the last processed document, and those of [`meta`].
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const LAST_DOCUMENT: &str = "last_document";
@@ -95,6 +95,9 @@ const SEEN_REQUESTS: TableDefinition<&str, i64> = TableDefinition::new("seen_req
 
 mod epoch;
 pub use epoch::Processed;
+
+/// The cache of the database a store of an earlier version is converted through.
+const CONVERSION_CACHE: usize = 16 << 20;
 
 /// The file inside `state.dir`.
 pub const FILE_NAME: &str = "outbox.redb";
@@ -189,15 +192,40 @@ impl Outbox {
             })?;
             tracing::warn!(path = %shown, moved_to = %aside.display(), "Starting with a fresh state store as asked; the old one was moved aside");
         }
-        let db = open_database(&path, faults.as_ref(), true).map_err(|e| match e {
-            redb::DatabaseError::DatabaseAlreadyOpen => StoreError::InUse {
-                path: shown.clone(),
-            },
-            e => StoreError::Open {
-                path: shown.clone(),
-                reason: e.to_string(),
-            },
+        let opened = |builder: redb::Builder| {
+            open_database_with(builder, &path, faults.as_ref(), true).map_err(|e| match e {
+                redb::DatabaseError::DatabaseAlreadyOpen => StoreError::InUse {
+                    path: shown.clone(),
+                },
+                e => StoreError::Open {
+                    path: shown.clone(),
+                    reason: e.to_string(),
+                },
+            })
+        };
+        let mut db = opened(redb::Builder::new())?;
+        let legacy = payloads::has_legacy_events(&db).map_err(|e| StoreError::Open {
+            path: shown.clone(),
+            reason: e.to_string(),
         })?;
+        if legacy {
+            // Converted through a small cache: redb keeps what it reads and writes in its
+            // cache (up to 1 GiB by default), and the old table may be hundreds of MB.
+            drop(db);
+            let mut small = redb::Builder::new();
+            small.set_cache_size(CONVERSION_CACHE);
+            let converting = opened(small)?;
+            let converted =
+                payloads::convert_legacy_events(&converting, 0).map_err(|e| StoreError::Open {
+                    path: shown.clone(),
+                    reason: format!(
+                        "cannot convert the events it holds to this version's format: {e}"
+                    ),
+                })?;
+            drop(converting);
+            tracing::info!(path = %shown, events = converted, "Converted the stored events to this version's format (each event stored once for all sinks)");
+            db = opened(redb::Builder::new())?;
+        }
         let outbox = Outbox {
             db: RwLock::new(Some(db)),
             path,
@@ -317,3 +345,5 @@ impl Outbox {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_copies;

@@ -6,9 +6,8 @@ use cloudevents::AttributesReader;
 use redb::{Database, ReadableDatabase, ReadableTable};
 use sched_relay_core::Event;
 
-use super::{
-    Access, EPOCH, EVENTS, LAST_DOCUMENT, META, Outbox, PendingId, Processed, StoreError, Stored,
-};
+use super::payloads::{PAYLOADS, QUEUE};
+use super::{Access, EPOCH, LAST_DOCUMENT, META, Outbox, PendingId, Processed, StoreError, Stored};
 
 /// Where one sink's queue stands.
 #[derive(Debug, Clone, Copy, Default)]
@@ -100,13 +99,18 @@ impl Outbox {
         self.with_db(Access::Events, |db| {
             let txn = self.write(db)?;
             {
-                let mut table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
+                // Each event once; each sink's queue names the copies of its first `stored`.
+                let widest = placements.iter().map(|p| p.stored).max().unwrap_or(0);
+                let first_copy = self.store_copies(&txn, &encoded[..widest], |index| {
+                    placements.iter().filter(|p| p.stored > index).count() as u32
+                })?;
+                let mut queue = txn.open_table(QUEUE).map_err(|e| self.io(e))?;
                 for placement in &placements {
                     let sink = sinks[placement.sink].as_str();
-                    for (seq, bytes) in (placement.first_seq..).zip(&encoded[..placement.stored]) {
-                        table
-                            .insert((sink, seq), bytes.as_slice())
-                            .map_err(|e| self.io(e))?;
+                    for (seq, copy) in (placement.first_seq..)
+                        .zip(first_copy..first_copy + placement.stored as u64)
+                    {
+                        queue.insert((sink, seq), copy).map_err(|e| self.io(e))?;
                     }
                 }
                 if let Some((bytes, epoch)) = &document {
@@ -147,7 +151,7 @@ impl Outbox {
             floor = floor.max(self.issued.load(std::sync::atomic::Ordering::SeqCst));
         }
         let txn = db.begin_read().map_err(|e| self.io(e))?;
-        let table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
+        let table = txn.open_table(QUEUE).map_err(|e| self.io(e))?;
         let mut counted = self.count(&table, sink)?;
         counted.next = counted.next.max(floor);
         counters.insert(sink.to_owned(), counted);
@@ -174,16 +178,22 @@ impl Outbox {
         }
         self.with_db(Access::Read, |db| {
             let txn = db.begin_read().map_err(|e| self.io(e))?;
-            let table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
+            let table = txn.open_table(QUEUE).map_err(|e| self.io(e))?;
+            let payloads = txn.open_table(PAYLOADS).map_err(|e| self.io(e))?;
             let range = table
                 .range((sink, from)..(sink, until))
                 .map_err(|e| self.io(e))?;
             let mut stored = Vec::new();
             for entry in range.take(max) {
-                let (key, value) = entry.map_err(|e| self.io(e))?;
+                let (key, copy) = entry.map_err(|e| self.io(e))?;
+                let copy = copy.value();
+                let event = match payloads.get(copy).map_err(|e| self.io(e))? {
+                    Some(bytes) => decode(bytes.value()),
+                    None => Err(format!("its stored copy ({copy}) is missing")),
+                };
                 stored.push(Stored {
                     seq: key.value().1,
-                    event: decode(value.value()),
+                    event,
                 });
             }
             if let Some(last) = stored.last() {
@@ -209,18 +219,19 @@ impl Outbox {
             let mut txn = self.write(db)?;
             txn.set_durability(redb::Durability::None)
                 .map_err(|e| self.io(e))?;
-            let mut removed = 0;
+            let mut copies = Vec::new();
             {
-                let mut table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
+                let mut table = txn.open_table(QUEUE).map_err(|e| self.io(e))?;
                 table
-                    .retain_in((sink, 0)..(sink, below), |_, _| {
-                        removed += 1;
+                    .retain_in((sink, 0)..(sink, below), |_, copy| {
+                        copies.push(copy);
                         false
                     })
                     .map_err(|e| self.io(e))?;
             }
+            self.release_copies(&txn, &copies)?;
             txn.commit().map_err(|e| self.io(e))?;
-            Ok(removed)
+            Ok(copies.len())
         })?;
         if let Some(counter) = counters.get_mut(sink) {
             counter.depth = counter.depth.saturating_sub(removed);
@@ -243,21 +254,18 @@ impl Outbox {
         let removed = self.with_db(Access::Upkeep, |db| {
             self.counter(db, &mut counters, sink)?;
             let txn = self.write(db)?;
-            let mut removed = 0;
+            let mut copies = Vec::new();
             {
-                let mut table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
+                let mut table = txn.open_table(QUEUE).map_err(|e| self.io(e))?;
                 for seq in seqs {
-                    if table
-                        .remove((sink, *seq))
-                        .map_err(|e| self.io(e))?
-                        .is_some()
-                    {
-                        removed += 1;
+                    if let Some(copy) = table.remove((sink, *seq)).map_err(|e| self.io(e))? {
+                        copies.push(copy.value());
                     }
                 }
             }
+            self.release_copies(&txn, &copies)?;
             txn.commit().map_err(|e| self.io(e))?;
-            Ok(removed)
+            Ok(copies.len())
         })?;
         if let Some(counter) = counters.get_mut(sink) {
             counter.depth = counter.depth.saturating_sub(removed);
@@ -274,7 +282,7 @@ impl Outbox {
     /// Reads a sink's queue position from the table (once per sink and process).
     pub(super) fn count(
         &self,
-        table: &impl ReadableTable<(&'static str, u64), &'static [u8]>,
+        table: &impl ReadableTable<(&'static str, u64), u64>,
         sink: &str,
     ) -> Result<Counter, StoreError> {
         let mut range = table

@@ -14,7 +14,8 @@ use std::sync::atomic::Ordering;
 
 use redb::{Database, ReadableDatabase, ReadableTable};
 
-use super::{DiskFaults, EPOCH, EVENTS, LAST_DOCUMENT, META, Outbox, SEEN_REQUESTS, requests};
+use super::payloads::{HOLDERS, PAYLOADS, QUEUE, convert_legacy_events};
+use super::{DiskFaults, EPOCH, LAST_DOCUMENT, META, Outbox, SEEN_REQUESTS, requests};
 use crate::retry::Backoff;
 
 /// Waits between attempts to reopen: the first at once, then 250 ms doubling to 1 s, so space
@@ -150,12 +151,24 @@ pub(super) fn open_database(
     faults: Option<&Arc<DiskFaults>>,
     create: bool,
 ) -> Result<Database, redb::DatabaseError> {
+    open_database_with(redb::Builder::new(), path, faults, create)
+}
+
+/// As [`open_database`], with the builder's settings (its cache size).
+pub(super) fn open_database_with(
+    builder: redb::Builder,
+    path: &Path,
+    faults: Option<&Arc<DiskFaults>>,
+    create: bool,
+) -> Result<Database, redb::DatabaseError> {
     match faults {
-        None if create => Database::create(path),
-        None => redb::Builder::new().open(path),
-        Some(faults) => redb::Builder::new().create_with_backend(
-            super::faults::FaultInjectingBackend::open(path, faults.clone(), create)?,
-        ),
+        None if create => builder.create(path),
+        None => builder.open(path),
+        Some(faults) => builder.create_with_backend(super::faults::FaultInjectingBackend::open(
+            path,
+            faults.clone(),
+            create,
+        )?),
     }
 }
 
@@ -213,7 +226,9 @@ impl Outbox {
                 Err(redb::TableError::TableDoesNotExist(_)) => Ok(false),
                 Err(e) => Err(e),
             };
-            Ok(!exists(txn.open_table(EVENTS).map(drop))?
+            Ok(!exists(txn.open_table(QUEUE).map(drop))?
+                || !exists(txn.open_table(PAYLOADS).map(drop))?
+                || !exists(txn.open_table(HOLDERS).map(drop))?
                 || !exists(txn.open_table(META).map(drop))?)
         })()
         .map_err(|e| e.to_string())?;
@@ -221,6 +236,15 @@ impl Outbox {
             // Reads fail on a missing table (a write would make it).
             self.create_tables(&db)
                 .map_err(|e| format!("cannot make its tables again: {e}"))?;
+        }
+        // A file of an earlier version put in place (or one whose conversion an I/O error
+        // cut short): numbered above every number a sink's task may stand at.
+        let floor = self.issued.load(Ordering::SeqCst);
+        let converted = convert_legacy_events(&db, floor)
+            .map_err(|e| format!("cannot convert the events it holds: {e}"))?;
+        if converted > 0 {
+            tracing::warn!(path = %self.path.display(), events = converted, "The state store file was replaced while the agent ran by one of an earlier version; converted the events it holds");
+        } else if missing {
             tracing::warn!(path = %self.path.display(), "The state store file was replaced while the agent ran by one without its tables; made them. What the old file held (undelivered events, approval request records) is gone");
         }
         Ok(db)
@@ -273,7 +297,9 @@ impl Outbox {
     /// holds none (a file made anew: a restart diffs against it).
     pub(super) fn create_tables(&self, db: &Database) -> Result<(), redb::Error> {
         let txn = db.begin_write()?;
-        txn.open_table(EVENTS)?;
+        txn.open_table(QUEUE)?;
+        txn.open_table(PAYLOADS)?;
+        txn.open_table(HOLDERS)?;
         {
             let mut meta = txn.open_table(META)?;
             let processed = self.processed.lock().unwrap_or_else(|p| p.into_inner());

@@ -5,7 +5,8 @@ use std::ops::Bound;
 
 use redb::{ReadableDatabase, ReadableTable};
 
-use super::{Access, EVENTS, Outbox, StoreError};
+use super::payloads::QUEUE;
+use super::{Access, Outbox, StoreError};
 
 impl Outbox {
     /// Every sink name that has events stored, with how many, in name order. Reads each
@@ -14,7 +15,7 @@ impl Outbox {
         self.reopen_if_due();
         self.with_db(Access::Read, |db| {
             let txn = db.begin_read().map_err(|e| self.io(e))?;
-            let table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
+            let table = txn.open_table(QUEUE).map_err(|e| self.io(e))?;
             let mut sinks = Vec::new();
             let mut after: Option<String> = None;
             loop {
@@ -53,22 +54,21 @@ impl Outbox {
         let moved = self.with_db(Access::Upkeep, |db| {
             let txn = self.write(db)?;
             let moved = {
-                let mut table = txn.open_table(EVENTS).map_err(|e| self.io(e))?;
+                let mut table = txn.open_table(QUEUE).map_err(|e| self.io(e))?;
                 let first = self.count(&table, to)?.next;
-                let taken: Vec<(u64, Vec<u8>)> = table
+                // The rows move; the copies they name stay where they are.
+                let taken: Vec<(u64, u64)> = table
                     .range((from, 0)..=(from, u64::MAX))
                     .map_err(|e| self.io(e))?
                     .map(|entry| {
                         entry
-                            .map(|(key, value)| (key.value().1, value.value().to_vec()))
+                            .map(|(key, copy)| (key.value().1, copy.value()))
                             .map_err(|e| self.io(e))
                     })
                     .collect::<Result<_, _>>()?;
-                for (next, (seq, bytes)) in (first..).zip(&taken) {
+                for (next, (seq, copy)) in (first..).zip(&taken) {
                     table.remove((from, *seq)).map_err(|e| self.io(e))?;
-                    table
-                        .insert((to, next), bytes.as_slice())
-                        .map_err(|e| self.io(e))?;
+                    table.insert((to, next), *copy).map_err(|e| self.io(e))?;
                 }
                 taken.len()
             };

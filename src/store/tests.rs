@@ -22,7 +22,7 @@ fn a_request_id_is_seen_once_across_reopening_until_it_expires() {
     assert!(outbox.remember_request("r1", 400, 201).unwrap());
 }
 
-fn event(id: &str) -> Event {
+pub(super) fn event(id: &str) -> Event {
     EventBuilderV10::new()
         .id(id)
         .source("urn:t")
