@@ -215,15 +215,16 @@ impl Outbox {
             let mut small = redb::Builder::new();
             small.set_cache_size(CONVERSION_CACHE);
             let converting = opened(small)?;
-            let converted =
-                payloads::convert_legacy_events(&converting, 0).map_err(|e| StoreError::Open {
+            let converted = payloads::convert_legacy_events(&converting, 0).map_err(|e| {
+                StoreError::Convert {
                     path: shown.clone(),
-                    reason: format!(
-                        "cannot convert the events it holds to this version's format: {e}"
-                    ),
-                })?;
+                    reason: e.to_string(),
+                }
+            })?;
             drop(converting);
-            tracing::info!(path = %shown, events = converted, "Converted the stored events to this version's format (each event stored once for all sinks)");
+            if converted > 0 {
+                tracing::info!(path = %shown, events = converted, "Converted the stored events to this version's format (each event stored once for all sinks)");
+            }
             db = opened(redb::Builder::new())?;
         }
         let outbox = Outbox {

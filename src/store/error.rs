@@ -7,6 +7,13 @@ pub enum StoreError {
          --fresh-state to move it aside and begin afresh (what it holds is then not delivered)"
     )]
     Open { path: String, reason: String },
+    #[error(
+        "the state store {path} holds events of an earlier version that could not be \
+         converted to this version's format: {reason}. Nothing is lost, and what was converted \
+         stays converted: free space on its disk (a conversion takes room for 10,000 events \
+         at a time) and start again, or go back to the earlier version"
+    )]
+    Convert { path: String, reason: String },
     #[error("the state store {path} is in use by another process (is the agent running?)")]
     InUse { path: String },
     #[error("the state store {path} failed: {reason} (is the disk full or read-only?)")]

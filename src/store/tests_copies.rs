@@ -282,3 +282,26 @@ fn read_eventually(outbox: &Outbox) -> Vec<(u64, String)> {
     }
     panic!("the store never reopened");
 }
+
+#[test]
+fn a_conversion_the_disk_has_no_room_for_loses_nothing_and_finishes_at_the_next_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(FILE_NAME);
+    {
+        let db = redb::Database::create(&path).unwrap();
+        Outbox::write_legacy_rows(&db, &legacy_rows("nats", 0..8));
+    }
+    let faults = DiskFaults::new();
+    {
+        let db = recovery::open_database_with(redb::Builder::new(), &path, Some(&faults), false)
+            .unwrap();
+        faults.fill();
+        assert!(payloads::convert_legacy_events(&db, 0).is_err());
+        assert!(faults.refused() > 0, "the fault was hit");
+    }
+    faults.free();
+    let outbox = Outbox::open_with_faults(dir.path(), 100, faults).unwrap();
+    let expected: Vec<(u64, String)> = (0..8).map(|seq| (seq, format!("nats{seq}"))).collect();
+    assert_eq!(read(&outbox, "nats"), expected);
+    assert_eq!(outbox.copies_held(), (8, 8));
+}
