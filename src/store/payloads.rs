@@ -99,10 +99,12 @@ impl Outbox {
 
 /// Whether the file holds events in the format before shared copies.
 pub(super) fn has_legacy_events(db: &Database) -> Result<bool, redb::Error> {
-    Ok(db
-        .begin_read()?
-        .list_tables()?
-        .any(|table| table.name() == LEGACY_EVENTS.name()))
+    Ok(lists_legacy(db.begin_read()?.list_tables()?))
+}
+
+/// Whether `tables` (a transaction's) include the table of the format before shared copies.
+fn lists_legacy(mut tables: impl Iterator<Item = impl TableHandle>) -> bool {
+    tables.any(|table| table.name() == LEGACY_EVENTS.name())
 }
 
 /// Converts a store written before the queues named shared copies, in transactions of
@@ -128,10 +130,7 @@ pub(super) fn convert_legacy_batch(
     floor: u64,
 ) -> Result<Option<usize>, redb::Error> {
     let txn = db.begin_write()?;
-    let legacy = txn
-        .list_tables()?
-        .any(|table| table.name() == LEGACY_EVENTS.name());
-    if !legacy {
+    if !lists_legacy(txn.list_tables()?) {
         return Ok(None);
     }
     let moved = {

@@ -126,7 +126,7 @@ fn a_damaged_store_is_reported_and_fresh_state_moves_it_aside() {
 }
 
 /// Retries `operation` every 50 ms for up to 10 s (the store reopens with backoff).
-fn eventually<T>(mut operation: impl FnMut() -> Result<T, StoreError>) -> T {
+pub(super) fn eventually<T>(mut operation: impl FnMut() -> Result<T, StoreError>) -> T {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
         match operation() {

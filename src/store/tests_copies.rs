@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use cloudevents::AttributesReader;
 use proptest::prelude::*;
 
-use super::tests::event;
+use super::tests::{event, eventually};
 use super::*;
 
 fn read(outbox: &Outbox, sink: &str) -> Vec<(u64, String)> {
@@ -262,25 +262,15 @@ fn a_file_of_an_earlier_version_put_in_place_while_running_numbers_above_the_sin
     faults.fill();
     assert!(outbox.commit(&nats, &[event("x")], None).is_err());
     faults.free();
-    let after = read_eventually(&outbox);
+    let after: Vec<(u64, String)> = eventually(|| outbox.pending("nats", usize::MAX))
+        .into_iter()
+        .map(|s| (s.seq, s.event.unwrap().id().to_owned()))
+        .collect();
     assert_eq!(
         after,
         [(7, "nats0".to_owned()), (8, "nats1".to_owned())],
         "above the task's position (and the failed commit's 6), so it reads them"
     );
-}
-
-fn read_eventually(outbox: &Outbox) -> Vec<(u64, String)> {
-    for _ in 0..200 {
-        if let Ok(stored) = outbox.pending("nats", usize::MAX) {
-            return stored
-                .into_iter()
-                .map(|s| (s.seq, s.event.unwrap().id().to_owned()))
-                .collect();
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    panic!("the store never reopened");
 }
 
 #[test]
