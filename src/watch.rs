@@ -356,6 +356,7 @@ fn broker(
                 jetstream: None,
                 from_start: false,
                 ack_wait: Duration::from_secs(60),
+                role: sched_relay_transport::inbound::SourceRole::Watch,
             };
             Ok(tokio::spawn(sched_relay_nats::source::run(spec, tx, stop)))
         }
@@ -372,6 +373,7 @@ fn broker(
                 fleet_routing_key: None,
                 prefetch: 256,
                 exclusive: true,
+                role: sched_relay_transport::inbound::SourceRole::Watch,
             };
             Ok(tokio::spawn(sched_relay_amqp::source::run(spec, tx, stop)))
         }
@@ -396,6 +398,7 @@ fn broker(
                 group_id: format!("sched-relay-watch-{}", std::process::id()),
                 max_age: humantime::parse_duration(&query("since").unwrap_or_else(|| "24h".into()))
                     .map_err(|e| format!("since: {e}"))?,
+                role: sched_relay_transport::inbound::SourceRole::Watch,
             };
             Ok(tokio::spawn(sched_relay_kafka::source::run(spec, tx, stop)))
         }

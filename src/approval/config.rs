@@ -211,7 +211,9 @@ pub struct NatsSourceConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fleet_subject: Option<String>,
     /// Consume through a JetStream durable consumer (acknowledged after handling) on this
-    /// stream, instead of core subscriptions. The stream must capture the subjects.
+    /// stream, instead of core subscriptions. The stream must capture the subjects; when it
+    /// is missing, the agent creates it with the subject's root (`scheduledapprovals.>`, see
+    /// [`NatsSourceConfig::stream_subjects`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream: Option<String>,
     /// The durable consumer's name; `{vmname}` is replaced.
@@ -219,14 +221,40 @@ pub struct NatsSourceConfig {
     pub durable: String,
 }
 
+// A root of its own: under the events' root (`scheduledevents.<vm>.<transition>`) a VM named
+// `approvals` would publish its events into the approvals, and NATS refuses a second stream
+// whose subjects overlap the events stream's.
 fn default_nats_subject() -> String {
-    "scheduledevents.approvals.{vmname}".into()
+    "scheduledapprovals.{vmname}".into()
 }
 fn default_durable() -> String {
     "sched-relay-{vmname}".into()
 }
 
 broker_source!(NatsSourceConfig, NatsSinkConfig, Nats, "nats");
+
+impl NatsSourceConfig {
+    /// The subjects the agent creates its missing `stream` with: the subject's tokens before
+    /// the one naming `{vmname}`, then `>`, so that one stream serves every VM
+    /// (`scheduledapprovals.{vmname}` gives `scheduledapprovals.>`), plus `fleet_subject`
+    /// when that does not capture it. Empty when the subject starts with `{vmname}`: no
+    /// subject then captures every VM's and nothing else, so the stream must exist.
+    pub fn stream_subjects(&self) -> Vec<String> {
+        let tokens: Vec<&str> = self.subject.split('.').collect();
+        let root = match tokens.iter().position(|token| token.contains("{vmname}")) {
+            Some(0) => return Vec::new(),
+            Some(at) => format!("{}.>", tokens[..at].join(".")),
+            None => self.subject.clone(),
+        };
+        let mut subjects = vec![root];
+        if let Some(fleet) = &self.fleet_subject
+            && !sched_relay_nats::stream::captures(&subjects[0], fleet)
+        {
+            subjects.push(fleet.clone());
+        }
+        subjects
+    }
+}
 
 /// `[approvals.amqp]`: a per-VM queue, bound to an exchange by a per-VM routing key.
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
@@ -310,4 +338,38 @@ broker_source!(KafkaSourceConfig, KafkaSinkConfig, Kafka, "kafka");
 /// Replaces `{vmname}` in a source's subject, queue or group template.
 pub fn for_vm(template: &str, vm_name: &str) -> String {
     template.replace("{vmname}", vm_name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::NatsSourceConfig;
+
+    fn nats(text: &str) -> NatsSourceConfig {
+        toml::from_str(text).unwrap()
+    }
+
+    #[test]
+    fn a_missing_approvals_stream_is_created_on_the_root_of_every_vms_subject() {
+        // The default: a root of its own, beside the events' scheduledevents.>.
+        assert_eq!(nats("").subject, "scheduledapprovals.{vmname}");
+        assert_eq!(nats("").stream_subjects(), ["scheduledapprovals.>"]);
+        assert_eq!(
+            nats("subject = \"fleet.approvals.{vmname}.requests\"").stream_subjects(),
+            ["fleet.approvals.>"]
+        );
+        // A fleet subject under the root adds nothing; one elsewhere is added.
+        let fleet =
+            |subject: &str| nats(&format!("fleet_subject = \"{subject}\"")).stream_subjects();
+        assert_eq!(fleet("scheduledapprovals.fleet"), ["scheduledapprovals.>"]);
+        assert_eq!(
+            fleet("fleetapprovals"),
+            ["scheduledapprovals.>", "fleetapprovals"]
+        );
+        // No root that captures every VM's subject and nothing else: it must exist.
+        assert!(
+            nats("subject = \"{vmname}.approvals\"")
+                .stream_subjects()
+                .is_empty()
+        );
+    }
 }

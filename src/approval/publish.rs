@@ -42,7 +42,7 @@ pub async fn publish_to(to: &str, event: &Event, token: Option<&str>) -> Result<
     match url.scheme() {
         #[cfg(feature = "nats")]
         "nats" | "tls" => {
-            let subject = query("subject").unwrap_or(format!("scheduledevents.approvals.{vm}"));
+            let subject = query("subject").unwrap_or(format!("scheduledapprovals.{vm}"));
             let config: sched_relay_nats::NatsSinkConfig = serde_json::from_value(
                 json!({"url": format!("{}://{}", url.scheme(), host()), "subject": subject}),
             )

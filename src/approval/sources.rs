@@ -159,9 +159,18 @@ pub async fn start_listener_and_sources(
             jetstream: nats
                 .stream
                 .as_ref()
-                .map(|stream| (stream.clone(), for_vm(&nats.durable, &vm_name))),
+                .map(|stream| sched_relay_nats::source::JetStreamSpec {
+                    stream: stream.clone(),
+                    durable: for_vm(&nats.durable, &vm_name),
+                    create_with: nats
+                        .stream_subjects()
+                        .iter()
+                        .map(|subject| for_vm(subject, &vm_name))
+                        .collect(),
+                }),
             from_start: false,
             ack_wait: std::time::Duration::from_secs(60),
+            role: sched_relay_transport::inbound::SourceRole::Approvals,
         };
         sources.push(tokio::spawn(sched_relay_nats::source::run(
             spec,
@@ -182,6 +191,7 @@ pub async fn start_listener_and_sources(
             fleet_routing_key: amqp.fleet_routing_key.clone(),
             prefetch: amqp.prefetch,
             exclusive: false,
+            role: sched_relay_transport::inbound::SourceRole::Approvals,
         };
         sources.push(tokio::spawn(sched_relay_amqp::source::run(
             spec,
@@ -200,6 +210,7 @@ pub async fn start_listener_and_sources(
             by_key: kafka.partitions == KafkaPartitions::Key,
             group_id: for_vm(&kafka.group_id, &vm_name),
             max_age: approvals.max_age,
+            role: sched_relay_transport::inbound::SourceRole::Approvals,
         };
         sources.push(tokio::spawn(sched_relay_kafka::source::run(
             spec,

@@ -12,7 +12,8 @@
 //!
 //! Layout: [`fleet`] is the state built from the events (pure), [`policy`] the groups,
 //! budgets and decisions (pure), [`engine`] the loop that applies, stores, decides and acts,
-//! [`store`] the redb file, [`drain`] the hooks, [`config`] the file.
+//! [`store`] the redb file, [`drain`] the hooks, [`config`] the file, [`input`] the agents'
+//! events (and the input stream it creates when missing).
 
 pub mod config;
 pub mod drain;
@@ -20,6 +21,7 @@ pub mod engine;
 pub mod fleet;
 #[cfg(feature = "nats")]
 pub mod ha;
+mod input;
 pub mod policy;
 pub mod store;
 #[cfg(test)]
@@ -34,7 +36,7 @@ use axum::response::IntoResponse;
 use serde_json::Value;
 use tokio::sync::{mpsc, watch};
 
-use config::{CoordinatorConfig, Input};
+use config::CoordinatorConfig;
 use engine::Engine;
 use policy::Policy;
 
@@ -112,7 +114,7 @@ pub async fn run(
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
     let (deliveries, mut delivered) = mpsc::channel(64);
     let (stop_tx, stop_rx) = watch::channel(false);
-    let input = start_input(&config.input, deliveries, stop_rx)?;
+    let input = input::start(&config.input, &config.approvals, deliveries, stop_rx).await?;
     let tick_every = config.coordinator.tick;
     let mut engine = Engine::new(fleet, policy, config, store, signer, publisher, done_tx);
     engine.snapshot = snapshot;
@@ -166,90 +168,6 @@ pub async fn run(
     server.abort();
     tracing::info!("Coordinator stopped");
     result
-}
-
-// Without any broker feature, only the refusal uses nothing.
-#[cfg_attr(
-    not(any(feature = "nats", feature = "amqp", feature = "kafka")),
-    allow(unused_variables)
-)]
-fn start_input(
-    input: &Input,
-    deliveries: sched_relay_transport::inbound::Deliveries,
-    stop: watch::Receiver<bool>,
-) -> Result<tokio::task::JoinHandle<()>, String> {
-    match input {
-        #[cfg(feature = "nats")]
-        Input::Nats {
-            url,
-            subject,
-            stream,
-            durable,
-            credentials_file,
-        } => {
-            let connection = serde_json::from_value(serde_json::json!({
-                "url": url, "credentials_file": credentials_file,
-            }))
-            .map_err(|e| format!("input: {e}"))?;
-            let spec = sched_relay_nats::source::NatsSourceSpec {
-                connection,
-                subject: subject.clone(),
-                fleet_subject: None,
-                jetstream: Some((stream.clone(), durable.clone())),
-                from_start: true,
-                ack_wait: std::time::Duration::from_secs(10),
-            };
-            Ok(tokio::spawn(sched_relay_nats::source::run(
-                spec, deliveries, stop,
-            )))
-        }
-        #[cfg(feature = "amqp")]
-        Input::Amqp {
-            url,
-            exchange,
-            queue,
-            binding_key,
-        } => {
-            let connection = serde_json::from_value(serde_json::json!({"url": url}))
-                .map_err(|e| format!("input: {e}"))?;
-            let spec = sched_relay_amqp::source::AmqpSourceSpec {
-                connection,
-                queue: queue.clone(),
-                declare: true,
-                exchange: exchange.clone(),
-                routing_key: binding_key.clone(),
-                fleet_routing_key: None,
-                prefetch: 256,
-                exclusive: false,
-            };
-            Ok(tokio::spawn(sched_relay_amqp::source::run(
-                spec, deliveries, stop,
-            )))
-        }
-        #[cfg(feature = "kafka")]
-        Input::Kafka {
-            brokers,
-            topic,
-            group_id,
-            since,
-        } => {
-            let connection = serde_json::from_value(serde_json::json!({"brokers": brokers}))
-                .map_err(|e| format!("input: {e}"))?;
-            let spec = sched_relay_kafka::source::KafkaSourceSpec {
-                connection,
-                topic: topic.clone(),
-                vm_name: String::new(),
-                by_key: false,
-                group_id: group_id.clone(),
-                max_age: *since,
-            };
-            Ok(tokio::spawn(sched_relay_kafka::source::run(
-                spec, deliveries, stop,
-            )))
-        }
-        #[allow(unreachable_patterns)]
-        _ => Err("input.kind: this sched-relay was built without support for it".into()),
-    }
 }
 
 type Snapshot = Arc<RwLock<Value>>;

@@ -12,7 +12,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, ExchangeKind};
 use sched_relay_transport::inbound::{
-    Deliveries, Handover, Inbound, hand_over, keep_consuming, pause_after_not_handled,
+    Deliveries, Handover, Inbound, SourceRole, hand_over, keep_consuming, pause_after_not_handled,
 };
 use tokio::sync::watch;
 
@@ -32,13 +32,15 @@ pub struct AmqpSourceSpec {
     /// A private queue that disappears with the connection (for `sched-relay watch`); the
     /// exchange must already exist.
     pub exclusive: bool,
+    /// Who reads it (the agent's approvals, the coordinator's input, `watch`), for the logs.
+    pub role: SourceRole,
 }
 
 /// Consumes until `stop` turns true. Broker problems are logged and retried.
 pub async fn run(spec: AmqpSourceSpec, deliveries: Deliveries, stop: watch::Receiver<bool>) {
     let what = format!("AMQP queue {}", spec.queue);
     let (spec, deliveries) = (&spec, &deliveries);
-    keep_consuming(&what, stop, |mut stop| async move {
+    keep_consuming(spec.role, &what, stop, |mut stop| async move {
         consume(spec, deliveries, &mut stop).await
     })
     .await
@@ -121,7 +123,7 @@ async fn consume(
             )
             .to_string()
         })?;
-    tracing::info!(queue = %spec.queue, exchange = %spec.exchange, routing_key = %spec.routing_key, "Approval source ready (AMQP)");
+    tracing::info!(queue = %spec.queue, exchange = %spec.exchange, routing_key = %spec.routing_key, "{} ready (AMQP)", spec.role.name());
     loop {
         let delivery = tokio::select! {
             _ = stop.wait_for(|stop| *stop) => return Ok(()),
@@ -135,12 +137,12 @@ async fn consume(
         match hand_over(deliveries, message).await {
             Handover::Handled(_) => {
                 if let Err(error) = delivery.ack(BasicAckOptions::default()).await {
-                    tracing::warn!(error = %error, "Cannot acknowledge a handled approval; the broker will deliver it again");
+                    tracing::warn!(error = %error, "Cannot acknowledge a handled message; the broker will deliver it again");
                 }
             }
             Handover::NotHandled(why) => {
                 // Requeued after a pause (RabbitMQ redelivers a requeued message at once).
-                if !pause_after_not_handled(&spec.queue, &why, stop).await {
+                if !pause_after_not_handled(spec.role, &spec.queue, &why, stop).await {
                     return Ok(());
                 }
                 let requeue = BasicNackOptions {

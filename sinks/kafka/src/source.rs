@@ -10,7 +10,7 @@ use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 use sched_relay_transport::inbound::{
-    Deliveries, Handover, Inbound, hand_over, keep_consuming, pause_after_not_handled,
+    Deliveries, Handover, Inbound, SourceRole, hand_over, keep_consuming, pause_after_not_handled,
 };
 use tokio::sync::watch;
 
@@ -28,6 +28,8 @@ pub struct KafkaSourceSpec {
     pub group_id: String,
     /// Without a committed offset, start this far back (older requests are expired anyway).
     pub max_age: Duration,
+    /// Who reads it (the agent's approvals, the coordinator's input, `watch`), for the logs.
+    pub role: SourceRole,
 }
 
 const METADATA_TIMEOUT: Duration = Duration::from_secs(10);
@@ -42,7 +44,7 @@ pub fn partition_for(key: &str, partitions: i32) -> i32 {
 pub async fn run(spec: KafkaSourceSpec, deliveries: Deliveries, stop: watch::Receiver<bool>) {
     let what = format!("Kafka topic {}", spec.topic);
     let (spec, deliveries) = (&spec, &deliveries);
-    keep_consuming(&what, stop, |mut stop| async move {
+    keep_consuming(spec.role, &what, stop, |mut stop| async move {
         consume(spec, deliveries, &mut stop).await
     })
     .await
@@ -143,7 +145,7 @@ async fn consume(
         .iter()
         .map(|p| format!("{}@{:?}", p.partition(), p.offset()))
         .collect();
-    tracing::info!(topic = %spec.topic, partitions = ?assigned, group_id = %spec.group_id, "Approval source ready (Kafka)");
+    tracing::info!(topic = %spec.topic, partitions = ?assigned, group_id = %spec.group_id, "{} ready (Kafka)", spec.role.name());
     loop {
         let message = tokio::select! {
             _ = stop.wait_for(|stop| *stop) => return Ok(()),
@@ -181,7 +183,7 @@ async fn consume(
                 match hand_over(deliveries, inbound.clone()).await {
                     Handover::Handled(_) => break,
                     Handover::NotHandled(why) => {
-                        if !pause_after_not_handled(&spec.topic, &why, stop).await {
+                        if !pause_after_not_handled(spec.role, &spec.topic, &why, stop).await {
                             return Ok(());
                         }
                     }
@@ -197,7 +199,7 @@ async fn consume(
         )
         .map_err(|e| e.to_string())?;
         if let Err(error) = consumer.commit(&done, CommitMode::Async) {
-            tracing::warn!(error = %error, "Cannot commit the offset of a handled approval; it may be read again after a restart");
+            tracing::warn!(error = %error, "Cannot commit the offset of a handled message; it may be read again after a restart");
         }
     }
 }

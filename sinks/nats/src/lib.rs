@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 mod sink;
 #[cfg(feature = "client")]
 pub mod source;
+pub mod stream;
 #[cfg(feature = "client")]
 pub use sink::{NatsSink, connect, connect_error};
 #[cfg(feature = "testing")]

@@ -113,10 +113,11 @@ impl Sink for NatsSink {
                     Ok(Ok(_)) => continue,
                     Ok(Err(error)) => {
                         let hint = match error.kind() {
-                            jetstream::context::PublishErrorKind::StreamNotFound => {
-                                " (no stream captures this subject: create one, e.g. nats stream add --subjects 'scheduledevents.>')"
-                            }
-                            _ => "",
+                            jetstream::context::PublishErrorKind::StreamNotFound => format!(
+                                " (no stream captures this subject: {})",
+                                create_hint(&subject)
+                            ),
+                            _ => String::new(),
                         };
                         format!("JetStream did not store {subject}: {error}{hint}")
                     }
@@ -188,12 +189,20 @@ impl Sink for NatsSink {
                 .await
                 .map_err(|e| {
                     SinkError::Permanent(format!(
-                        "no JetStream stream captures {subject}: {e} (create one, e.g. nats stream add --subjects 'scheduledevents.>')"
+                        "no JetStream stream captures {subject}: {e} ({})",
+                        create_hint(&subject)
                     ))
                 })?;
         }
         Ok(())
     }
+}
+
+/// What to do when no stream captures `subject`: a stream on its first token, as the README's
+/// layout has (`scheduledevents.>`, `scheduledapprovals.>`).
+fn create_hint(subject: &str) -> String {
+    let root = subject.split('.').next().unwrap_or(subject);
+    format!("create one, e.g. nats stream add --subjects '{root}.>'")
 }
 
 /// Connects with the sink's URL, credentials and TLS settings (also used by the approval

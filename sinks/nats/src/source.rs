@@ -1,6 +1,9 @@
 //! Approvals from NATS: core subscriptions (a request-reply caller gets the outcome as the
 //! reply), or a JetStream durable pull consumer whose messages are acknowledged only after
-//! the agent has handled them.
+//! the agent has handled them. The fleet coordinator reads the agents' events through the
+//! same consumer. A JetStream source makes sure of its stream each time it connects
+//! ([`crate::stream::ensure`]): created when missing, refused when it does not capture the
+//! source's subjects.
 
 use std::time::Duration;
 
@@ -8,7 +11,7 @@ use async_nats::jetstream::AckKind;
 use async_nats::jetstream::{self, consumer::pull};
 use futures_util::StreamExt;
 use sched_relay_transport::inbound::{
-    Deliveries, Handover, Inbound, NOT_HANDLED_RETRY, Reply, hand_over, keep_consuming,
+    Deliveries, Handover, Inbound, NOT_HANDLED_RETRY, Reply, SourceRole, hand_over, keep_consuming,
 };
 use tokio::sync::watch;
 
@@ -23,8 +26,8 @@ pub struct NatsSourceSpec {
     pub subject: String,
     /// A subject shared by the fleet, if any.
     pub fleet_subject: Option<String>,
-    /// `(stream, durable consumer)` for JetStream; core subscriptions otherwise.
-    pub jetstream: Option<(String, String)>,
+    /// A JetStream durable consumer; core subscriptions otherwise.
+    pub jetstream: Option<JetStreamSpec>,
     /// A durable consumer created now starts at the stream's first message (the fleet
     /// coordinator, which must learn what was scheduled before it first ran), not at the
     /// next one (approvals: an old request is expired anyway).
@@ -33,13 +36,26 @@ pub struct NatsSourceSpec {
     /// that died with it, say): the approval sources wait a minute, the coordinator, whose
     /// standby must not wait that long after a failover, less.
     pub ack_wait: Duration,
+    /// Who reads it (the agent's approvals, the coordinator's input, `watch`), for the logs.
+    pub role: SourceRole,
+}
+
+/// The stream and durable consumer of a JetStream source.
+#[derive(Debug, Clone)]
+pub struct JetStreamSpec {
+    pub stream: String,
+    /// The durable consumer (and `<durable>-fleet` for the fleet subject).
+    pub durable: String,
+    /// The subjects to create the stream with when it is missing (they must capture the
+    /// source's subjects); empty: it must exist.
+    pub create_with: Vec<String>,
 }
 
 /// Consumes until `stop` turns true. Broker problems are logged and retried.
 pub async fn run(spec: NatsSourceSpec, deliveries: Deliveries, stop: watch::Receiver<bool>) {
     let what = format!("NATS subject {}", spec.subject);
     let (spec, deliveries) = (&spec, &deliveries);
-    keep_consuming(&what, stop, |mut stop| async move {
+    keep_consuming(spec.role, &what, stop, |mut stop| async move {
         consume(spec, deliveries, &mut stop).await
     })
     .await
@@ -93,7 +109,7 @@ async fn consume(
             }
             // Subscriptions are registered once the server has seen them.
             client.flush().await.map_err(|e| e.to_string())?;
-            tracing::info!(subject = %spec.subject, fleet_subject = ?spec.fleet_subject, "Approval source ready (NATS)");
+            tracing::info!(subject = %spec.subject, fleet_subject = ?spec.fleet_subject, "{} ready (NATS)", spec.role.name());
             let mut messages = futures_util::stream::select_all(subscriptions);
             loop {
                 let message = tokio::select! {
@@ -107,7 +123,7 @@ async fn consume(
                 let reply = match hand_over(deliveries, inbound("nats", &message, shared)).await {
                     Handover::Handled(reply) => reply,
                     Handover::NotHandled(why) => {
-                        tracing::warn!(error = %why, subject = %message.subject, requester = message.reply.is_some(), "An approval could not be handled; the requester is told to retry");
+                        tracing::warn!(error = %why, subject = %message.subject, requester = message.reply.is_some(), "{} could not be handled; the requester is told to retry", spec.role.message());
                         Reply::not_handled(&why)
                     }
                     Handover::Stopping => return Ok(()),
@@ -118,14 +134,23 @@ async fn consume(
             }
             Err("the subscription ended (connection closed)".into())
         }
-        Some((stream, durable)) => {
+        Some(JetStreamSpec {
+            stream,
+            durable,
+            create_with,
+        }) => {
             let context = jetstream::new(client.clone());
-            let stream_handle = context.get_stream(stream).await.map_err(|e| {
-                format!(
-                    "stream {stream:?}: {e} (create it so it captures {})",
-                    spec.subject
-                )
-            })?;
+            let subjects: Vec<String> = std::iter::once(&spec.subject)
+                .chain(&spec.fleet_subject)
+                .cloned()
+                .collect();
+            let (stream_handle, created) =
+                crate::stream::ensure(&context, stream, &subjects, create_with)
+                    .await
+                    .map_err(|e| e.to_string())?;
+            if created {
+                tracing::info!(stream = %stream, subjects = ?create_with, "Created the JetStream stream, which was missing");
+            }
             // One durable consumer per subject: servers before 2.10 filter on one subject.
             let mut subjects = vec![(spec.subject.clone(), durable.clone())];
             if let Some(fleet) = &spec.fleet_subject {
@@ -154,7 +179,7 @@ async fn consume(
                 streams.push(consumer.messages().await.map_err(|e| e.to_string())?);
             }
             let mut messages = futures_util::stream::select_all(streams);
-            tracing::info!(stream = %stream, durable = %durable, subject = %spec.subject, "Approval source ready (JetStream)");
+            tracing::info!(stream = %stream, durable = %durable, subject = %spec.subject, "{} ready (JetStream)", spec.role.name());
             loop {
                 let message = tokio::select! {
                     _ = stop.wait_for(|stop| *stop) => return Ok(()),
@@ -166,16 +191,16 @@ async fn consume(
                 match hand_over(deliveries, inbound("jetstream", &message, shared)).await {
                     Handover::Handled(reply) => {
                         if let Err(error) = message.ack().await {
-                            tracing::warn!(error = %error, reply = reply.outcome, "Cannot acknowledge a handled approval; JetStream will deliver it again");
+                            tracing::warn!(error = %error, reply = reply.outcome, "Cannot acknowledge a handled message; JetStream will deliver it again");
                         }
                     }
                     Handover::NotHandled(why) => {
-                        tracing::warn!(error = %why, retry_in = ?NOT_HANDLED_RETRY, "An approval could not be handled; JetStream will deliver it again");
+                        tracing::warn!(error = %why, retry_in = ?NOT_HANDLED_RETRY, "{} could not be handled; JetStream will deliver it again", spec.role.message());
                         if let Err(error) = message
                             .ack_with(AckKind::Nak(Some(NOT_HANDLED_RETRY)))
                             .await
                         {
-                            tracing::warn!(error = %error, "Cannot nak an approval; JetStream will deliver it again after ack_wait");
+                            tracing::warn!(error = %error, "Cannot nak a message; JetStream will deliver it again after ack_wait");
                         }
                     }
                     Handover::Stopping => return Ok(()),

@@ -5,12 +5,49 @@
 //! delivered again after a crash, never lost. A message the agent could not handle (its
 //! outcome could not be stored) is offered again after a pause while the source keeps
 //! consuming: only the stop signal stops a source.
+//!
+//! The broker sources are shared: the agent's approval sources, the fleet coordinator's input
+//! (the agents' events) and `sched-relay watch` all read through them, and say which they
+//! are in their logs ([`SourceRole`]).
 
 use std::future::Future;
 use std::time::Duration;
 
 pub use sched_relay_core::inbound::Inbound;
 use tokio::sync::{mpsc, oneshot, watch};
+
+/// Who reads a source, for its log lines: an operator must be able to tell the coordinator's
+/// input failing from an agent's approvals failing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SourceRole {
+    /// The agent's remote approvals.
+    Approvals,
+    /// `sched-relay coordinate`'s input: the agents' events.
+    CoordinatorInput,
+    /// `sched-relay watch`.
+    Watch,
+}
+
+impl SourceRole {
+    /// What the source is called in log lines: `Approval source`, `Coordinator input`,
+    /// `Watch source`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SourceRole::Approvals => "Approval source",
+            SourceRole::CoordinatorInput => "Coordinator input",
+            SourceRole::Watch => "Watch source",
+        }
+    }
+
+    /// What one of its messages is called in log lines.
+    pub fn message(self) -> &'static str {
+        match self {
+            SourceRole::Approvals => "An approval",
+            SourceRole::CoordinatorInput => "An event",
+            SourceRole::Watch => "A message",
+        }
+    }
+}
 
 /// What the agent made of a message.
 #[derive(Debug, Clone, PartialEq)]
@@ -94,11 +131,12 @@ pub const NOT_HANDLED_RETRY: Duration = Duration::from_secs(2);
 /// Waits [`NOT_HANDLED_RETRY`] after a message was not handled (logged with `what`).
 /// Returns false when `stop` turned true meanwhile: leave the message unacknowledged and stop.
 pub async fn pause_after_not_handled(
+    role: SourceRole,
     what: &str,
     why: &str,
     stop: &mut watch::Receiver<bool>,
 ) -> bool {
-    tracing::warn!(source = what, error = %why, retry_in = ?NOT_HANDLED_RETRY, "An approval could not be handled; it will be offered again");
+    tracing::warn!(source = what, error = %why, retry_in = ?NOT_HANDLED_RETRY, "{} could not be handled; it will be offered again", role.message());
     tokio::select! {
         _ = stop.wait_for(|stop| *stop) => false,
         _ = tokio::time::sleep(NOT_HANDLED_RETRY) => true,
@@ -111,8 +149,12 @@ pub const SOURCE_RETRY: Duration = Duration::from_secs(2);
 /// Runs a source's `consume` until it returns `Ok` (asked to stop) or `stop` turns true; a
 /// failure (broker down, queue missing) is logged with `what` and retried after
 /// [`SOURCE_RETRY`], so a broken broker never stops the agent.
-pub async fn keep_consuming<F, Fut>(what: &str, mut stop: watch::Receiver<bool>, mut consume: F)
-where
+pub async fn keep_consuming<F, Fut>(
+    role: SourceRole,
+    what: &str,
+    mut stop: watch::Receiver<bool>,
+    mut consume: F,
+) where
     F: FnMut(watch::Receiver<bool>) -> Fut,
     Fut: Future<Output = Result<(), String>>,
 {
@@ -120,7 +162,7 @@ where
         match consume(stop.clone()).await {
             Ok(()) => return,
             Err(error) => {
-                tracing::error!(source = what, error = %error, retry_in = ?SOURCE_RETRY, "Approval source failed");
+                tracing::error!(source = what, error = %error, retry_in = ?SOURCE_RETRY, "{} failed", role.name());
                 tokio::select! {
                     _ = stop.wait_for(|stop| *stop) => return,
                     _ = tokio::time::sleep(SOURCE_RETRY) => {}
