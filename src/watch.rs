@@ -45,7 +45,8 @@ impl Fleet {
         };
         let vm = text("vmname").to_owned();
         let event_id = text("subject").to_owned();
-        if vm.is_empty() || event_id.is_empty() || kind == "document" {
+        // A document or a heartbeat is the VM's, not one event's: no row.
+        if vm.is_empty() || event_id.is_empty() || kind == "document" || kind == "heartbeat" {
             return;
         }
         let row = self.rows.entry((vm, event_id)).or_default();

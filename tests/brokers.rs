@@ -84,9 +84,15 @@ impl Consumers {
         }
     }
 
+    /// Heartbeats off: each broker's messages are compared with the file sink's, waiting for
+    /// their count, and the file sink's list leaves heartbeats out (`tests/heartbeats.rs`
+    /// checks them on the wire).
     fn sinks_toml(&self, nats_url: &str) -> String {
         format!(
             r#"
+[events]
+heartbeat_interval = "0s"
+
 [delivery]
 retry_initial = "100ms"
 retry_max = "500ms"

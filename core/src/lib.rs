@@ -8,8 +8,9 @@
 //! - [`diff`]: previous document + current document -> transitions (a pure function);
 //! - [`continuity`]: whether a document is unchanged, next, or a numbering reset, and the
 //!   epoch that keeps incarnation-derived ids unique across resets;
-//! - [`event`]: transitions, documents and approval outcomes as CloudEvents (ids, types,
-//!   extensions, data), and the typed [`EventKind`] every relayed [`Event`] carries;
+//! - [`event`]: transitions, documents, approval outcomes and the agent's heartbeats as
+//!   CloudEvents (ids, types, extensions, data), and the typed [`EventKind`] every relayed
+//!   [`Event`] carries;
 //! - [`binding`]: how a CloudEvent travels as headers and body on Kafka, NATS, AMQP and HTTP;
 //! - [`policy`]: local approval decisions, as in Azure's own sample;
 //! - [`approval`]: the approval request format, its canonical signed text, sign and verify;

@@ -9,6 +9,7 @@
 //! last good one.
 
 mod chores;
+mod heartbeat;
 mod identity;
 mod local_policy;
 mod poll_timer;
@@ -27,6 +28,7 @@ use crate::fanout::Fanout;
 use crate::imds::{ImdsClient, ImdsError};
 use crate::sinks::registry;
 use crate::store::{DiskFaults, Outbox, StoreError};
+use heartbeat::Heartbeats;
 use local_policy::LocalPolicy;
 use poller::Poller;
 
@@ -77,6 +79,8 @@ pub async fn run(
     options: RunOptions,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), AgentError> {
+    // What every heartbeat says as `startedAt`: this agent process began here.
+    let started_at = chrono::Utc::now();
     for warning in config.warnings() {
         tracing::warn!(key = %warning.path, "Configuration: {}", warning.message);
     }
@@ -235,8 +239,10 @@ pub async fn run(
         (None, None)
     };
     let shutdown_timeout = config.delivery.shutdown_timeout;
+    let heartbeats = Heartbeats::new(config.events.heartbeat_interval, started_at);
     let poller = Poller::new(config, client, factory, fanout, telemetry, latest, previous)
-        .with_policy(policy);
+        .with_policy(policy)
+        .with_heartbeats(heartbeats);
     let checker_failed = remote.checker_failed();
     let mut checker_died = None;
     let (stop_polling, polling_stopped) = tokio::sync::watch::channel(false);

@@ -71,6 +71,8 @@ pub(super) struct Poller {
     /// The last body that parsed: the same bytes again are the same document as `previous`
     /// and the shared snapshot, and are not parsed and compared again.
     pub(super) last_body: Option<LastBody>,
+    /// When heartbeats are due (`None`: off), and the one being stored.
+    pub(super) heartbeats: Option<super::heartbeat::Heartbeats>,
 }
 
 impl Poller {
@@ -102,7 +104,17 @@ impl Poller {
             chores: Default::default(),
             previous_stored: true,
             last_body: None,
+            heartbeats: None,
         }
+    }
+
+    /// Publishes heartbeats as `heartbeats` says (see `super::heartbeat`).
+    pub(super) fn with_heartbeats(
+        mut self,
+        heartbeats: Option<super::heartbeat::Heartbeats>,
+    ) -> Poller {
+        self.heartbeats = heartbeats;
+        self
     }
 
     /// Hands each processed document to local policy through `documents`.
@@ -232,6 +244,9 @@ impl Poller {
                         self.telemetry
                             .first_poll_done
                             .store(true, std::sync::atomic::Ordering::Relaxed);
+                        if let Some(heartbeats) = &mut self.heartbeats {
+                            heartbeats.arm();
+                        }
                     }
                     self.chores
                         .persist_accepted(self.fanout.publisher().outbox(), self.client.accepted());
@@ -285,6 +300,8 @@ impl Poller {
                     wait
                 }
             };
+            // Also while the service fails: the agent is alive, its last document stands.
+            self.heartbeat_if_due();
             let posted = tokio::select! {
                 _ = &mut shutdown => return,
                 _ = timer.sleep_until(started + wait) => false,
@@ -315,15 +332,21 @@ impl Poller {
                 document: document.clone(),
                 epoch: self.epoch,
             });
-        let stored =
-            tokio::time::timeout_at(deadline, self.fanout.publish(&self.unstored, processed))
-                .await
-                .unwrap_or_else(|_| {
-                    Err(crate::store::StoreError::Io {
-                        path: "outbox".into(),
-                        reason: "the state store did not answer by the shutdown deadline".into(),
-                    })
-                });
+        let heartbeat = self.heartbeats.as_mut();
+        let publish = async {
+            if let Some(heartbeats) = heartbeat {
+                heartbeats.stored().await;
+            }
+            self.fanout.publish(&self.unstored, processed).await
+        };
+        let stored = tokio::time::timeout_at(deadline, publish)
+            .await
+            .unwrap_or_else(|_| {
+                Err(crate::store::StoreError::Io {
+                    path: "outbox".into(),
+                    reason: "the state store did not answer by the shutdown deadline".into(),
+                })
+            });
         match stored {
             Ok(()) => self.unstored.clear(),
             Err(error) => {
@@ -435,6 +458,10 @@ impl Poller {
         };
         // Shared with the sinks, not copied; back in `unstored` unless the commit succeeded
         // (see `Pending` for a drop midway).
+        // After the heartbeat made before them, in every sink's queue.
+        if let Some(heartbeats) = &mut self.heartbeats {
+            heartbeats.stored().await;
+        }
         let events: Arc<[sched_relay_core::Event]> = std::mem::take(&mut self.unstored).into();
         let pending = transitions::Pending::new(&mut self.unstored, events.clone());
         let committed = self

@@ -342,3 +342,16 @@ fn without_metadata_or_a_configured_name_the_hostname_is_used_and_warned_about()
     assert!(warnings("[identity]\nfrom_metadata = false\nhostname_fallback = true\n").is_empty());
     assert!(warnings("[identity]\nfrom_metadata = false\nvm_name = \"vm0\"\n").is_empty());
 }
+
+#[test]
+fn the_heartbeat_interval_comes_from_file_or_environment_is_checked_with_its_key_and_printed() {
+    let config = load("[events]\nheartbeat_interval = \"30s\"\n", &[]).unwrap();
+    assert_eq!(config.events.heartbeat_interval, Duration::from_secs(30));
+    let off = load("", &[("SCHED_RELAY_EVENTS__HEARTBEAT_INTERVAL", "0s")]).unwrap();
+    assert!(off.events.heartbeat_interval.is_zero());
+    let errors = load("[events]\nheartbeat_interval = \"2h\"\n", &[]).unwrap_err();
+    let paths: Vec<&str> = errors.0.iter().map(|p| p.path.as_str()).collect();
+    assert_eq!(paths, ["events.heartbeat_interval"], "{errors}");
+    let printed = Config::default().to_redacted_toml();
+    assert!(printed.contains("heartbeat_interval = \"5m\""), "{printed}");
+}

@@ -16,13 +16,14 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
 
-use crate::store::{Outbox, Processed, StoreError};
+use crate::store::{Outbox, Placement, Processed, StoreError};
 use dead_letter::DeadLetter;
 use sched_relay_core::document::Document;
 use tail::{Tail, Ticket};
 use worker::Worker;
 
 mod dead_letter;
+mod heartbeat;
 mod settle;
 mod tail;
 mod worker;
@@ -171,6 +172,8 @@ pub struct Publisher {
     tails: Arc<[Arc<Tail>]>,
     wakers: Arc<[Arc<Notify>]>,
     dead_letter_dir: PathBuf,
+    /// Per sink, the outbox number of the last heartbeat stored for it (see [`heartbeat`]).
+    heartbeats: Arc<std::sync::Mutex<Vec<Option<u64>>>>,
 }
 
 impl Fanout {
@@ -221,6 +224,7 @@ impl Fanout {
                 tails: tails.into(),
                 wakers: wakers.into(),
                 dead_letter_dir,
+                heartbeats: Arc::new(std::sync::Mutex::new(vec![None; names.len()])),
             },
             health,
             outbox,
@@ -341,66 +345,10 @@ impl Publisher {
         // The commit and the dead-letter writes of what did not fit both fsync: off the
         // async threads.
         tokio::task::spawn_blocking(move || {
-            let document = document.as_ref().map(|processed| Processed {
-                document: &processed.document.raw,
-                epoch: processed.epoch,
-            });
-            let ticket = Ticket::new();
-            let _settled = tail::SettledAtDrop(ticket.clone());
-            let began = std::time::Instant::now();
-            let committed = publisher.outbox.commit_placing(
-                &publisher.names,
-                &events,
-                document,
-                |placements| {
-                    // While the store cannot be written, its commits are expected to fail:
-                    // nothing is handed over (one that succeeds wakes the sinks below, and
-                    // they read it back from the outbox).
-                    if publisher.outbox.unwritable().is_some() {
-                        return;
-                    }
-                    for placement in placements {
-                        publisher.tails[placement.sink].push(
-                            placement.first_seq,
-                            &events,
-                            placement.stored,
-                            &ticket,
-                        );
-                        publisher.wakers[placement.sink].notify_one();
-                    }
-                },
-            );
-            ticket.settle(committed.is_ok());
-            if committed.is_ok() {
-                // The fsync every sink waits for: on a slow disk, the agent's own latency.
-                let took = began.elapsed();
-                metrics::histogram!("sched_relay_state_store_commit_seconds")
-                    .record(took.as_secs_f64());
-                tracing::debug!(
-                    events = events.len(),
-                    commit_us = took.as_micros() as u64,
-                    "Stored"
-                );
-            }
-            let overflow = match committed {
-                Ok(overflow) => overflow,
-                Err(error) => {
-                    for tail in publisher.tails.iter() {
-                        tail.discard(&ticket);
-                    }
-                    return Err(error);
-                }
-            };
-            for (sink, event) in overflow {
-                let reason =
-                    "outbox full for this sink (raise delivery.queue_capacity or fix the sink)";
-                tracing::error!(sink = %sink, event_id = %event.id(), reason, "Event not stored for this sink, written to its dead-letter file");
-                metrics::counter!("sched_relay_sink_dead_lettered_total", "sink" => sink.clone())
-                    .increment(1);
-                DeadLetter::new(&publisher.dead_letter_dir, &sink)
-                    .write(std::slice::from_ref(&event), reason);
-            }
-            Ok::<_, StoreError>(())
+            let every: Vec<usize> = (0..publisher.names.len()).collect();
+            publisher
+                .store(&events, document.as_ref(), &every, Overflow::DeadLetter)
+                .map(drop)
         })
         .await
         .map_err(|e| StoreError::Io {
@@ -413,6 +361,99 @@ impl Publisher {
         }
         Ok(())
     }
+
+    /// Stores `events` (with `document`, then processed) for the sinks numbered `targets`,
+    /// in one durable commit, and hands them to those sinks' tails meanwhile; returns where
+    /// each target's events went, by the sink's index in the fan-out. Blocking (it fsyncs).
+    fn store(
+        &self,
+        events: &Arc<[Event]>,
+        document: Option<&ProcessedDocument>,
+        targets: &[usize],
+        overflow: Overflow,
+    ) -> Result<Vec<Placement>, StoreError> {
+        let document = document.map(|processed| Processed {
+            document: &processed.document.raw,
+            epoch: processed.epoch,
+        });
+        // `targets` are distinct indices in order: all of them are the fan-out's own list.
+        let subset: Vec<String>;
+        let names: &[String] = if targets.len() == self.names.len() {
+            &self.names
+        } else {
+            subset = targets.iter().map(|&i| self.names[i].clone()).collect();
+            &subset
+        };
+        let ticket = Ticket::new();
+        let _settled = tail::SettledAtDrop(ticket.clone());
+        let began = std::time::Instant::now();
+        let mut placed = Vec::with_capacity(targets.len());
+        let committed = self
+            .outbox
+            .commit_placing(names, events, document, |placements| {
+                placed.extend(placements.iter().map(|placement| Placement {
+                    sink: targets[placement.sink],
+                    ..*placement
+                }));
+                // While the store cannot be written, its commits are expected to fail:
+                // nothing is handed over (one that succeeds wakes the sinks below, and
+                // they read it back from the outbox).
+                if self.outbox.unwritable().is_some() {
+                    return;
+                }
+                for placement in &placed {
+                    self.tails[placement.sink].push(
+                        placement.first_seq,
+                        events,
+                        placement.stored,
+                        &ticket,
+                    );
+                    self.wakers[placement.sink].notify_one();
+                }
+            });
+        ticket.settle(committed.is_ok());
+        if committed.is_ok() {
+            // The fsync every sink waits for: on a slow disk, the agent's own latency.
+            let took = began.elapsed();
+            metrics::histogram!("sched_relay_state_store_commit_seconds")
+                .record(took.as_secs_f64());
+            tracing::debug!(
+                events = events.len(),
+                commit_us = took.as_micros() as u64,
+                "Stored"
+            );
+        }
+        let full = match committed {
+            Ok(full) => full,
+            Err(error) => {
+                for tail in self.tails.iter() {
+                    tail.discard(&ticket);
+                }
+                return Err(error);
+            }
+        };
+        if overflow == Overflow::DeadLetter {
+            for (sink, event) in full {
+                let reason =
+                    "outbox full for this sink (raise delivery.queue_capacity or fix the sink)";
+                tracing::error!(sink = %sink, event_id = %event.id(), reason, "Event not stored for this sink, written to its dead-letter file");
+                metrics::counter!("sched_relay_sink_dead_lettered_total", "sink" => sink.clone())
+                    .increment(1);
+                DeadLetter::new(&self.dead_letter_dir, &sink)
+                    .write(std::slice::from_ref(&event), reason);
+            }
+        }
+        Ok(placed)
+    }
+}
+
+/// What becomes of events a sink's full queue cannot take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Overflow {
+    /// Written to the sink's dead-letter file, with an ERROR: a transition is never dropped.
+    DeadLetter,
+    /// Left out for that sink: the next heartbeat says the same, newer.
+    Skip,
 }
 
 /// Appends entries (events, or what could not be read of them) to `sink`'s dead-letter file

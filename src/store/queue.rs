@@ -305,6 +305,17 @@ impl Outbox {
         })
     }
 
+    /// Whether `sink` still holds the event it numbered `seq` (not delivered, or delivered
+    /// and not removed yet).
+    pub fn holds(&self, sink: &str, seq: u64) -> Result<bool, StoreError> {
+        self.reopen_if_due();
+        self.with_db(Access::Read, |db| {
+            let txn = db.begin_read().map_err(|e| self.io(e))?;
+            let table = txn.open_table(QUEUE).map_err(|e| self.io(e))?;
+            Ok(table.get((sink, seq)).map_err(|e| self.io(e))?.is_some())
+        })
+    }
+
     /// How many undelivered events each sink may hold.
     pub fn capacity(&self) -> usize {
         self.capacity

@@ -60,6 +60,11 @@ pub const METRICS: &[(&str, &str, &str)] = &[
         "Transitions emitted, by transition (scheduled, started, completed, ...).",
     ),
     (
+        "sched_relay_heartbeats_total",
+        "counter",
+        "Heartbeats stored for the sinks (events.heartbeat_interval); a sink still holding an undelivered one gets no new one.",
+    ),
+    (
         "sched_relay_sink_delivered_total",
         "counter",
         "Events a sink confirmed.",

@@ -122,3 +122,17 @@ fn binary_mode_headers_and_structured_bodies_decode_alike() {
     assert_eq!(decoded["subject"], "E");
     assert_eq!(decoded["data"]["x"], 1);
 }
+
+#[test]
+fn heartbeats_and_documents_make_no_rows() {
+    let mut fleet = Fleet::default();
+    fleet.apply(&event(
+        "heartbeat",
+        "vm1",
+        "heartbeat",
+        json!({"incarnation": 3, "data": {"events": [
+            {"EventId": "E1", "EventStatus": "Scheduled"}]}}),
+    ));
+    fleet.apply(&event("document", "vm1", "3", json!({"incarnation": 3})));
+    assert!(fleet.rows.is_empty(), "{:?}", fleet.rows);
+}

@@ -22,13 +22,15 @@ pub enum EventKind {
     Approval(ApprovalOutcome),
     /// An approval request itself (`<prefix>.approval.requested`), as orchestrators send.
     ApprovalRequest,
+    /// The agent's periodic sign of life: `<prefix>.heartbeat` (see [`super::Heartbeat`]).
+    Heartbeat,
     /// A `type` sched-relay does not make.
     Other,
 }
 
 impl EventKind {
     /// Every kind sched-relay makes, for tests and documentation.
-    pub const ALL: [EventKind; 10] = [
+    pub const ALL: [EventKind; 11] = [
         EventKind::Transition(TransitionKind::Scheduled),
         EventKind::Transition(TransitionKind::Started),
         EventKind::Transition(TransitionKind::Completed),
@@ -39,6 +41,7 @@ impl EventKind {
         EventKind::Approval(ApprovalOutcome::Rejected),
         EventKind::Approval(ApprovalOutcome::Failed),
         EventKind::ApprovalRequest,
+        EventKind::Heartbeat,
     ];
 
     /// The name after the type prefix: `scheduled`, `document`, `approval.accepted`, ...
@@ -52,6 +55,7 @@ impl EventKind {
             EventKind::Approval(ApprovalOutcome::Rejected) => "approval.rejected",
             EventKind::Approval(ApprovalOutcome::Failed) => "approval.failed",
             EventKind::ApprovalRequest => "approval.requested",
+            EventKind::Heartbeat => "heartbeat",
             EventKind::Other => return None,
         })
     }

@@ -1,6 +1,9 @@
 //! Turns transitions and documents into CloudEvents 1.0, exactly as product.md lays them out:
 //! deterministic ids, the Azure EventId as `subject`, lower-case extensions, and `data` holding
-//! the Azure event exactly as received. Pure: the observation time is passed in.
+//! the Azure event exactly as received. Pure: the observation time is passed in. The agent's
+//! heartbeat is [`Heartbeat`].
+
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use cloudevents::{EventBuilder, EventBuilderV10};
@@ -12,8 +15,10 @@ use crate::diff::{Observation, Transition, diff_observed};
 use crate::document::Document;
 
 mod decode;
+mod heartbeat;
 mod kind;
 
+pub use heartbeat::{HEARTBEAT_SUBJECT, Heartbeat};
 pub use kind::{Event, EventKind};
 
 /// Who this VM is, as the metadata service (or the configuration) says.
@@ -51,6 +56,10 @@ pub struct EventsConfig {
     pub document_events: bool,
     #[serde(default)]
     pub partition_key: PartitionKey,
+    /// How often the agent publishes a `heartbeat` event (the first once its first document
+    /// is processed); `0s` publishes none. Otherwise 1s..1h.
+    #[serde(default = "default_heartbeat_interval", with = "humantime_serde")]
+    pub heartbeat_interval: Duration,
 }
 
 impl Default for EventsConfig {
@@ -59,6 +68,7 @@ impl Default for EventsConfig {
             type_prefix: default_type_prefix(),
             document_events: true,
             partition_key: PartitionKey::default(),
+            heartbeat_interval: default_heartbeat_interval(),
         }
     }
 }
@@ -66,17 +76,37 @@ impl Default for EventsConfig {
 impl EventsConfig {
     /// Problems, as (key under `events`, message).
     pub fn validate(&self) -> Vec<(String, String)> {
+        let mut problems = Vec::new();
         if self.type_prefix.is_empty() || self.type_prefix.contains(char::is_whitespace) {
-            return vec![(
+            problems.push((
                 "type_prefix".into(),
                 format!(
                     "{:?} must be a non-empty reverse-DNS name without spaces",
                     self.type_prefix
                 ),
-            )];
+            ));
         }
-        Vec::new()
+        let interval = self.heartbeat_interval;
+        if !interval.is_zero() && !HEARTBEAT_INTERVALS.contains(&interval) {
+            problems.push((
+                "heartbeat_interval".into(),
+                format!(
+                    "{} is outside 1s..1h; expected a duration such as \"5m\", or \"0s\" for no heartbeats",
+                    humantime::format_duration(interval)
+                ),
+            ));
+        }
+        problems
     }
+}
+
+/// The heartbeat intervals allowed besides 0 (off): more often than every second would be
+/// noise on every broker, less often than hourly no inventory.
+pub const HEARTBEAT_INTERVALS: std::ops::RangeInclusive<Duration> =
+    Duration::from_secs(1)..=Duration::from_secs(3600);
+
+fn default_heartbeat_interval() -> Duration {
+    Duration::from_secs(300)
 }
 
 fn default_type_prefix() -> String {

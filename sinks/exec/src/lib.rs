@@ -6,7 +6,9 @@
 //! `EVENT_ID`, `EVENT_TYPE`, `EVENT_STATUS`, `NOT_BEFORE`, `TRANSITION`, `CE_ID`, `CE_TYPE`,
 //! `VM_NAME`, `AFFECTS_VM` and `INCARNATION` in its environment. Exit 0 is delivered; an exit
 //! status listed in `retry_exit_codes` (default 75, EX_TEMPFAIL) or a timeout is retried; any
-//! other status sends the event to the dead-letter file with the command's stderr.
+//! other status sends the event to the dead-letter file with the command's stderr. It runs
+//! for the events `transitions` names; an empty list means every event but heartbeats, so a
+//! drain script does not run every few minutes because the agent is alive.
 //!
 //! The command gets only what it needs: the agent's environment holds broker passwords,
 //! tokens and `SCHED_RELAY_*` overrides, so the command starts from an empty environment with
@@ -34,7 +36,8 @@ pub struct ExecSinkConfig {
     /// The program and its arguments, e.g. `["/usr/local/bin/drain", "--graceful"]`.
     pub command: Vec<String>,
     /// Run only for these transitions (`scheduled`, `started`, ...); empty: every event,
-    /// `document` snapshots included.
+    /// `document` snapshots included, but not heartbeats (`heartbeat` must be listed: a drain
+    /// script must not run every few minutes because the agent is alive).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub transitions: Vec<String>,
     /// Killed and retried after this long.
@@ -146,11 +149,17 @@ impl ExecSink {
         ]
     }
 
-    async fn run(&self, event: &Event) -> Result<(), SinkError> {
+    /// Whether the command runs for this event (the others are confirmed unrun).
+    fn wants(&self, event: &Event) -> bool {
+        if self.config.transitions.is_empty() {
+            return event.kind() != EventKind::Heartbeat;
+        }
         let transition = event.transition();
-        if !self.config.transitions.is_empty()
-            && !self.config.transitions.iter().any(|t| t == transition)
-        {
+        self.config.transitions.iter().any(|t| t == transition)
+    }
+
+    async fn run(&self, event: &Event) -> Result<(), SinkError> {
+        if !self.wants(event) {
             return Ok(());
         }
         let program = &self.config.command[0];

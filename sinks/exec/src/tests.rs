@@ -279,3 +279,37 @@ async fn a_script_being_replaced_is_retried_not_dead_lettered() {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
 }
+
+#[tokio::test]
+async fn heartbeats_run_the_command_only_when_its_transitions_name_them() {
+    use cloudevents::EventBuilder;
+    let heartbeat: Event = cloudevents::EventBuilderV10::new()
+        .id("heartbeat:1714557900000")
+        .source("urn:x")
+        .ty("com.azure.scheduledevents.heartbeat")
+        .subject("heartbeat")
+        .build()
+        .unwrap()
+        .into();
+    let scheduled = live_migration_events("vm")
+        .into_iter()
+        .find(|event| event.transition() == "scheduled")
+        .unwrap();
+    let batch = [heartbeat, scheduled];
+    let dir = tempfile::tempdir().unwrap();
+    let ran = |name: &str| {
+        let out = dir.path().join(name);
+        let script = format!("echo \"$TRANSITION\" >> {}", out.display());
+        (out, script)
+    };
+    // Empty: every event but heartbeats, so a drain script does not run every 5 minutes.
+    let (out, script) = ran("every");
+    sink(&script, "").deliver(&batch).await.unwrap();
+    assert_eq!(std::fs::read_to_string(&out).unwrap(), "scheduled\n");
+    let (out, script) = ran("listed");
+    sink(&script, "transitions = [\"heartbeat\"]")
+        .deliver(&batch)
+        .await
+        .unwrap();
+    assert_eq!(std::fs::read_to_string(&out).unwrap(), "heartbeat\n");
+}

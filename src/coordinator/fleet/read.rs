@@ -116,6 +116,7 @@ pub fn read(event: &Value) -> Result<Incoming, String> {
             });
         }
         EventKind::ApprovalRequest => return Ok(Incoming::Ignored("approval request")),
+        EventKind::Heartbeat => return Ok(Incoming::Ignored("heartbeat")),
         EventKind::Other => {
             return Err(format!(
                 "type {ty:?} is not a Scheduled Events transition or approval outcome"
