@@ -15,6 +15,14 @@
 //! Faults: every 50th agent killed with SIGKILL and restarted, the NATS server restarted,
 //! the coordinator killed with SIGKILL and restarted.
 //!
+//! And what every fleet meets (issue 36), judged from the simulators' own record of who was
+//! down when: a quiet fleet (the coordinator starts after the agents' documents have left a
+//! stream that keeps 40 s, or, through RabbitMQ, after they went to no queue: it knows the
+//! VMs from their heartbeats, every 20 s); a scale-in of group g9 with Terminate notices
+//! (never approved; each VM deleted when its Terminate starts); a Reboot whose VM never
+//! comes back (g3-13: its agent dies once it started); and every 100th agent (n = 77) in
+//! dry run. The wave starts `WAVE_START` after the simulators.
+//!
 //! The broker is a private NATS JetStream server (`--broker nats`, the default) or a private
 //! RabbitMQ node (`--broker amqp`: events to a topic exchange and the coordinator's durable
 //! queue, approvals to each agent's own queue); either is restarted half-way. Private, so
@@ -28,7 +36,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use common::fleet::{Coordinator, posts};
+use common::fleet::{Coordinator, Downtime, downtimes, over_budget, posts};
 use common::{AgentProcess, SimProcess};
 use sched_relay_amqp::testing::PrivateRabbit;
 use sched_relay_core::approval::SigningKey;
@@ -41,6 +49,26 @@ const NOTICE: u64 = 180;
 const SPOT_NOTICE: u64 = 6;
 const DOWN_FOR: Duration = Duration::from_secs(4);
 const SPREAD: f64 = 60.0;
+/// The wave's first event, after the simulators start: the agents are up and their first
+/// documents have left the stream before the coordinator starts.
+const WAVE_START: f64 = 120.0;
+/// The coordinator's expected outage for every approvable type: the simulated outage and a
+/// second for the agents' polls.
+const OUTAGE: Duration = Duration::from_secs(5);
+/// The scale-in: these VMs of g9 get a Terminate, and are deleted when it starts.
+fn scaled_in(n: usize) -> bool {
+    n % GROUPS == 9 && n < 50
+}
+/// The Reboot whose VM never comes back.
+const NEVER_BACK: usize = 13;
+/// The EventId of NEVER_BACK's Reboot (or Redeploy).
+fn never_back_id() -> String {
+    format!("f1ee7000-0000-4000-8000-01{NEVER_BACK:010}")
+}
+/// Agents in dry run: they answer `accepted` with `dryRun` and POST nothing.
+fn dry_run(n: usize) -> bool {
+    n % 100 == 77
+}
 
 /// One scripted event: (EventId, type, appears after s, notice s, duration, cancel after s,
 /// the VMs it lists when more than the one whose scenario has it).
@@ -57,8 +85,19 @@ struct Planned {
 
 /// VM `n`'s own events.
 fn plan(n: usize, vms: usize) -> Vec<Planned> {
-    let appear = SPREAD * n as f64 / vms as f64;
+    let appear = WAVE_START + SPREAD * n as f64 / vms as f64;
     let id = |kind: u8| format!("f1ee7000-0000-4000-8000-{kind:02}{n:010}");
+    if scaled_in(n) {
+        return vec![Planned {
+            resources: Vec::new(),
+            id: id(6),
+            ty: "Terminate",
+            appear: WAVE_START + 10.0,
+            notice: 30,
+            duration: -1,
+            cancel_after: None,
+        }];
+    }
     let mut events = vec![Planned {
         resources: Vec::new(),
         id: id(1),
@@ -113,10 +152,13 @@ fn plan(n: usize, vms: usize) -> Vec<Planned> {
 fn plan_host_events(names: &[String], plans: &mut [Vec<Planned>]) {
     let vms = names.len();
     for n in (0..vms.saturating_sub(2)).filter(|n| n % 30 == 5) {
+        if (n..n + 3).any(scaled_in) {
+            continue;
+        }
         let event = Planned {
             id: format!("f1ee7000-0000-4000-8000-05{n:010}"),
             ty: "Reboot",
-            appear: SPREAD * n as f64 / vms as f64 + 1.5,
+            appear: WAVE_START + SPREAD * n as f64 / vms as f64 + 1.5,
             notice: NOTICE,
             duration: -1,
             cancel_after: None,
@@ -136,9 +178,16 @@ fn scenario(vm: &str, events: &[Planned]) -> String {
         } else {
             e.resources.clone()
         };
+        // A terminated VM is deleted, and NEVER_BACK's Reboot never ends: the simulator keeps
+        // them Started for the rest of the run.
+        let down_for = if e.ty == "Terminate" || e.id == never_back_id() {
+            1000
+        } else {
+            DOWN_FOR.as_secs()
+        };
         text.push_str(&format!(
-            "\n[[events]]\nid = \"{}\"\ntype = \"{}\"\nresources = {resources:?}\nappear_after = \"{}ms\"\nnotice = \"{}s\"\nduration_in_seconds = {}\nstarted_for = \"{}s\"\n",
-            e.id, e.ty, (e.appear * 1000.0) as u64, e.notice, e.duration, DOWN_FOR.as_secs()
+            "\n[[events]]\nid = \"{}\"\ntype = \"{}\"\nresources = {resources:?}\nappear_after = \"{}ms\"\nnotice = \"{}s\"\nduration_in_seconds = {}\nstarted_for = \"{down_for}s\"\n",
+            e.id, e.ty, (e.appear * 1000.0) as u64, e.notice, e.duration
         ));
         if let Some(after) = e.cancel_after {
             text.push_str(&format!("cancel_after = \"{after}s\"\n"));
@@ -207,9 +256,20 @@ impl Bus {
                     .enable_all()
                     .build()
                     .unwrap()
-                    .block_on(sched_relay_nats::testing::create_stream(
-                        &url, "FLEET", "fleet.>",
-                    ));
+                    .block_on(async {
+                        // Kept 40 s: the coordinator, started later, sees no agent's first
+                        // document, as after a quiet day (heartbeats make the inventory).
+                        let client = async_nats::connect(&url).await.unwrap();
+                        async_nats::jetstream::new(client)
+                            .create_stream(async_nats::jetstream::stream::Config {
+                                name: "FLEET".into(),
+                                subjects: vec!["fleet.>".into()],
+                                max_age: Duration::from_secs(40),
+                                ..Default::default()
+                            })
+                            .await
+                            .unwrap();
+                    });
                 (
                     format!(
                         "[[sinks]]\nname = \"bus\"\nkind = \"nats\"\nurl = \"{url}\"\nsubject = \"fleet.{{vmname}}.{{transition}}\"\njetstream = true\n\n\
@@ -305,16 +365,19 @@ fn main() {
         })
         .collect();
     let sims = SimProcess::start_fleet(&paths.iter().map(String::as_str).collect::<Vec<_>>(), 1.0);
+    let origin = Instant::now();
     let mut agents = Vec::new();
-    for sim in &sims {
-        agents.push(AgentProcess::start_on_defaults_with_env(
+    for (n, sim) in sims.iter().enumerate() {
+        let mut agent = AgentProcess::configure_on_defaults(
             &sim.url,
             &format!(
-                "{agent_bus}\n\
+                "[events]\nheartbeat_interval = \"20s\"\n\n{agent_bus}\n\
                  [[approvals.keys]]\nid = \"coordinator\"\nalgorithm = \"ed25519\"\npublic_key = \"{public_key}\"\n"
             ),
-            &[("SCHED_RELAY_LOG__LEVEL", "warn")],
-        ));
+        );
+        agent.set_env(&[("SCHED_RELAY_LOG__LEVEL", "warn")]);
+        agent.spawn(if dry_run(n) { &["--dry-run"] } else { &[] });
+        agents.push(agent);
     }
     std::thread::sleep(Duration::from_secs(3));
     for agent in agents.iter_mut() {
@@ -343,23 +406,54 @@ fn main() {
              [approvals]\n{output}\n\n\
              [signing]\nkey_file = \"{key}\"\nkey_id = \"coordinator\"\n\n\
              [drain]\ncommand = [\"sh\", \"{drain}\"]\nmargin = \"30s\"\n\n\
-             [defaults]\nmax_down = 1\n[defaults.actions]\nReboot = \"drain_then_approve\"\nRedeploy = \"drain_then_approve\"\nPreempt = \"drain_then_approve\"\nFreeze = {{ action = \"approve\", max_duration = \"10s\" }}\n{groups}",
+             [defaults]\nmax_down = 1\n[defaults.actions]\nReboot = \"drain_then_approve\"\nRedeploy = \"drain_then_approve\"\nPreempt = \"drain_then_approve\"\nFreeze = {{ action = \"approve\", max_duration = \"10s\" }}\nTerminate = \"never\"\n\
+             [defaults.outage]\nReboot = \"{outage}s\"\nRedeploy = \"{outage}s\"\n{groups}",
             state = dir.path().join("state").display(),
             key = key_file.display(),
             drain = drain.display(),
+            outage = OUTAGE.as_secs(),
         ),
     )
     .unwrap();
-    let wave = Instant::now();
+    // The quiet fleet: every first document has left the stream (40 s) when it starts.
+    std::thread::sleep(Duration::from_secs(45).saturating_sub(origin.elapsed()));
     let before: Vec<(u64, u64, u64)> = agents.iter().map(|a| footprint(a.pid())).collect();
     let mut coordinator = Coordinator::start(config, dir.path().join("coordinator.log"), port);
     let coordinator_cpu_before = footprint(coordinator.pid().unwrap()).0;
 
+    // VMs the test deletes when their event starts (the scale-in's Terminates) or whose agent
+    // dies then (the Reboot that never comes back), watched while waiting.
+    let name_of = |n: usize| names[n].clone();
+    let mut watched: Vec<usize> = (0..vms)
+        .filter(|n| scaled_in(*n) || *n == NEVER_BACK)
+        .collect();
+    let mut deleted: BTreeMap<String, i64> = BTreeMap::new();
+    let mut wait_until = |when: Instant, agents: &mut Vec<AgentProcess>| {
+        while Instant::now() < when {
+            watched.retain(|&n| {
+                let started = sims[n].state()["down"]
+                    .as_array()
+                    .is_some_and(|d| !d.is_empty());
+                if started {
+                    agents[n].kill9();
+                    if scaled_in(n) {
+                        deleted.insert(name_of(n), chrono::Utc::now().timestamp_micros());
+                    }
+                }
+                !started
+            });
+            std::thread::sleep(Duration::from_millis(500).min(when - Instant::now().min(when)));
+        }
+    };
+    let wave = origin + Duration::from_secs_f64(WAVE_START);
+    wait_until(wave, &mut agents);
+    let known_at_wave = coordinator.fleet()["vms"]
+        .as_object()
+        .map_or(0, |vms| vms.len());
+
     // Faults, at fixed moments of the wave.
     let at = |s: u64| wave + Duration::from_secs(s);
-    let wait_until =
-        |when: Instant| std::thread::sleep(when.saturating_duration_since(Instant::now()));
-    wait_until(at(25));
+    wait_until(at(25), &mut agents);
     let killed: Vec<usize> = (0..vms).step_by(50).collect();
     for &n in &killed {
         agents[n].kill9();
@@ -369,10 +463,10 @@ fn main() {
         agents[n].spawn(&[]);
     }
     eprintln!("{} agents killed and restarted", killed.len());
-    wait_until(at(40));
+    wait_until(at(40), &mut agents);
     bus.restart(Duration::from_secs(2));
     eprintln!("{broker} restarted");
-    wait_until(at(55));
+    wait_until(at(55), &mut agents);
     let coordinator_cpu_first = footprint(coordinator.pid().unwrap()).0 - coordinator_cpu_before;
     coordinator.kill9();
     std::thread::sleep(Duration::from_secs(2));
@@ -381,9 +475,21 @@ fn main() {
     eprintln!("coordinator killed and restarted");
 
     // Until every event has had its NotBefore and its end.
-    wait_until(at(SPREAD as u64 + NOTICE + DOWN_FOR.as_secs() + 10));
+    wait_until(
+        at(SPREAD as u64 + NOTICE + DOWN_FOR.as_secs() + 10),
+        &mut agents,
+    );
     let elapsed = wave.elapsed();
-    let after: Vec<(u64, u64, u64)> = agents.iter().map(|a| footprint(a.pid())).collect();
+    let after: Vec<(u64, u64, u64)> = agents
+        .iter_mut()
+        .map(|a| {
+            if a.is_running() {
+                footprint(a.pid())
+            } else {
+                (0, 0, 0)
+            }
+        })
+        .collect();
     let (coordinator_cpu_end, coordinator_rss, coordinator_pss) =
         footprint(coordinator.pid().unwrap());
     // One process serves every VM.
@@ -416,9 +522,6 @@ fn main() {
 
     // What the simulators say.
     let limit = (vms / GROUPS * PERCENT).div_ceil(100);
-    // Per group, each VM's time down: (VM, from, until, approved by the coordinator).
-    let mut downs: BTreeMap<usize, Vec<(String, i64, i64, bool)>> = BTreeMap::new();
-    let down_us = DOWN_FOR.as_micros() as i64;
     let (
         mut approvable,
         mut approved,
@@ -439,43 +542,27 @@ fn main() {
         .collect();
     let mut counted = std::collections::HashSet::new();
     for (n, vm) in names.iter().enumerate() {
-        let origin = sims[n].state()["started_unix_us"].as_i64().unwrap();
+        let origin_us = sims[n].state()["started_unix_us"].as_i64().unwrap();
         for e in &plans[n] {
             let for_it: Vec<i64> = accepted
                 .iter()
                 .filter(|(body, _)| body.contains(&e.id))
                 .map(|(_, at)| *at)
                 .collect();
-            // Counted once per Azure event; each VM it lists is down.
+            // Counted once per Azure event.
             let first = counted.insert(e.id.clone());
-            let not_before = origin + ((e.appear + e.notice as f64) * 1e6) as i64;
+            let not_before = origin_us + ((e.appear + e.notice as f64) * 1e6) as i64;
             if e.cancel_after.is_some() && for_it.is_empty() {
                 cancelled += usize::from(first);
-            } else {
+            } else if e.ty != "Terminate" {
                 approvable += usize::from(first);
                 match for_it.iter().min() {
-                    None => {
-                        // Azure starts it at NotBefore: down too, by Azure's decision.
-                        left_to_azure += usize::from(first);
-                        downs.entry(n % GROUPS).or_default().push((
-                            vm.clone(),
-                            not_before,
-                            not_before + down_us,
-                            false,
-                        ));
+                    None => left_to_azure += usize::from(first),
+                    Some(at) if first => {
+                        approved += 1;
+                        after_not_before += usize::from(*at > not_before);
                     }
-                    Some(at) => {
-                        if first {
-                            approved += 1;
-                            after_not_before += usize::from(*at > not_before);
-                        }
-                        downs.entry(n % GROUPS).or_default().push((
-                            vm.clone(),
-                            *at,
-                            *at + down_us,
-                            true,
-                        ));
-                    }
+                    Some(_) => {}
                 }
             }
             if first {
@@ -498,7 +585,11 @@ fn main() {
                     shared_released += usize::from(released);
                 }
             }
-            // Lost: the coordinator never heard of it from this VM, or not of its end.
+            // Lost: the coordinator never heard of it from this VM, or not of its end (but
+            // from the VMs that were deleted or never came back).
+            if scaled_in(n) || n == NEVER_BACK {
+                continue;
+            }
             let known = fleet["events"]
                 .as_array()
                 .unwrap()
@@ -512,46 +603,54 @@ fn main() {
             }
         }
     }
-    // A violation: the coordinator's approval took a VM down (one not down already) while
-    // its group, counting every VM down for any reason, was then over the budget.
-    let down_at =
-        |intervals: &[(String, i64, i64, bool)], t: i64| -> std::collections::BTreeSet<String> {
-            intervals
-                .iter()
-                .filter(|(_, from, until, _)| *from <= t && t < *until)
-                .map(|(vm, ..)| vm.clone())
-                .collect()
-        };
-    // Says, for a violation, why each VM was down then, in seconds from the scenarios' start.
-    let origin = sims[0].state()["started_unix_us"].as_i64().unwrap();
-    let why_down = |g: usize, t: i64| -> Vec<String> {
-        downs[&g]
-            .iter()
-            .filter(|(_, from, until, _)| *from <= t && t < *until)
-            .map(|(vm, from, _, by_coordinator)| {
-                let by = if *by_coordinator {
-                    "approved"
-                } else {
-                    "Azure, at NotBefore"
-                };
-                format!("{vm} ({by}, +{:.1} s)", (from - origin) as f64 / 1e6)
-            })
-            .collect()
-    };
-    let mut most = vec![0; GROUPS];
-    let mut violations = Vec::new();
-    for (g, intervals) in &downs {
-        for (vm, t, _, by_coordinator) in intervals {
-            let now_down = down_at(intervals, *t);
-            most[*g] = most[*g].max(now_down.len());
-            let already = intervals
-                .iter()
-                .any(|(other, from, until, _)| other == vm && from < t && t < until);
-            if *by_coordinator && !already && now_down.len() > limit {
-                violations.push((*g, vm.clone(), *t, now_down));
-            }
+    // The ceiling, from the simulators' record of who was down when (every VM deleted gone
+    // from then on): an approval's VM down, within its expected outage, while its group had
+    // more VMs down than its budget.
+    let mut record: Vec<Downtime> = downtimes(names.iter().zip(&sims));
+    for d in &mut record {
+        if let Some(gone) = deleted.get(&d.vm) {
+            d.until_us = Some(d.until_us.map_or(*gone, |u| u.min(*gone)));
         }
     }
+    let group_of = |vm: &str| vm.split('-').next().unwrap_or_default().to_owned();
+    let limits: BTreeMap<String, usize> = (0..GROUPS).map(|g| (format!("g{g}"), limit)).collect();
+    let outage_us = OUTAGE.as_micros() as i64;
+    let violations = over_budget(&record, group_of, &limits, |_| Some(outage_us));
+    // The most VMs down at once per group, Azure's own starts included.
+    let mut most = vec![0usize; GROUPS];
+    for d in &record {
+        let g = group_of(&d.vm);
+        let down: std::collections::BTreeSet<&str> = record
+            .iter()
+            .filter(|o| {
+                group_of(&o.vm) == g
+                    && o.from_us <= d.from_us
+                    && d.from_us < o.until_us.unwrap_or(i64::MAX)
+            })
+            .map(|o| o.vm.as_str())
+            .collect();
+        let index: usize = g[1..].parse().unwrap_or(0);
+        most[index] = most[index].max(down.len());
+    }
+    let dry_vms: Vec<usize> = (0..vms).filter(|n| dry_run(*n)).collect();
+    let dry_posts: usize = dry_vms.iter().map(|n| posts(&sims[*n]).len()).sum();
+    let dry_answers: u64 = fleet["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["approval"]["dry_run_answers"].as_u64())
+        .sum();
+    let left = metrics
+        .lines()
+        .find(|l| l.starts_with("sched_relay_coordinator_vms_left_total"))
+        .and_then(|l| l.rsplit(' ').next())
+        .unwrap_or("0")
+        .to_owned();
+    let never_back_down = fleet["groups"].as_array().unwrap().iter().any(|g| {
+        g["down"]
+            .as_array()
+            .is_some_and(|d| d.iter().any(|v| *v == names[NEVER_BACK].as_str()))
+    });
     let agent_cpu: Vec<f64> = before
         .iter()
         .zip(&after)
@@ -587,9 +686,25 @@ fn main() {
     );
     println!("| left to NotBefore (never approved) | {left_to_azure} | |");
     println!(
-        "| approvals that took a group over its budget ({limit} of {} VMs) / most VMs down at once per group, Azure's own starts included | {} / {most:?} | 0 |",
+        "| moments an approval's VM was down while its group was over budget ({limit} of {} VMs), from the simulators' record / most VMs down at once per group, Azure's own starts included | {} / {most:?} | 0 |",
         vms / GROUPS,
         violations.len()
+    );
+    println!(
+        "| quiet fleet: VMs the coordinator knew when the wave began (from heartbeats alone) | {known_at_wave} of {vms} | all |"
+    );
+    println!(
+        "| scale-in of g9 ({} VMs, Terminate then deleted): left the inventory | {left} | {} |",
+        deleted.len(),
+        deleted.len()
+    );
+    println!(
+        "| the Reboot whose VM never came back ({}): still counted as down at the end | {never_back_down} | true |",
+        names[NEVER_BACK]
+    );
+    println!(
+        "| agents in dry run ({}): their POSTs / dry-run answers to the coordinator's requests | {dry_posts} / {dry_answers} | 0 / |",
+        dry_vms.len()
     );
     println!("| approvals after NotBefore | {after_not_before} | 0 |");
     println!(
@@ -628,13 +743,8 @@ fn main() {
         "| faults | {} agents SIGKILLed and restarted; the {broker_name} server restarted (down 2 s); coordinator SIGKILLed and restarted | |",
         killed.len()
     );
-    for (g, vm, t, now_down) in &violations {
-        println!(
-            "\nGroup g{g}: {vm} approved at +{:.3} s with {} down: {}",
-            (t - origin) as f64 / 1e6,
-            now_down.len(),
-            why_down(*g, *t).join(", ")
-        );
+    for violation in &violations {
+        println!("\n{violation}");
     }
     if !lost.is_empty() {
         println!(

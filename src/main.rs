@@ -109,6 +109,9 @@ enum Command {
         /// Validate the configuration, print the groups and exit (2 on problems).
         #[arg(long)]
         check: bool,
+        /// Ask the running coordinator to pause, resume or release a VM (else run one).
+        #[command(subcommand)]
+        action: Option<sched_relay::coordinator::AdminCommand>,
     },
     /// Print a signed approval request (CloudEvent, structured JSON), or publish it with --to.
     SignApproval {
@@ -380,9 +383,14 @@ async fn run_command() -> ExitCode {
             config,
             dry_run,
             check,
+            action,
         } => {
-            sched_relay::coordinator::command(&config, dry_run, check, format, shutdown_signal())
-                .await
+            let options = sched_relay::coordinator::Options {
+                dry_run,
+                check,
+                action,
+            };
+            sched_relay::coordinator::command(&config, options, format, shutdown_signal()).await
         }
         Command::SignApproval {
             key,

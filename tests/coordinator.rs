@@ -302,6 +302,9 @@ max_down = 1
 Reboot = "drain_then_approve"
 Freeze = {{ action = "approve", max_duration = "10s" }}
 Terminate = "never"
+# A simulated Reboot keeps its VM down for {down_for} s.
+[defaults.outage]
+Reboot = "{outage}s"
 
 [[groups]]
 name = "web"
@@ -318,6 +321,8 @@ max_down_percent = 20
                 state = dir.path().join("state").display(),
                 key = key_file.display(),
                 script = drain_script.display(),
+                down_for = DOWN_FOR.as_secs(),
+                outage = DOWN_FOR.as_secs() + 1,
             ),
         )
         .unwrap();

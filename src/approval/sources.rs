@@ -167,6 +167,8 @@ pub async fn start_listener_and_sources(
                         .iter()
                         .map(|subject| for_vm(subject, &vm_name))
                         .collect(),
+                    // Requests are small and few; an expired one is refused anyway.
+                    max_age: std::time::Duration::ZERO,
                 }),
             from_start: false,
             ack_wait: std::time::Duration::from_secs(60),

@@ -1,13 +1,15 @@
-//! The drain hook: a command or a webhook, run once per VM before its event is approved,
-//! given until the deadline (NotBefore minus the margin). Hooks must be idempotent: after a
-//! coordinator restart (or a failover) a drain that was running is run again.
+//! The hooks: the drain, a command or a webhook run once per VM before its event is
+//! approved, given until the deadline (NotBefore minus the margin); and the health gate, run
+//! after the event is over for a VM until it passes. Hooks must be idempotent: after a
+//! coordinator restart (or a failover) a drain that was running is run again, and a gate
+//! runs until it passes.
 
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use serde_json::json;
 
-use super::config::Drain;
+use super::config::{Drain, HealthConfig};
 
 /// What the hook is told.
 #[derive(Debug, Clone)]
@@ -41,6 +43,24 @@ pub async fn run(config: &Drain, http: &reqwest::Client, job: &Job) -> Result<()
             "did not finish by the deadline {} ({} s)",
             job.deadline.to_rfc3339(),
             left.as_secs()
+        )),
+    }
+}
+
+/// Runs a health gate for one VM; `Ok` once it says healthy, within its `timeout`.
+pub async fn check(gate: &HealthConfig, http: &reqwest::Client, job: &Job) -> Result<(), String> {
+    let work = async {
+        match (&gate.command, &gate.url) {
+            (Some(command), _) => command_hook(command, job, gate.timeout).await,
+            (None, Some(url)) => webhook_hook(http, url, job).await,
+            (None, None) => Err("no health gate configured".into()),
+        }
+    };
+    match tokio::time::timeout(gate.timeout, work).await {
+        Ok(result) => result,
+        Err(_) => Err(format!(
+            "did not answer within {}",
+            humantime::format_duration(gate.timeout)
         )),
     }
 }

@@ -296,6 +296,12 @@ impl KvState {
                             .map_err(|e| format!("KV VM {name}: {e}"))?;
                         fleet.vms.insert(name, vm);
                     }
+                    "c" if name == "paused" => {
+                        fleet.paused = Some(
+                            serde_json::from_slice(&value)
+                                .map_err(|e| format!("KV pause switch: {e}"))?,
+                        );
+                    }
                     _ => {}
                 }
             }
@@ -335,6 +341,27 @@ impl KvState {
                     .put(format!("v.{}", hex(name)), json.into())
                     .await
                     .map_err(|e| e.to_string())?;
+            }
+            for name in &changes.vms_removed {
+                self.store
+                    .delete(format!("v.{}", hex(name)))
+                    .await
+                    .map_err(|e| e.to_string())?;
+            }
+            match &changes.paused {
+                Some(Some(pause)) => {
+                    let json = serde_json::to_vec(pause).map_err(|e| e.to_string())?;
+                    self.store
+                        .put(format!("c.{}", hex("paused")), json.into())
+                        .await
+                        .map_err(|e| e.to_string())?;
+                }
+                Some(None) => self
+                    .store
+                    .delete(format!("c.{}", hex("paused")))
+                    .await
+                    .map_err(|e| e.to_string())?,
+                None => {}
             }
             for ((source, id), at) in &changes.seen {
                 self.store

@@ -18,6 +18,12 @@ use tokio::sync::watch;
 use super::config::Input;
 use crate::sinks::SinkKind;
 
+/// How long an input stream the coordinator creates keeps its messages: a week of replay
+/// after a long outage, while the agents' heartbeats (288 a day per VM at the default
+/// interval) cannot fill the server.
+#[cfg(feature = "nats")]
+const INPUT_STREAM_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(7 * 24 * 3600);
+
 /// Starts the input; errors are those that must stop the coordinator's start.
 // Without any broker feature, only the refusal uses nothing.
 #[cfg_attr(
@@ -57,6 +63,7 @@ pub(super) async fn start(
                     stream: stream.clone(),
                     durable: durable.clone(),
                     create_with: vec![subject.clone()],
+                    max_age: INPUT_STREAM_MAX_AGE,
                 }),
                 from_start: true,
                 ack_wait: std::time::Duration::from_secs(10),
@@ -138,6 +145,7 @@ async fn prepare_stream(
         stream,
         &subjects,
         &subjects,
+        INPUT_STREAM_MAX_AGE,
     )
     .await
     {
@@ -209,7 +217,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_missing_input_stream_is_created_with_the_configured_subject() {
+    async fn a_missing_input_stream_is_created_with_the_configured_subject_and_kept_a_week() {
         if !broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
             return;
         }
@@ -219,6 +227,16 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(subjects_of(&stream).await, std::slice::from_ref(&subject));
+        // Kept a week: heartbeats cannot fill the server.
+        let client = async_nats::connect(NATS_URL).await.unwrap();
+        let mut created = async_nats::jetstream::new(client)
+            .get_stream(&stream)
+            .await
+            .unwrap();
+        assert_eq!(
+            created.info().await.unwrap().config.max_age,
+            super::INPUT_STREAM_MAX_AGE
+        );
         // Found as it is the next time.
         prepare_stream(&connection(), &stream, &subject)
             .await

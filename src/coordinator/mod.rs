@@ -15,6 +15,7 @@
 //! [`store`] the redb file, [`drain`] the hooks, [`config`] the file, [`input`] the agents'
 //! events (and the input stream it creates when missing).
 
+mod admin;
 pub mod config;
 pub mod drain;
 pub mod engine;
@@ -68,12 +69,22 @@ pub async fn run(
             config.signing.key_file.display()
         ));
     }
+    let admin_token = admin::token(&config)?;
     let listener = tokio::net::TcpListener::bind(config.coordinator.listen)
         .await
         .map_err(|e| format!("coordinator.listen {}: {e}", config.coordinator.listen))?;
     let snapshot: Snapshot = Arc::new(RwLock::new(Value::Null));
     let role: Role = Arc::new(RwLock::new("starting"));
-    let server = tokio::spawn(serve(listener, snapshot.clone(), role.clone()));
+    let (admin_tx, mut admin_rx) = mpsc::channel::<admin::Request>(16);
+    let server = tokio::spawn(serve(
+        listener,
+        snapshot.clone(),
+        role.clone(),
+        admin::Endpoint {
+            token: admin_token,
+            requests: admin_tx,
+        },
+    ));
     tokio::pin!(stop);
     let (store, lease) = match &config.ha {
         None => (store::Store::open(&config.coordinator.state_dir)?, None),
@@ -156,6 +167,9 @@ pub async fn run(
             }
             Some(delivery) = delivered.recv() => engine.deliver(delivery),
             Some(done) = done_rx.recv() => engine.finished(done),
+            Some((command, answer)) = admin_rx.recv() => {
+                let _ = answer.send(engine.admin(command, chrono::Utc::now()));
+            }
             _ = tick.tick() => engine.tick(chrono::Utc::now()),
         }
     }
@@ -174,16 +188,25 @@ type Snapshot = Arc<RwLock<Value>>;
 /// `starting`, `standby` (another instance holds the lease) or `active`.
 type Role = Arc<RwLock<&'static str>>;
 
-async fn serve(listener: tokio::net::TcpListener, snapshot: Snapshot, role: Role) {
-    let healthz = move || {
+async fn serve(
+    listener: tokio::net::TcpListener,
+    snapshot: Snapshot,
+    role: Role,
+    admin: admin::Endpoint,
+) {
+    let healthz = {
         let role = role.clone();
-        async move { format!("{}\n", *role.read().unwrap_or_else(|e| e.into_inner())) }
+        move || {
+            let role = role.clone();
+            async move { format!("{}\n", *role.read().unwrap_or_else(|e| e.into_inner())) }
+        }
     };
     let app = axum::Router::new()
         .route("/fleet", axum::routing::get(fleet_json))
         .route("/metrics", axum::routing::get(metrics_text))
         .route("/healthz", axum::routing::get(healthz))
-        .with_state(snapshot);
+        .with_state(snapshot)
+        .merge(admin::routes(admin, role));
     if let Err(error) = axum::serve(listener, app).await {
         tracing::error!(error = %error, "The coordinator's listener stopped");
     }
@@ -209,15 +232,32 @@ async fn metrics_text() -> impl IntoResponse {
     )
 }
 
+pub use admin::Command as AdminCommand;
+
+/// What `sched-relay coordinate` was asked besides its configuration.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    /// `--dry-run`.
+    pub dry_run: bool,
+    /// `--check`: print the groups and exit.
+    pub check: bool,
+    /// `pause`, `resume` or `release`: ask the running coordinator instead of running one.
+    pub action: Option<AdminCommand>,
+}
+
 /// `sched-relay coordinate`: loads (exit 2 with one line per problem), then runs until
 /// `stop`; `check` prints the groups and exits.
 pub async fn command(
     path: &std::path::Path,
-    dry_run: bool,
-    check: bool,
+    options: Options,
     format: crate::logging::LogFormat,
     stop: impl Future<Output = ()>,
 ) -> std::process::ExitCode {
+    let Options {
+        dry_run,
+        check,
+        action,
+    } = options;
     use std::process::ExitCode;
     let (mut config, policy) = match CoordinatorConfig::load(path) {
         Ok(loaded) => loaded,
@@ -232,6 +272,9 @@ pub async fn command(
             return ExitCode::from(2);
         }
     };
+    if let Some(action) = action {
+        return admin::send(&config, action).await;
+    }
     config.coordinator.dry_run |= dry_run;
     if check {
         for group in &policy.groups {
@@ -254,8 +297,18 @@ pub async fn command(
                     }
                 })
                 .collect();
+            let mut extra = String::new();
+            if let Some(size) = group.expected_size {
+                extra.push_str(&format!("; expected size {size}"));
+            }
+            if !group.windows.is_empty() {
+                extra.push_str(&format!("; {} maintenance window(s)", group.windows.len()));
+            }
+            if group.gated {
+                extra.push_str("; health gate");
+            }
             println!(
-                "group {}: {budget}; {}; any other type never",
+                "group {}: {budget}; {}; any other type never{extra}",
                 group.name,
                 rules.join(", ")
             );

@@ -9,12 +9,14 @@ use std::path::Path;
 use chrono::{DateTime, Utc};
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
-use super::fleet::{Fleet, Maintenance, Vm};
+use super::fleet::{Fleet, Maintenance, Pause, Vm};
 
 const EVENTS: TableDefinition<&str, &[u8]> = TableDefinition::new("events");
 const VMS: TableDefinition<&str, &[u8]> = TableDefinition::new("vms");
 /// `source \n id` -> when it was applied (Unix seconds).
 const SEEN: TableDefinition<&str, i64> = TableDefinition::new("seen");
+/// The operator's switches: `paused` -> [`Pause`] as JSON.
+const CONTROL: TableDefinition<&str, &[u8]> = TableDefinition::new("control");
 
 /// Where the state is kept: the embedded file (one instance), or NATS JetStream KV (a
 /// standby can take over; see [`super::ha`]).
@@ -32,6 +34,8 @@ pub struct Changes {
     pub vms_removed: Vec<String>,
     pub seen: Vec<((String, String), DateTime<Utc>)>,
     pub unseen: Vec<(String, String)>,
+    /// `Some` when the pause switch changed: paused (`Some(Some)`) or resumed.
+    pub paused: Option<Option<Pause>>,
 }
 
 impl Changes {
@@ -41,6 +45,7 @@ impl Changes {
             && self.vms_removed.is_empty()
             && self.seen.is_empty()
             && self.unseen.is_empty()
+            && self.paused.is_none()
     }
 }
 
@@ -89,6 +94,13 @@ impl Store {
             let at = DateTime::from_timestamp(at.value(), 0).unwrap_or_default();
             fleet.seen.insert((source.to_owned(), id.to_owned()), at);
         }
+        let control = txn.open_table(CONTROL).map_err(|e| e.to_string())?;
+        if let Some(pause) = control.get("paused").map_err(|e| e.to_string())? {
+            fleet.paused = Some(
+                serde_json::from_slice(pause.value())
+                    .map_err(|e| format!("stored pause switch: {e}"))?,
+            );
+        }
         Ok(fleet)
     }
 
@@ -134,6 +146,19 @@ impl Store {
             for (source, id) in &changes.unseen {
                 seen.remove(seen_key(source, id).as_str())
                     .map_err(|e| e.to_string())?;
+            }
+            let mut control = txn.open_table(CONTROL).map_err(|e| e.to_string())?;
+            match &changes.paused {
+                Some(Some(pause)) => {
+                    let json = serde_json::to_vec(pause).map_err(|e| e.to_string())?;
+                    control
+                        .insert("paused", json.as_slice())
+                        .map_err(|e| e.to_string())?;
+                }
+                Some(None) => {
+                    control.remove("paused").map_err(|e| e.to_string())?;
+                }
+                None => {}
             }
         }
         txn.commit().map_err(|e| e.to_string())

@@ -57,6 +57,24 @@ pub struct Snapshot {
     /// When each event that has started did (approved, or at NotBefore), Unix microseconds.
     #[serde(default)]
     pub started: Vec<(String, i64)>,
+    /// Every event that took this VM down: when it started and ended (Unix microseconds;
+    /// no end while it lasts) and whether a StartRequest started it (else its NotBefore,
+    /// or it appeared Started). The record fleet tests judge budgets by.
+    #[serde(default)]
+    pub down: Vec<DownRecord>,
+}
+
+/// One stretch of time an event kept the simulated VM down.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
+pub struct DownRecord {
+    pub event_id: String,
+    pub event_type: String,
+    pub from_us: i64,
+    pub until_us: Option<i64>,
+    pub approved: bool,
+    /// Its NotBefore when it started (Azure would have started it then).
+    #[serde(default)]
+    pub not_before_us: Option<i64>,
 }
 
 impl Simulator {
@@ -206,6 +224,21 @@ fn snapshot(state: &State) -> Snapshot {
             .filter_map(|e| {
                 let at = e.started_at?;
                 Some((e.spec.id.clone(), state.wall(at).timestamp_micros()))
+            })
+            .collect(),
+        down: state
+            .events
+            .iter()
+            .filter_map(|e| {
+                let at = e.started_at?;
+                Some(DownRecord {
+                    event_id: e.spec.id.clone(),
+                    event_type: e.spec.event_type.clone(),
+                    from_us: state.wall(at).timestamp_micros(),
+                    until_us: e.ended_at.map(|end| state.wall(end).timestamp_micros()),
+                    approved: e.approved_at.is_some_and(|approved| approved <= at),
+                    not_before_us: e.not_before.map(|nb| state.wall(nb).timestamp_micros()),
+                })
             })
             .collect(),
     }

@@ -44,9 +44,11 @@ pub(super) struct EventState {
     pub(super) spec: SimEvent,
     pub(super) phase: Phase,
     appeared_at: Option<Instant>,
-    not_before: Option<Instant>,
+    pub(super) not_before: Option<Instant>,
     pub(super) approved_at: Option<Instant>,
     pub(super) started_at: Option<Instant>,
+    /// When a started event ended (the VM back up; for a Terminate, deleted).
+    pub(super) ended_at: Option<Instant>,
     updates_applied: usize,
     resources: Vec<String>,
     duration_in_seconds: i64,
@@ -101,6 +103,7 @@ impl State {
                 not_before: None,
                 approved_at: None,
                 started_at: None,
+                ended_at: None,
                 updates_applied: 0,
                 resources: spec.resources.clone(),
                 duration_in_seconds: spec.duration_in_seconds,
@@ -235,6 +238,7 @@ impl State {
                 let started = event.started_at.expect("set when the event started");
                 if now >= started + scaled(event.spec.started_for) {
                     event.phase = Phase::Gone;
+                    event.ended_at = Some(started + scaled(event.spec.started_for));
                     changed = true;
                 }
             }

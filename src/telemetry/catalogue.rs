@@ -167,7 +167,7 @@ pub const METRICS: &[(&str, &str, &str)] = &[
     (
         "sched_relay_coordinator_budget_in_use",
         "gauge",
-        "VMs of the group down now (held by the coordinator, or started), until each reports the end.",
+        "VMs of the group down now (held, started, starting at NotBefore, or silent), until the evidence that each is back; group=\"fleet\" with [fleet].",
     ),
     (
         "sched_relay_coordinator_budget_limit",
@@ -177,17 +177,17 @@ pub const METRICS: &[(&str, &str, &str)] = &[
     (
         "sched_relay_coordinator_group_size",
         "gauge",
-        "VMs known in the group (agents, and VMs named in events).",
+        "What a percentage is of: the larger of the VMs in the inventory and expected_size.",
     ),
     (
         "sched_relay_coordinator_input_total",
         "counter",
-        "Messages read, by result: applied, outcome, document, duplicate, stale, foreign, ignored, invalid.",
+        "Messages read, by result: applied, outcome, document, heartbeat, dry_run, duplicate, stale, foreign, approved_elsewhere, conflict, ignored, invalid.",
     ),
     (
         "sched_relay_coordinator_decisions_total",
         "counter",
-        "Decisions, by kind: approve, drain, budget, never, too_late, no_agent (a wait counts when its reason changes).",
+        "Decisions, by kind: approve, drain, budget, never, too_late, no_agent, reports, window, paused, drain_failed (a wait counts when its reason changes).",
     ),
     (
         "sched_relay_coordinator_decision_seconds",
@@ -233,5 +233,40 @@ pub const METRICS: &[(&str, &str, &str)] = &[
         "sched_relay_coordinator_approvals_after_not_before_total",
         "counter",
         "Approvals signed after the event's NotBefore (should stay 0).",
+    ),
+    (
+        "sched_relay_coordinator_silent_vms",
+        "gauge",
+        "VMs of the group whose agent missed silent_after heartbeats (counted as down).",
+    ),
+    (
+        "sched_relay_coordinator_holds_overdue",
+        "gauge",
+        "VMs of the group held past max_hold with no evidence that they are back (alert on it).",
+    ),
+    (
+        "sched_relay_coordinator_holds_overdue_total",
+        "counter",
+        "Events that went past max_hold with a VM not back (logged at ERROR once each).",
+    ),
+    (
+        "sched_relay_coordinator_vms_left_total",
+        "counter",
+        "VMs that left the inventory (evicted or terminated and silent, or silent for forget_after).",
+    ),
+    (
+        "sched_relay_coordinator_health_gate_failures_total",
+        "counter",
+        "Health gate checks that did not pass (the VM stays counted as down).",
+    ),
+    (
+        "sched_relay_coordinator_paused",
+        "gauge",
+        "1 while an operator has paused draining and approving.",
+    ),
+    (
+        "sched_relay_coordinator_admin_refused_total",
+        "counter",
+        "POST /pause, /resume or /release refused for a missing or wrong bearer token.",
     ),
 ];

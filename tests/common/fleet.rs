@@ -143,3 +143,90 @@ pub fn most_at_once(starts: &[(String, i64)], down_for: Duration) -> usize {
         .max()
         .unwrap_or(0)
 }
+
+/// One stretch of time an event kept a VM down, as its simulator recorded it.
+#[derive(Debug, Clone)]
+pub struct Downtime {
+    pub vm: String,
+    pub event_id: String,
+    pub from_us: i64,
+    /// `None` while it lasts.
+    pub until_us: Option<i64>,
+    /// A StartRequest started it (an approval), not its NotBefore.
+    pub approved: bool,
+    /// When Azure would have started it by itself.
+    pub not_before_us: Option<i64>,
+}
+
+/// Every VM's downtimes from the simulators' own records (an event that lists several VMs
+/// is in each one's record).
+pub fn downtimes<'a>(
+    sims: impl IntoIterator<Item = (&'a String, &'a SimProcess)>,
+) -> Vec<Downtime> {
+    let mut all = Vec::new();
+    for (vm, sim) in sims {
+        let state = sim.state();
+        for record in state["down"].as_array().cloned().unwrap_or_default() {
+            all.push(Downtime {
+                vm: vm.clone(),
+                event_id: record["event_id"].as_str().unwrap_or_default().to_owned(),
+                from_us: record["from_us"].as_i64().unwrap(),
+                until_us: record["until_us"].as_i64(),
+                approved: record["approved"] == true,
+                not_before_us: record["not_before_us"].as_i64(),
+            });
+        }
+    }
+    all
+}
+
+/// The ceiling, judged from the simulators' records: every moment a VM was down because an
+/// approval started its event, while its group (`group_of`) had more VMs down than its
+/// limit (every group must have one). An approval's VM is down because of it from its start
+/// until its expected outage ends (`expected`, in microseconds; `None`: all of it), and never
+/// past the event's NotBefore, when Azure would have started it anyway: past that, a VM that
+/// did not come back is a failure the coordinator could not foresee, still counted as down
+/// against every later approval. Each entry says when, which group, and who was down.
+pub fn over_budget(
+    downtimes: &[Downtime],
+    group_of: impl Fn(&str) -> String,
+    limits: &std::collections::BTreeMap<String, usize>,
+    expected: impl Fn(&Downtime) -> Option<i64>,
+) -> Vec<String> {
+    let ends = |d: &Downtime| d.until_us.unwrap_or(i64::MAX);
+    let mut found = Vec::new();
+    for ours in downtimes.iter().filter(|d| d.approved) {
+        let group = group_of(&ours.vm);
+        let limit = limits
+            .get(&group)
+            .unwrap_or_else(|| panic!("no limit for group {group:?} (of {})", ours.vm));
+        let ours_until = expected(ours)
+            .map_or(ends(ours), |outage| {
+                ends(ours).min(ours.from_us.saturating_add(outage))
+            })
+            .min(ours.not_before_us.unwrap_or(i64::MAX));
+        // The count only grows at a start: check at ours' start and at every start inside it.
+        let instants = std::iter::once(ours.from_us).chain(
+            downtimes
+                .iter()
+                .map(|d| d.from_us)
+                .filter(|t| ours.from_us <= *t && *t < ours_until),
+        );
+        for t in instants {
+            let down: std::collections::BTreeSet<&str> = downtimes
+                .iter()
+                .filter(|d| group_of(&d.vm) == group && d.from_us <= t && t < ends(d))
+                .map(|d| d.vm.as_str())
+                .collect();
+            if down.len() > *limit {
+                found.push(format!(
+                    "at {t}: group {group} had {} down (limit {limit}): {down:?}, {} by the approval of {}",
+                    down.len(),
+                    ours.vm,
+                    ours.event_id
+                ));
+            }
+        }
+    }
+    found
+}

@@ -193,6 +193,11 @@ impl AgentProcess {
         AgentProcess::launch(&format!("[imds]\nendpoint = \"{endpoint}\""), extra, env)
     }
 
+    /// As `start_on_defaults`, without starting it (say, to `spawn(&["--dry-run"])`).
+    pub fn configure_on_defaults(endpoint: &str, extra: &str) -> AgentProcess {
+        AgentProcess::prepare(&format!("[imds]\nendpoint = \"{endpoint}\""), extra, &[])
+    }
+
     /// As `start`, without starting it: for a test that starts the binary its own way.
     pub fn configure(endpoint: &str, extra: &str) -> AgentProcess {
         AgentProcess::configure_with_env(endpoint, extra, &[])
@@ -397,8 +402,11 @@ path = "{events}"
         self.child.as_ref().expect("running").id()
     }
 
+    /// Whether the process runs (false once killed with `kill9`).
     pub fn is_running(&mut self) -> bool {
-        self.child.as_mut().unwrap().try_wait().unwrap().is_none()
+        self.child
+            .as_mut()
+            .is_some_and(|child| child.try_wait().unwrap().is_none())
     }
 
     /// Sends SIGTERM and waits for the exit status.

@@ -49,6 +49,8 @@ pub struct JetStreamSpec {
     /// The subjects to create the stream with when it is missing (they must capture the
     /// source's subjects); empty: it must exist.
     pub create_with: Vec<String>,
+    /// How long a stream created here keeps its messages (zero: no limit).
+    pub max_age: std::time::Duration,
 }
 
 /// Consumes until `stop` turns true. Broker problems are logged and retried.
@@ -138,6 +140,7 @@ async fn consume(
             stream,
             durable,
             create_with,
+            max_age,
         }) => {
             let context = jetstream::new(client.clone());
             let subjects: Vec<String> = std::iter::once(&spec.subject)
@@ -145,7 +148,7 @@ async fn consume(
                 .cloned()
                 .collect();
             let (stream_handle, created) =
-                crate::stream::ensure(&context, stream, &subjects, create_with)
+                crate::stream::ensure(&context, stream, &subjects, create_with, *max_age)
                     .await
                     .map_err(|e| e.to_string())?;
             if created {

@@ -58,12 +58,14 @@ mod client {
 
     /// The stream `name`, which must capture every one of `subjects`. When it is missing it is
     /// created with `create_with` (as `nats stream add <name> --subjects ... --defaults`
-    /// would), unless that is empty. Returns the stream and whether this call created it.
+    /// would), keeping messages for `max_age` (zero: no limit), unless `create_with` is
+    /// empty. Returns the stream and whether this call created it.
     pub async fn ensure(
         context: &jetstream::Context,
         name: &str,
         subjects: &[String],
         create_with: &[String],
+        max_age: std::time::Duration,
     ) -> Result<(Stream, bool), StreamProblem> {
         let command = format!(
             "nats stream add {name} --subjects '{}' --defaults",
@@ -99,6 +101,7 @@ mod client {
         let config = jetstream::stream::Config {
             name: name.to_owned(),
             subjects: create_with.to_vec(),
+            max_age,
             ..Default::default()
         };
         match context.create_stream(config).await {

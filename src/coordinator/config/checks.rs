@@ -8,9 +8,9 @@ use std::time::Duration;
 use figment::Figment;
 use figment::providers::{Env, Format, Toml};
 
-use super::{CoordinatorConfig, ENV_PREFIX, RuleConfig, problem};
+use super::{CoordinatorConfig, ENV_PREFIX, HealthConfig, RuleConfig, WindowConfig, problem};
 use crate::config::{ConfigErrors, ConfigProblem};
-use crate::coordinator::policy::{Action, Budget, Group, Matcher, Policy, Rule};
+use crate::coordinator::policy::{Action, Budget, Group, Matcher, Outage, Policy, Rule, Window};
 use crate::sinks::SinkKind;
 
 impl CoordinatorConfig {
@@ -90,6 +90,12 @@ impl CoordinatorConfig {
                 Duration::from_secs(60),
                 7 * day,
             ),
+            (
+                "report_wait",
+                general.report_wait,
+                Duration::ZERO,
+                Duration::from_secs(300),
+            ),
         ] {
             if value < low || value > high {
                 problems.push(problem(
@@ -131,6 +137,12 @@ impl CoordinatorConfig {
         if general.max_attempts == 0 {
             problems.push(problem("coordinator.max_attempts", "must be at least 1"));
         }
+        if !(1..=100).contains(&general.silent_after) {
+            problems.push(problem(
+                "coordinator.silent_after",
+                format!("{} heartbeats is outside 1..100", general.silent_after),
+            ));
+        }
         let routed_by_name = match &self.approvals {
             SinkKind::Nats(nats) => Some(("subject", nats.subject.contains("{vmname}"))),
             SinkKind::Amqp(amqp) => Some(("routing_key", amqp.routing_key.contains("{vmname}"))),
@@ -139,7 +151,20 @@ impl CoordinatorConfig {
         if let Some((key, false)) = routed_by_name {
             problems.push(problem(
                 format!("approvals.{key}"),
-                "must contain {vmname}: each VM's agent reads only its own approvals (scheduledevents.approvals.{vmname})",
+                "must contain {vmname}: each VM's agent reads only its own approvals (scheduledapprovals.{vmname})",
+            ));
+        }
+        // The NATS sink's default subject is the events' one: approvals sent there reach no
+        // agent (they read scheduledapprovals.<vm>).
+        if let SinkKind::Nats(nats) = &self.approvals
+            && nats.subject.contains("{transition}")
+        {
+            problems.push(problem(
+                "approvals.subject",
+                format!(
+                    "{:?} is an events subject; set the subject the agents read their approvals on (scheduledapprovals.{{vmname}})",
+                    nats.subject
+                ),
             ));
         }
         if self.signing.key_id.trim().is_empty() {
@@ -228,6 +253,93 @@ impl CoordinatorConfig {
                 (None, None) => None,
             }
         };
+        let outages = |table: &BTreeMap<String, String>,
+                       at: &str,
+                       problems: &mut Vec<ConfigProblem>|
+         -> BTreeMap<String, Outage> {
+            let mut outages = BTreeMap::new();
+            for (event_type, text) in table {
+                let outage = match text.as_str() {
+                    "duration" => Outage::EventDuration,
+                    "until_gone" => Outage::UntilGone,
+                    other => match humantime::parse_duration(other) {
+                        Ok(duration) if duration > Duration::ZERO => Outage::For(duration),
+                        _ => {
+                            problems.push(problem(
+                                format!("{at}.{event_type}"),
+                                format!("{other:?}: expected a duration (\"10m\"), \"duration\" (the event's DurationInSeconds) or \"until_gone\""),
+                            ));
+                            continue;
+                        }
+                    },
+                };
+                if outages
+                    .insert(event_type.to_ascii_lowercase(), outage)
+                    .is_some()
+                {
+                    problems.push(problem(
+                        format!("{at}.{event_type}"),
+                        "names an EventType already given (types compare ignoring case)",
+                    ));
+                }
+            }
+            outages
+        };
+        let windows =
+            |list: &[WindowConfig], at: &str, problems: &mut Vec<ConfigProblem>| -> Vec<Window> {
+                list.iter()
+                    .enumerate()
+                    .filter_map(|(i, w)| {
+                        Window::parse(&w.days, &w.from, &w.to)
+                            .map_err(|why| problems.push(problem(format!("{at}[{i}]"), why)))
+                            .ok()
+                    })
+                    .collect()
+            };
+        let health = |gate: &Option<HealthConfig>, at: &str, problems: &mut Vec<ConfigProblem>| {
+            let Some(gate) = gate else { return };
+            match (&gate.command, &gate.url) {
+                (Some(_), Some(_)) => problems.push(problem(at, "set command or url, not both")),
+                (None, None) => problems.push(problem(
+                    at,
+                    "set command = [\"/usr/local/bin/healthy\", \"{vmname}\"] or url = \"https://...\"",
+                )),
+                (Some(command), None) if command.is_empty() => {
+                    problems.push(problem(format!("{at}.command"), "must name a program"))
+                }
+                (None, Some(url)) if url::Url::parse(url).is_err() => problems.push(problem(
+                    format!("{at}.url"),
+                    format!("{url:?} is not a URL"),
+                )),
+                _ => {}
+            }
+            for (key, value) in [("interval", gate.interval), ("timeout", gate.timeout)] {
+                if value < Duration::from_secs(1) || value > Duration::from_secs(3600) {
+                    problems.push(problem(
+                        format!("{at}.{key}"),
+                        format!("{} is outside 1s..1h", humantime::format_duration(value)),
+                    ));
+                }
+            }
+        };
+        let default_outages = outages(&self.defaults.outage, "defaults.outage", &mut problems);
+        let default_windows = windows(&self.defaults.windows, "defaults.windows", &mut problems);
+        health(&self.defaults.health, "defaults.health", &mut problems);
+        let fleet_budget = match &self.fleet {
+            Some(fleet) => {
+                let budget = budget(
+                    fleet.max_down,
+                    fleet.max_down_percent,
+                    "fleet",
+                    &mut problems,
+                );
+                if budget.is_none() {
+                    problems.push(problem("fleet", "set max_down or max_down_percent"));
+                }
+                budget
+            }
+            None => None,
+        };
         // A type no group and no default names is never approved: NotBefore decides.
         let default_actions = actions(&self.defaults.actions, "defaults.actions", &mut problems);
         let default_budget = budget(
@@ -271,26 +383,51 @@ impl CoordinatorConfig {
                 &format!("{at}.actions"),
                 &mut problems,
             ));
+            let mut group_outages = default_outages.clone();
+            group_outages.extend(outages(
+                &group.outage,
+                &format!("{at}.outage"),
+                &mut problems,
+            ));
+            health(&group.health, &format!("{at}.health"), &mut problems);
             groups.push(Group {
                 name: group.name.clone(),
                 matcher,
                 budget: budget(group.max_down, group.max_down_percent, &at, &mut problems)
                     .unwrap_or(default_budget),
+                expected_size: group.expected_size,
                 rules,
+                outages: group_outages,
+                windows: match &group.windows {
+                    Some(list) => windows(list, &format!("{at}.windows"), &mut problems),
+                    None => default_windows.clone(),
+                },
+                gated: group.health.is_some() || self.defaults.health.is_some(),
             });
         }
         groups.push(Group {
             name: crate::coordinator::policy::DEFAULT_GROUP.into(),
             matcher: Matcher::default(),
             budget: default_budget,
+            expected_size: None,
             rules: default_actions,
+            outages: default_outages,
+            windows: default_windows,
+            gated: self.defaults.health.is_some(),
         });
         if problems.is_empty() {
             let duration = |d: Duration| chrono::Duration::from_std(d).expect("bounded above");
             Ok(Policy {
                 groups,
+                fleet_budget,
                 min_lead: duration(self.coordinator.min_lead),
                 max_hold: duration(self.coordinator.max_hold),
+                silent_after: self.coordinator.silent_after,
+                report_wait: duration(self.coordinator.report_wait),
+                approve_failed_drains: self
+                    .drain
+                    .as_ref()
+                    .is_some_and(|d| d.on_failure == super::OnFailure::Approve),
             })
         } else {
             Err(ConfigErrors(problems))

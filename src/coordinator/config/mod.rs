@@ -35,6 +35,9 @@ pub struct CoordinatorConfig {
     pub defaults: GroupDefaults,
     #[serde(default)]
     pub groups: Vec<GroupConfig>,
+    /// A budget across every group.
+    #[serde(default)]
+    pub fleet: Option<FleetBudget>,
     /// A standby: the lease and the state in NATS JetStream KV instead of `state_dir`.
     #[serde(default)]
     pub ha: Option<HaConfig>,
@@ -68,14 +71,27 @@ pub struct General {
     /// Never approve an event whose NotBefore is closer than this: Azure starts it anyway.
     #[serde(default = "default_min_lead", with = "humantime_serde")]
     pub min_lead: Duration,
-    /// An event no agent has reported on for this long is forgotten, and so is an agent
-    /// silent that long (it leaves its group's size). At least an hour.
+    /// An event no agent has reported on for this long is forgotten unless it still holds
+    /// a VM's place, and an agent silent that long leaves the inventory (a scale-in without
+    /// notice) unless an event still holds its VM. At least an hour.
     #[serde(default = "default_forget_after", with = "humantime_serde")]
     pub forget_after: Duration,
-    /// A held or started event stops counting against its budget this long after its
-    /// NotBefore and its last report: a Spot-evicted or deleted VM never reports the end.
+    /// A place held this long past its event's NotBefore (or approval, or start) without
+    /// evidence that the VM is back is alerted on: logged, counted, shown. Never freed.
     #[serde(default = "default_max_hold", with = "humantime_serde")]
     pub max_hold: Duration,
+    /// A VM whose agent missed this many heartbeats (at the interval the agent announces)
+    /// counts as down.
+    #[serde(default = "default_silent_after")]
+    pub silent_after: u32,
+    /// An event that lists several VMs waits this long, from its first report, for the
+    /// report of each listed VM whose agent is alive, before it is decided.
+    #[serde(default = "default_report_wait", with = "humantime_serde")]
+    pub report_wait: Duration,
+    /// A file holding the bearer token of `POST /pause`, `/resume` and `/release` (and of
+    /// `sched-relay coordinate pause|resume|release`); without it they answer 403.
+    #[serde(default)]
+    pub admin_token_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -204,6 +220,59 @@ pub struct GroupDefaults {
     pub max_down_percent: Option<u32>,
     #[serde(default)]
     pub actions: BTreeMap<String, RuleConfig>,
+    /// Per EventType: how long its VM is expected down once it starts: a duration,
+    /// `"duration"` (the event's DurationInSeconds) or `"until_gone"` (until the VM leaves
+    /// the inventory). Shipped: Reboot 10m, Redeploy 15m, Freeze duration, Preempt and
+    /// Terminate until_gone, any other type 15m.
+    #[serde(default)]
+    pub outage: BTreeMap<String, String>,
+    /// Maintenance windows for groups that set none (UTC); none: always open.
+    #[serde(default)]
+    pub windows: Vec<WindowConfig>,
+    /// A health gate for groups that set none.
+    #[serde(default)]
+    pub health: Option<HealthConfig>,
+}
+
+/// `[fleet]`: a budget across every group (VMs down anywhere).
+#[derive(Debug, Clone, Deserialize, Serialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct FleetBudget {
+    #[serde(default)]
+    pub max_down: Option<u32>,
+    /// Of the sum of the groups' sizes.
+    #[serde(default)]
+    pub max_down_percent: Option<u32>,
+}
+
+/// A maintenance window: `days` (`mon`..`sun`, ranges like `mon-fri`; empty: every day),
+/// `from` and `to` as `HH:MM` UTC (`to` before `from` runs past midnight).
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct WindowConfig {
+    #[serde(default)]
+    pub days: Vec<String>,
+    pub from: String,
+    pub to: String,
+}
+
+/// A health gate: after an event is over for a VM, this must pass before the VM's place
+/// is freed (like kured waiting for the node to be Ready and uncordoned).
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct HealthConfig {
+    /// A command (`{vmname}`, `{eventid}`, `{eventtype}` expanded); exit 0 = healthy.
+    #[serde(default)]
+    pub command: Option<Vec<String>>,
+    /// Or a URL that gets `POST {"vmName", "eventId", "eventType"}`; 2xx = healthy.
+    #[serde(default)]
+    pub url: Option<String>,
+    /// A failed check is tried again after this.
+    #[serde(default = "default_health_interval", with = "humantime_serde")]
+    pub interval: Duration,
+    /// One check may take this long.
+    #[serde(default = "default_health_timeout", with = "humantime_serde")]
+    pub timeout: Duration,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -224,9 +293,32 @@ pub struct GroupConfig {
     pub max_down: Option<u32>,
     #[serde(default)]
     pub max_down_percent: Option<u32>,
+    /// How many VMs the group has, as the operator knows it (a scale set's capacity): a
+    /// percentage is of the larger of this and the VMs whose agents are known.
+    #[serde(default)]
+    pub expected_size: Option<u32>,
     /// Per EventType; types not listed take `[defaults.actions]`, then `never`.
     #[serde(default)]
     pub actions: BTreeMap<String, RuleConfig>,
+    /// Per EventType, overriding `[defaults.outage]`.
+    #[serde(default)]
+    pub outage: BTreeMap<String, String>,
+    /// Overrides `[defaults] windows`.
+    #[serde(default)]
+    pub windows: Option<Vec<WindowConfig>>,
+    /// Overrides `[defaults.health]`.
+    #[serde(default)]
+    pub health: Option<HealthConfig>,
+}
+
+impl CoordinatorConfig {
+    /// The health gate of the policy's group `index` (the last is `default`).
+    pub fn health(&self, index: usize) -> Option<&HealthConfig> {
+        self.groups
+            .get(index)
+            .and_then(|g| g.health.as_ref())
+            .or(self.defaults.health.as_ref())
+    }
 }
 
 fn default_source() -> String {
@@ -252,6 +344,18 @@ fn default_min_lead() -> Duration {
 }
 fn default_max_hold() -> Duration {
     Duration::from_secs(3600)
+}
+fn default_silent_after() -> u32 {
+    3
+}
+fn default_report_wait() -> Duration {
+    Duration::from_secs(5)
+}
+fn default_health_interval() -> Duration {
+    Duration::from_secs(10)
+}
+fn default_health_timeout() -> Duration {
+    Duration::from_secs(30)
 }
 fn default_forget_after() -> Duration {
     Duration::from_secs(24 * 3600)

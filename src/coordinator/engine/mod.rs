@@ -16,13 +16,17 @@ use tokio::sync::mpsc;
 
 use super::config::CoordinatorConfig;
 use super::drain::{self, Job};
-use super::fleet::{self, Applied, Approval, Drain, Fleet, Sent};
-use super::policy::{self, Policy, Step};
+use super::fleet::{self, Applied, Fleet, Sent};
+use super::policy::Policy;
 use super::store::{Changes, Store};
 
+mod decisions;
+mod inventory;
 mod recovery;
 mod results;
 mod tick;
+
+pub use inventory::Admin;
 
 /// Results of the work started by the loop.
 pub enum Done {
@@ -31,6 +35,12 @@ pub enum Done {
         vm: String,
         result: Result<(), String>,
         took: Duration,
+    },
+    /// A health gate ran for `vm` after `key` was over for it.
+    Gated {
+        key: String,
+        vm: String,
+        result: Result<(), String>,
     },
     Published {
         key: String,
@@ -65,8 +75,8 @@ pub struct Engine {
     done: mpsc::UnboundedSender<Done>,
     /// When the message being handled arrived: decisions it allows are timed from it.
     trigger: Option<Instant>,
-    /// When forgotten events and old ids were last pruned.
-    pruned: Option<Instant>,
+    /// When forgotten events and old ids were last pruned (the tick's clock).
+    pruned: Option<DateTime<Utc>>,
     /// Decisions wait until the input has caught up (a second without a message, or
     /// [`CATCH_UP_AT_MOST`]): deciding on half of a replayed stream could miss VMs already
     /// down.
@@ -77,8 +87,12 @@ pub struct Engine {
     publishing: HashMap<String, (bool, Instant)>,
     /// Drains running in this process (not restarted on the tick).
     draining: HashMap<(String, String), ()>,
+    /// Health gates running, or when each last failed: (event key, VM) -> (running, when).
+    gating: HashMap<(String, String), (bool, Instant)>,
     pub snapshot: Arc<RwLock<Value>>,
     dirty: bool,
+    /// When `/fleet` was last refreshed (the tick's clock).
+    snapshot_at: Option<DateTime<Utc>>,
     /// With a standby: whether this instance may act now (it holds a fresh lease).
     pub gate: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
 }
@@ -113,14 +127,27 @@ impl Engine {
             last_delivery: Instant::now(),
             publishing: HashMap::new(),
             draining: HashMap::new(),
+            gating: HashMap::new(),
             snapshot: Arc::new(RwLock::new(Value::Null)),
             dirty: true,
+            snapshot_at: None,
             gate: None,
         }
     }
 
+    /// Tests: the input has caught up (decisions start at once).
+    #[cfg(test)]
+    pub(crate) fn caught_up(&mut self) {
+        self.ready = true;
+    }
+
     /// Handles one delivered message: read, apply, commit, answer, decide.
     pub fn deliver(&mut self, delivery: Delivery) {
+        self.deliver_at(delivery, Utc::now());
+    }
+
+    /// [`Engine::deliver`] at `now` (tests drive a day in a second with it).
+    pub fn deliver_at(&mut self, delivery: Delivery, now: DateTime<Utc>) {
         if !self.may_act() {
             // A standby may be active: leave the message to it (JetStream offers it again).
             let _ = delivery.handled.send(Answer::NotHandled(
@@ -128,7 +155,6 @@ impl Engine {
             ));
             return;
         }
-        let now = Utc::now();
         let arrived = Instant::now();
         let reply = |outcome: &'static str| {
             Answer::Handled(Reply {
@@ -142,7 +168,7 @@ impl Engine {
             let _ = delivery.handled.send(reply("skipped"));
             return;
         };
-        let incoming = match fleet::read(&event) {
+        let incoming = match fleet::read_at(&event, now, self.ready) {
             Ok(incoming) => incoming,
             Err(why) => {
                 input("invalid");
@@ -155,10 +181,17 @@ impl Engine {
         let vm = match &incoming {
             fleet::Incoming::Transition { vm, .. }
             | fleet::Incoming::Outcome { vm, .. }
+            | fleet::Incoming::Heartbeat { vm, .. }
             | fleet::Incoming::Document { vm, .. } => Some(vm.clone()),
             fleet::Incoming::Ignored(_) => None,
         };
+        // A heartbeat of a VM already known alive changes no decision (unless it shows an
+        // event over): deciding after each would cost a whole decision per VM per interval.
+        let routine_beat = matches!(&incoming, fleet::Incoming::Heartbeat { vm, .. }
+            if self.fleet.vms.get(vm).is_some_and(|v| v.heartbeat.is_some() && !v.silent(now, self.policy.silent_after)));
         let applied = self.fleet.apply(incoming, now);
+        let routine_beat =
+            routine_beat && matches!(&applied, Applied::Heartbeat(back) if back.is_empty());
         let mut changes = Changes::default();
         match &applied {
             Applied::Changed(event_key) | Applied::Outcome(event_key) => {
@@ -166,7 +199,7 @@ impl Engine {
                     .events
                     .push((event_key.clone(), self.fleet.events.get(event_key).cloned()));
             }
-            Applied::ApprovedElsewhere(keys) => {
+            Applied::ApprovedElsewhere(keys) | Applied::Heartbeat(keys) => {
                 for event_key in keys {
                     changes
                         .events
@@ -179,6 +212,14 @@ impl Engine {
             Applied::Conflict(why) => {
                 tracing::warn!(vm = ?vm, id = ?key, conflict = %why, "A message that contradicts what is known; not applied");
             }
+            Applied::DryRun(ours) => {
+                tracing::info!(vm = ?vm, id = ?key, "An agent in dry run answered accepted but POSTed nothing: nothing is approved");
+                if let Some(event_key) = ours {
+                    changes
+                        .events
+                        .push((event_key.clone(), self.fleet.events.get(event_key).cloned()));
+                }
+            }
             _ => {}
         }
         input(match &applied {
@@ -190,8 +231,15 @@ impl Engine {
             Applied::ApprovedElsewhere(_) => "approved_elsewhere",
             Applied::Conflict(_) => "conflict",
             Applied::Agent => "document",
+            Applied::Heartbeat(_) => "heartbeat",
+            Applied::DryRun(_) => "dry_run",
             Applied::Ignored(_) => "ignored",
         });
+        if let Applied::Heartbeat(back) = &applied {
+            for event_key in back {
+                tracing::info!(event_id = %event_key, vm = ?vm, "Back: its agent started again since the event appeared and its document no longer lists it");
+            }
+        }
         if let Some(vm) = vm
             .as_ref()
             .and_then(|vm| Some((vm, self.fleet.vms.get(vm)?)))
@@ -221,7 +269,7 @@ impl Engine {
         }
         self.dirty = true;
         self.last_delivery = Instant::now();
-        if self.ready {
+        if self.ready && !routine_beat {
             self.trigger = Some(arrived);
             self.decide(now);
             self.trigger = None;
@@ -245,130 +293,6 @@ impl Engine {
     /// This instance holds a fresh lease (or runs alone).
     pub(super) fn may_act(&self) -> bool {
         self.gate.as_ref().is_none_or(|gate| gate())
-    }
-
-    /// Decides and starts what the budget allows.
-    pub fn decide(&mut self, now: DateTime<Utc>) {
-        if !self.may_act() {
-            return;
-        }
-        let decisions = policy::decide(&self.fleet, &self.policy, now);
-        for (key, wait) in decisions.waits {
-            let text = wait.to_string();
-            if let Some(m) = self.fleet.events.get_mut(&key)
-                && m.verdict != text
-            {
-                metrics::counter!("sched_relay_coordinator_decisions_total", "decision" => wait.label()).increment(1);
-                tracing::info!(event_id = %m.event_id, event_type = %m.event_type, verdict = %text, "Decision");
-                m.verdict = text;
-                self.dirty = true;
-            }
-        }
-        if decisions.steps.is_empty() {
-            return;
-        }
-        let mut changes = Changes::default();
-        let mut drains = Vec::new();
-        let mut approvals = Vec::new();
-        let decided = decisions.steps.len();
-        for step in decisions.steps {
-            match step {
-                Step::Drain { key, vms } if !self.config.coordinator.dry_run => {
-                    let m = self
-                        .fleet
-                        .events
-                        .get_mut(&key)
-                        .expect("decided from the fleet");
-                    let deadline = drain_deadline(&self.config, m.not_before, now);
-                    m.drain = Some(Drain {
-                        started_at: now,
-                        deadline,
-                        vms: vms
-                            .iter()
-                            .map(|vm| (vm.clone(), "running".to_owned()))
-                            .collect(),
-                        finished_at: None,
-                        deadline_missed: false,
-                    });
-                    m.verdict = format!(
-                        "draining {} VM(s) until {}",
-                        vms.len(),
-                        deadline.to_rfc3339()
-                    );
-                    metrics::counter!("sched_relay_coordinator_decisions_total", "decision" => "drain").increment(1);
-                    tracing::info!(event_id = %m.event_id, event_type = %m.event_type, vms = ?vms, deadline = %deadline, "Draining before approval");
-                    changes.events.push((key.clone(), Some(m.clone())));
-                    drains.extend(vms.into_iter().map(|vm| (key.clone(), vm)));
-                }
-                Step::Drain { key, .. } => {
-                    let approver = policy::approver(&self.fleet, &self.fleet.events[&key])
-                        .expect("checked by decide");
-                    approvals.push(self.approve(&key, approver, now, &mut changes));
-                }
-                Step::Approve { key, approver } => {
-                    approvals.push(self.approve(&key, approver, now, &mut changes));
-                }
-            }
-        }
-        if let Err(error) = self.store.write(&changes) {
-            tracing::error!(error = %error, "Cannot store decisions; nothing is started, they are decided again");
-            self.reload();
-            return;
-        }
-        self.dirty = true;
-        for (key, vm) in drains {
-            self.start_drain(&key, &vm, now);
-        }
-        for key in approvals.into_iter().flatten() {
-            self.publish(&key);
-        }
-        if let Some(trigger) = self.trigger {
-            // From the message that allowed them (an event, or another's end) to the
-            // drains started and the approvals signed and handed to the broker client.
-            let took = trigger.elapsed().as_secs_f64();
-            for _ in 0..decided {
-                metrics::histogram!("sched_relay_coordinator_decision_seconds").record(took);
-            }
-        }
-    }
-
-    /// Records an approval (signed, not yet published) and returns the key to publish.
-    pub(super) fn approve(
-        &mut self,
-        key: &str,
-        approver: String,
-        now: DateTime<Utc>,
-        changes: &mut Changes,
-    ) -> Option<String> {
-        let dry_run = self.config.coordinator.dry_run;
-        let m = self
-            .fleet
-            .events
-            .get_mut(key)
-            .expect("decided from the fleet");
-        if m.not_before.is_some_and(|at| at <= now) {
-            metrics::counter!("sched_relay_coordinator_approvals_after_not_before_total")
-                .increment(1);
-        }
-        let sent = (!dry_run).then(new_request);
-        m.approval = Some(Approval {
-            approver: approver.clone(),
-            decided_at: now,
-            dry_run,
-            sent: sent.into_iter().collect(),
-            outcome: None,
-            abandoned: false,
-        });
-        m.verdict = if dry_run {
-            format!("dry run: would approve through {approver}")
-        } else {
-            format!("approved through {approver}")
-        };
-        metrics::counter!("sched_relay_coordinator_decisions_total", "decision" => "approve")
-            .increment(1);
-        tracing::info!(event_id = %m.event_id, event_type = %m.event_type, approver = %approver, dry_run, resources = ?m.resources, "Approving");
-        changes.events.push((key.to_owned(), Some(m.clone())));
-        (!dry_run).then(|| key.to_owned())
     }
 
     pub(super) fn start_drain(&mut self, key: &str, vm: &str, _now: DateTime<Utc>) {
@@ -463,27 +387,6 @@ fn new_request() -> Sent {
         signed_at: draft.time,
         published_at: None,
     }
-}
-
-/// NotBefore minus the margin; for a short notice (a Spot eviction's 30 s) at least half of
-/// the time left; never later than NotBefore minus two seconds.
-fn drain_deadline(
-    config: &CoordinatorConfig,
-    not_before: Option<DateTime<Utc>>,
-    now: DateTime<Utc>,
-) -> DateTime<Utc> {
-    let margin = config
-        .drain
-        .as_ref()
-        .and_then(|d| chrono::Duration::from_std(d.margin).ok())
-        .unwrap_or(chrono::Duration::seconds(60));
-    let Some(not_before) = not_before else {
-        return now + chrono::Duration::minutes(10);
-    };
-    let half = now + (not_before - now) / 2;
-    (not_before - margin)
-        .max(half)
-        .min(not_before - chrono::Duration::seconds(2))
 }
 
 fn input(result: &'static str) {

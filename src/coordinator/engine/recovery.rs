@@ -33,7 +33,8 @@ impl Engine {
     /// Runs again every drain the state says is running but this process is not running
     /// (after a restart, or a result that could not be stored).
     pub(super) fn restart_drains(&mut self, now: DateTime<Utc>) {
-        if self.config.coordinator.dry_run {
+        // Paused: nothing is drained, not even again (they run once resumed).
+        if self.config.coordinator.dry_run || self.fleet.paused.is_some() {
             return;
         }
         let running: Vec<(String, String)> = self

@@ -1,21 +1,49 @@
-//! Results of the work the loop started: a drain finished (approve when every VM is
-//! drained, or as `on_failure` says), or an approval was published.
+//! Results of the work the loop started: a drain finished (the decision then looks at the
+//! budget again before it approves: the world moved during the drain), a health gate
+//! ran, or an approval was published.
 
 use std::time::Instant;
 
 use chrono::Utc;
 
 use super::{DONE_REASONS, Done, Engine, PUBLISH_RETRY};
-use crate::coordinator::config::OnFailure;
-use crate::coordinator::policy;
 use crate::coordinator::store::Changes;
 
 impl Engine {
     /// A drain or a publication finished.
     pub fn finished(&mut self, done: Done) {
         let now = Utc::now();
-        let mut approve = None;
         let key = match done {
+            Done::Gated { key, vm, result } => {
+                self.gating
+                    .insert((key.clone(), vm.clone()), (false, Instant::now()));
+                let Some(back) = self
+                    .fleet
+                    .events
+                    .get_mut(&key)
+                    .and_then(|m| m.back.get_mut(&vm))
+                else {
+                    return;
+                };
+                match result {
+                    Ok(()) => {
+                        tracing::info!(event_id = %key, vm = %vm, "Health gate passed: the VM's place is free");
+                        back.healthy_at = Some(now);
+                        back.gate = None;
+                        self.gating.remove(&(key.clone(), vm));
+                    }
+                    Err(why) => {
+                        metrics::counter!("sched_relay_coordinator_health_gate_failures_total")
+                            .increment(1);
+                        if back.gate.as_ref() == Some(&why) {
+                            return;
+                        }
+                        tracing::warn!(event_id = %key, vm = %vm, error = %why, "Health gate not passed; the VM stays counted as down and is checked again");
+                        back.gate = Some(why);
+                    }
+                }
+                key
+            }
             Done::Published {
                 key,
                 request_id,
@@ -53,7 +81,6 @@ impl Engine {
                 took,
             } => {
                 self.draining.remove(&(key.clone(), vm.clone()));
-                let on_failure = self.config.drain.as_ref().map(|d| d.on_failure);
                 let Some(m) = self.fleet.events.get_mut(&key) else {
                     return;
                 };
@@ -81,42 +108,23 @@ impl Engine {
                 }
                 if !d.running() {
                     d.finished_at = Some(now);
-                    if d.all_done() || on_failure == Some(OnFailure::Approve) {
-                        approve = Some(key.clone());
-                    } else {
-                        m.verdict = "drain failed; not approved, NotBefore decides".into();
-                    }
                 }
                 key
             }
         };
         let mut changes = Changes::default();
-        let mut publish = None;
-        if let Some(key) = approve {
-            let m = &self.fleet.events[&key];
-            if !m.all_scheduled() {
-                tracing::info!(event_id = %m.event_id, "Drained, but the event has started or ended: no approval");
-            } else if m
-                .not_before
-                .is_some_and(|at| at - now < self.policy.min_lead)
-            {
-                self.fleet.events.get_mut(&key).expect("present").verdict =
-                    "drained too late; NotBefore decides".into();
-            } else if let Some(approver) = policy::approver(&self.fleet, m) {
-                publish = self.approve(&key, approver, now, &mut changes);
-            }
-        }
         changes
             .events
             .push((key.clone(), self.fleet.events.get(&key).cloned()));
         if let Err(error) = self.store.write(&changes) {
-            tracing::error!(error = %error, "Cannot store a drain or approval result");
+            tracing::error!(error = %error, "Cannot store a drain, gate or approval result");
             self.reload();
             return;
         }
         self.dirty = true;
-        if let Some(key) = publish {
-            self.publish(&key);
+        // A drain that ended is approved by the decision, which checks the budget again.
+        if self.ready {
+            self.decide(now);
         }
     }
 

@@ -1,8 +1,10 @@
 //! The tick: approvals without an outcome are published again (the same request while it is
-//! fresh), refused or unanswered ones are given up after `max_attempts` with an alert,
-//! silent events are forgotten, everything is decided again and `/fleet` refreshed.
+//! fresh), refused or unanswered ones are given up after `max_attempts` with an alert; VMs
+//! that left the inventory free their places, held places past `max_hold` are alerted on,
+//! health gates run, silent events are forgotten, everything is decided again and `/fleet`
+//! refreshed.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use serde_json::json;
@@ -10,6 +12,9 @@ use serde_json::json;
 use super::{DONE_REASONS, Engine, PUBLISH_RETRY, RETRY_REASONS, REUSE_REQUEST_FOR, new_request};
 use crate::coordinator::policy;
 use crate::coordinator::store::Changes;
+
+/// `/fleet` and the gauges are refreshed at least this often (seconds), changed or not.
+const SNAPSHOT_EVERY_SECONDS: i64 = 5;
 
 /// Forgotten events and old ids are looked for this often (each look walks everything).
 const PRUNE_EVERY: Duration = Duration::from_secs(60);
@@ -24,15 +29,43 @@ impl Engine {
         let forget = chrono::Duration::from_std(self.config.coordinator.forget_after)
             .unwrap_or(chrono::Duration::days(1));
         let mut changes = Changes::default();
-        let mut gone = Vec::new();
-        if self.pruned.is_none_or(|at| at.elapsed() >= PRUNE_EVERY) {
-            self.pruned = Some(Instant::now());
-            (gone, changes.unseen, changes.vms_removed) = self.fleet.prune(now, forget);
+        // Silence is judged only once the input has caught up: a replayed stream still
+        // holds heartbeats that would show a VM alive.
+        if self.ready {
+            self.inventory(now, forget, &mut changes);
         }
-        for key in gone {
-            tracing::info!(event_id = %key, "Forgotten: no agent has reported on it for forget_after");
-            self.publishing.remove(&key);
-            changes.events.push((key, None));
+        if self.pruned.is_none_or(|at| {
+            now - at >= chrono::Duration::from_std(PRUNE_EVERY).unwrap_or_default()
+        }) {
+            self.pruned = Some(now);
+            // An event that still holds a VM's place stays until the VM is back or released,
+            // and so does one a heartbeat still lists (its agent has not reported it again
+            // because nothing changed).
+            let mut holding: std::collections::BTreeSet<String> =
+                policy::down_now(&self.fleet, &self.policy, now)
+                    .causes
+                    .values()
+                    .flatten()
+                    .filter_map(|cause| cause.event().map(str::to_owned))
+                    .collect();
+            holding.extend(
+                self.fleet
+                    .vms
+                    .values()
+                    .filter_map(|vm| vm.heartbeat.as_ref())
+                    .flat_map(|h| h.events.iter().cloned()),
+            );
+            let (gone, unseen) = self.fleet.prune(now, forget, &holding);
+            changes.unseen = unseen;
+            for key in gone {
+                tracing::info!(event_id = %key, "Forgotten: no agent has reported on it for forget_after");
+                self.publishing.remove(&key);
+                changes.events.push((key, None));
+            }
+        }
+        if self.ready {
+            self.overdue(now, &mut changes);
+            self.gates(now);
         }
         let mut republish = Vec::new();
         let timeout = chrono::Duration::from_std(self.config.coordinator.outcome_timeout)
@@ -45,7 +78,8 @@ impl Engine {
             Abandon(String),
         }
         let mut next = Vec::new();
-        let live = !self.config.coordinator.dry_run;
+        // Paused: nothing new goes out, renewals included.
+        let live = !self.config.coordinator.dry_run && self.fleet.paused.is_none();
         for (key, m) in self.fleet.events.iter().filter(|_| live) {
             let Some(approval) = m.approval.as_ref().filter(|a| !a.dry_run && !a.abandoned) else {
                 continue;
@@ -115,7 +149,8 @@ impl Engine {
             next.push((key.clone(), step));
         }
         for (key, step) in next {
-            let approver = policy::approver(&self.fleet, &self.fleet.events[&key]);
+            let approver =
+                policy::approver(&self.fleet, &self.policy, &self.fleet.events[&key], now);
             let m = self.fleet.events.get_mut(&key).expect("listed above");
             let approval = m.approval.as_mut().expect("listed above");
             match step {
@@ -165,7 +200,12 @@ impl Engine {
             self.restart_drains(now);
             self.decide(now);
         }
-        if self.dirty {
+        // Silence and overdue holds come with time alone: refreshed every few seconds too.
+        if self.dirty
+            || self
+                .snapshot_at
+                .is_none_or(|at| now - at >= chrono::Duration::seconds(SNAPSHOT_EVERY_SECONDS))
+        {
             self.publish_snapshot(now);
         }
     }
@@ -173,20 +213,37 @@ impl Engine {
     /// Refreshes `/fleet` and the budget gauges.
     pub(super) fn publish_snapshot(&mut self, now: DateTime<Utc>) {
         self.dirty = false;
-        let usage = policy::usage(&self.fleet, &self.policy, now);
-        for u in &usage {
-            metrics::gauge!("sched_relay_coordinator_budget_in_use", "group" => u.group.clone())
+        self.snapshot_at = Some(now);
+        let budgets = policy::usage(&self.fleet, &self.policy, now);
+        for u in budgets.groups.iter().chain(&budgets.fleet) {
+            let group = u.group.clone();
+            metrics::gauge!("sched_relay_coordinator_budget_in_use", "group" => group.clone())
                 .set(u.down.len() as f64);
-            metrics::gauge!("sched_relay_coordinator_budget_limit", "group" => u.group.clone())
+            metrics::gauge!("sched_relay_coordinator_budget_limit", "group" => group.clone())
                 .set(u.limit as f64);
-            metrics::gauge!("sched_relay_coordinator_group_size", "group" => u.group.clone())
+            metrics::gauge!("sched_relay_coordinator_group_size", "group" => group.clone())
                 .set(u.size as f64);
+            metrics::gauge!("sched_relay_coordinator_silent_vms", "group" => group.clone())
+                .set(u.silent.len() as f64);
+            metrics::gauge!("sched_relay_coordinator_holds_overdue", "group" => group)
+                .set(u.overdue.len() as f64);
         }
+        metrics::gauge!("sched_relay_coordinator_paused").set(if self.fleet.paused.is_some() {
+            1.0
+        } else {
+            0.0
+        });
         let snapshot = json!({
             "time": now.to_rfc3339(),
             "dryRun": self.config.coordinator.dry_run,
-            "groups": usage,
-            "vms": self.fleet.vms,
+            "paused": self.fleet.paused,
+            "groups": budgets.groups,
+            "fleet": budgets.fleet,
+            "vms": self.fleet.vms.iter().map(|(name, vm)| {
+                let mut value = json!(vm);
+                value["silent"] = json!(vm.silent(now, self.policy.silent_after));
+                (name.clone(), value)
+            }).collect::<serde_json::Map<_, _>>(),
             "events": self.fleet.events.values().collect::<Vec<_>>(),
         });
         *self.snapshot.write().unwrap_or_else(|e| e.into_inner()) = snapshot;

@@ -14,9 +14,12 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+mod inventory;
 mod read;
 
-pub use read::{Incoming, read};
+use inventory::agent;
+pub use inventory::{Back, Heartbeat, Pause, Vm};
+pub use read::{Incoming, read, read_at};
 
 /// Where one VM's report of an event stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -47,6 +50,10 @@ impl Stage {
 pub struct Report {
     pub stage: Stage,
     pub incarnation: u64,
+    /// The agent's incarnation epoch (`~e<n>` in its ids; 0 until Azure first restarted
+    /// the numbering): after a reset, a lower incarnation of a higher epoch is newer.
+    #[serde(default)]
+    pub epoch: u64,
     /// The event lists this VM in Resources.
     pub affects: bool,
     pub at: DateTime<Utc>,
@@ -84,6 +91,10 @@ pub struct Approval {
     pub outcome: Option<Outcome>,
     /// Gave up after `max_attempts` (alerted).
     pub abandoned: bool,
+    /// Answers `accepted` with `dryRun: true`: the agent runs in dry run and POSTed
+    /// nothing, so they approve nothing (the request is renewed after `outcome_timeout`).
+    #[serde(default)]
+    pub dry_run_answers: u32,
 }
 
 /// A drain of each affected VM that has an agent.
@@ -131,6 +142,16 @@ pub struct Maintenance {
     /// another orchestrator): the event is starting, its VMs count as down.
     #[serde(default)]
     pub approved_elsewhere: bool,
+    /// When an agent first reported it Started.
+    #[serde(default)]
+    pub started_at: Option<DateTime<Utc>>,
+    /// Per affected VM, the evidence that the event is over for it: only this frees the
+    /// VM's place in its budget (see [`Back`]).
+    #[serde(default)]
+    pub back: BTreeMap<String, Back>,
+    /// Held past `max_hold` without evidence that its VMs are back: alerted once.
+    #[serde(default)]
+    pub overdue: bool,
 }
 
 impl Maintenance {
@@ -147,44 +168,47 @@ impl Maintenance {
             .collect()
     }
 
+    /// It holds its VMs: the coordinator drains or approved it, someone else approved it, or
+    /// it started (an agent said Started, or completed, which it only does after).
+    pub fn holds(&self) -> bool {
+        self.approval.is_some()
+            || self.drain.is_some()
+            || self.approved_elsewhere
+            || self.started_at.is_some()
+            || self.reports.values().any(|r| r.stage == Stage::Completed)
+    }
+
+    /// Whether it takes `vm` down (as [`Maintenance::affected`], without building the list).
+    pub fn lists(&self, vm: &str) -> bool {
+        if self.resources.is_empty() {
+            self.reports.get(vm).is_some_and(|r| r.affects)
+        } else {
+            self.resources.iter().any(|r| r == vm)
+        }
+    }
+
     /// Every report says Scheduled: nothing has started, nothing is over.
     pub fn all_scheduled(&self) -> bool {
         self.reports.values().all(|r| r.stage == Stage::Scheduled)
     }
 
-    pub fn any_started(&self) -> bool {
-        self.reports.values().any(|r| r.stage == Stage::Started)
-    }
-
-    /// Over for `vm`: its own agent said completed or cancelled, or, for a VM without a
-    /// report, every agent did.
-    pub fn over_for(&self, vm: &str) -> bool {
-        match self.reports.get(vm) {
-            Some(report) => report.stage.is_over(),
-            None => !self.reports.is_empty() && self.reports.values().all(|r| r.stage.is_over()),
+    /// Evidence that the event is over for `vm`: a [`Back`] record (its own agent's
+    /// report, a heartbeat, its leaving, an operator), or, for a VM without an agent in the
+    /// inventory (`has_agent` false) and without a report of its own, every agent's report.
+    pub fn back_for(&self, vm: &str, has_agent: bool) -> bool {
+        if self.back.contains_key(vm) {
+            return true;
         }
-    }
-
-    pub fn over(&self) -> bool {
-        self.affected().iter().all(|vm| self.over_for(vm))
+        !has_agent
+            && !self.reports.contains_key(vm)
+            && !self.reports.is_empty()
             && self.reports.values().all(|r| r.stage.is_over())
     }
 
-    /// The coordinator holds it (a drain or an approval) or Azure started it: its VMs count
-    /// as down until each is over.
-    pub fn holds(&self) -> bool {
-        self.approval.is_some()
-            || self.drain.is_some()
-            || self.approved_elsewhere
-            || self.any_started()
+    /// Every report says completed or cancelled.
+    pub fn over(&self) -> bool {
+        !self.reports.is_empty() && self.reports.values().all(|r| r.stage.is_over())
     }
-}
-
-/// A VM that has an agent (it published something).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Vm {
-    pub resource_id: Option<String>,
-    pub last_seen: DateTime<Utc>,
 }
 
 /// What applying a message did.
@@ -208,6 +232,11 @@ pub enum Applied {
     Conflict(String),
     /// A document: its VM has an agent.
     Agent,
+    /// A heartbeat; the keys of the events it showed to be over for its VM.
+    Heartbeat(Vec<String>),
+    /// An answer with `dryRun: true`: the agent POSTed nothing, nothing is approved; the
+    /// key of the event when the request was ours.
+    DryRun(Option<String>),
     Ignored(&'static str),
 }
 
@@ -220,35 +249,13 @@ pub struct Fleet {
     /// `(source, id)` of every message applied, with when: at-least-once input.
     #[serde(skip)]
     pub seen: HashMap<(String, String), DateTime<Utc>>,
+    /// Set while an operator has paused approvals; stored like the rest.
+    #[serde(default)]
+    pub paused: Option<Pause>,
 }
 
 pub fn key_of(event_id: &str) -> String {
     event_id.to_ascii_uppercase()
-}
-
-/// Records that `vm`'s agent spoke at `now`; its resource id is set once and never moved
-/// (VM names must be unique on the broker: approvals are routed by name).
-fn agent<'a>(
-    vms: &'a mut BTreeMap<String, Vm>,
-    vm: &str,
-    resource_id: Option<String>,
-    now: DateTime<Utc>,
-) -> Result<&'a mut Vm, String> {
-    let agent = vms.entry(vm.to_owned()).or_insert(Vm {
-        resource_id: None,
-        last_seen: now,
-    });
-    match (&agent.resource_id, resource_id) {
-        (Some(known), Some(new)) if !known.eq_ignore_ascii_case(&new) => {
-            return Err(format!(
-                "VM {vm:?} reported as {new}, but it is {known}: two VMs share a name, or a publisher lies"
-            ));
-        }
-        (None, Some(new)) => agent.resource_id = Some(new),
-        _ => {}
-    }
-    agent.last_seen = now;
-    Ok(agent)
 }
 
 impl Fleet {
@@ -269,12 +276,19 @@ impl Fleet {
                     Err(conflict) => Applied::Conflict(conflict),
                 }
             }
+            Incoming::Heartbeat {
+                vm,
+                resource_id,
+                beat,
+                ..
+            } => self.heartbeat(&vm, resource_id, beat, now),
             Incoming::Transition {
                 vm,
                 resource_id,
                 stage,
                 update,
                 incarnation,
+                epoch,
                 affects,
                 event,
                 ..
@@ -301,6 +315,9 @@ impl Fleet {
                         approval: None,
                         verdict: String::new(),
                         approved_elsewhere: false,
+                        started_at: None,
+                        back: BTreeMap::new(),
+                        overdue: false,
                     });
                 let event_type = event["EventType"].as_str().unwrap_or_default();
                 if !entry.event_type.is_empty()
@@ -312,25 +329,43 @@ impl Fleet {
                     ));
                 }
                 if let Some(report) = entry.reports.get(&vm) {
+                    // Incarnations compare within an epoch: after Azure restarted the
+                    // numbering, a lower incarnation of a later epoch is newer.
+                    let later = (epoch, incarnation) > (report.epoch, report.incarnation);
                     let newer = stage.rank() > report.stage.rank()
                         || (stage.rank() == report.stage.rank()
                             && !report.stage.is_over()
-                            && incarnation > report.incarnation
+                            && later
                             && (update || stage != report.stage));
                     if !newer {
                         return Applied::Stale;
                     }
                 }
                 entry.reports.insert(
-                    vm,
+                    vm.clone(),
                     Report {
                         stage,
                         incarnation,
+                        epoch,
                         affects,
                         at: now,
                     },
                 );
                 entry.last_report = now;
+                if stage == Stage::Started {
+                    entry.started_at.get_or_insert(now);
+                }
+                if stage.is_over() {
+                    let by = if stage == Stage::Completed {
+                        "completed"
+                    } else {
+                        "cancelled"
+                    };
+                    entry
+                        .back
+                        .entry(vm.clone())
+                        .or_insert_with(|| Back::new(by, now));
+                }
                 // The fields of the newest report of a VM the event affects win (another
                 // VM's document may lag behind), except that an event that is over keeps the
                 // fields it had while it was live.
@@ -345,6 +380,7 @@ impl Fleet {
                 outcome,
                 reason,
                 event_ids,
+                dry_run,
                 ..
             } => {
                 if let Some(agent) = self.vms.get_mut(&vm) {
@@ -365,6 +401,12 @@ impl Fleet {
                     else {
                         continue;
                     };
+                    if dry_run {
+                        // The agent checked it and POSTed nothing: no outcome yet, so the
+                        // request is renewed after `outcome_timeout` like an unanswered one.
+                        approval.dry_run_answers += 1;
+                        return Applied::DryRun(Some(key));
+                    }
                     // An accepted outcome is final; the outcome of an older request than the
                     // newest counts only if it is an acceptance.
                     let accepted = outcome == "accepted";
@@ -384,6 +426,9 @@ impl Fleet {
                     });
                     return Applied::Outcome(key);
                 }
+                if dry_run {
+                    return Applied::DryRun(None);
+                }
                 if outcome == "accepted" {
                     // Someone else started these events: their VMs are going down.
                     let mut changed = Vec::new();
@@ -402,17 +447,19 @@ impl Fleet {
         }
     }
 
-    /// Forgets events no agent has reported on for `forget_after`, and seen ids older than
-    /// that. Returns the keys of the events and the ids removed.
+    /// Forgets events no agent has reported on for `forget_after` but those in `holding`
+    /// (they still hold a VM's place), and seen ids older than that. Returns the keys of
+    /// the events and the ids removed.
     pub fn prune(
         &mut self,
         now: DateTime<Utc>,
         forget_after: chrono::Duration,
-    ) -> (Vec<String>, Vec<(String, String)>, Vec<String>) {
+        holding: &std::collections::BTreeSet<String>,
+    ) -> (Vec<String>, Vec<(String, String)>) {
         let gone: Vec<String> = self
             .events
             .iter()
-            .filter(|(_, m)| now - m.last_report > forget_after)
+            .filter(|(key, m)| now - m.last_report > forget_after && !holding.contains(*key))
             .map(|(key, _)| key.clone())
             .collect();
         for key in &gone {
@@ -427,32 +474,26 @@ impl Fleet {
         for key in &old {
             self.seen.remove(key);
         }
-        // Agents silent that long are gone (a scale set shrank): they leave the group sizes.
-        let silent: Vec<String> = self
-            .vms
-            .iter()
-            .filter(|(_, vm)| now - vm.last_seen > forget_after)
-            .map(|(name, _)| name.clone())
-            .collect();
-        for name in &silent {
-            self.vms.remove(name);
-        }
-        (gone, old, silent)
+        (gone, old)
     }
 }
 
-/// Copies the Azure event's fields (as received) into the record.
+/// Copies the Azure event's fields (as received) into the record. A NotBefore is kept when
+/// a later report carries none (a Started event's is empty): the time it was scheduled for
+/// is what `max_hold` counts from.
 fn fields(entry: &mut Maintenance, event: &Value) {
     if let Some(ty) = event["EventType"].as_str() {
         entry.event_type = ty.to_owned();
     }
     entry.event_source = event["EventSource"].as_str().map(str::to_owned);
     entry.duration_seconds = event["DurationInSeconds"].as_i64();
-    entry.not_before = event["NotBefore"]
+    if let Some(not_before) = event["NotBefore"]
         .as_str()
         .filter(|t| !t.is_empty())
         .and_then(|t| DateTime::parse_from_rfc2822(t).ok())
-        .map(|t| t.with_timezone(&Utc));
+    {
+        entry.not_before = Some(not_before.with_timezone(&Utc));
+    }
     if let Some(resources) = event["Resources"].as_array() {
         entry.resources = resources
             .iter()

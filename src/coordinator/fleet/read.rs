@@ -6,7 +6,7 @@ use serde_json::Value;
 use sched_relay_core::EventKind;
 use sched_relay_core::diff::TransitionKind;
 
-use super::Stage;
+use super::{Heartbeat, Stage, key_of};
 
 /// What a delivered message says, once read.
 #[derive(Debug, Clone, PartialEq)]
@@ -20,6 +20,8 @@ pub enum Incoming {
         /// `updated`: a change of fields, ordered by incarnation.
         update: bool,
         incarnation: u64,
+        /// The epoch an `updated` id carries (`<EventId>:updated:<n>~e<epoch>`), else 0.
+        epoch: u64,
         affects: bool,
         /// The Azure event object exactly as the agent received it.
         event: Value,
@@ -32,6 +34,16 @@ pub enum Incoming {
         outcome: String,
         reason: String,
         event_ids: Vec<String>,
+        /// The agent runs in dry run: it POSTed nothing.
+        dry_run: bool,
+    },
+    /// The agent is alive; what its last document lists.
+    Heartbeat {
+        source: String,
+        id: String,
+        vm: String,
+        resource_id: Option<String>,
+        beat: Heartbeat,
     },
     /// A whole document: the VM has an agent (the first thing an agent publishes).
     Document {
@@ -49,31 +61,38 @@ impl Incoming {
             Incoming::Transition { source, id, .. }
             | Incoming::Outcome { source, id, .. }
             | Incoming::Document { source, id, .. } => Some((source.clone(), id.clone())),
-            Incoming::Ignored(_) => None,
+            // Heartbeats are not de-duplicated by id (the newest wins, whatever comes
+            // twice): keeping their ids would grow the seen set by one every few minutes
+            // per VM.
+            Incoming::Heartbeat { .. } | Incoming::Ignored(_) => None,
         }
     }
 }
+
+/// The most events a heartbeat may list.
+pub const MAX_HEARTBEAT_EVENTS: usize = 256;
 
 /// The longest `id`, `source`, `vmname`, `subject` or `requestid` accepted (an Azure
 /// resource id is under 300 bytes).
 pub const MAX_ATTRIBUTE_BYTES: usize = 512;
 
+/// Reads a structured CloudEvent that an agent published, received at `now`; `live`: the
+/// input has caught up, so a heartbeat shows its VM alive now (while a stream is replayed,
+/// as of its own `time`, capped at `now`). Errors say what is wrong.
+pub fn read_at(
+    event: &Value,
+    now: chrono::DateTime<chrono::Utc>,
+    live: bool,
+) -> Result<Incoming, String> {
+    if EventKind::from_type(event["type"].as_str().unwrap_or_default()) == EventKind::Heartbeat {
+        return heartbeat(event, now, live);
+    }
+    read(event)
+}
+
 /// Reads a structured CloudEvent that an agent published. Errors say what is wrong.
 pub fn read(event: &Value) -> Result<Incoming, String> {
-    let text = |name: &str| -> Result<String, String> {
-        match event.get(name) {
-            // Ids, VM names and sources become state keys: bounded like the agent's own.
-            Some(Value::String(value)) if value.len() > MAX_ATTRIBUTE_BYTES => Err(format!(
-                "attribute {name:?} is {} bytes, more than {MAX_ATTRIBUTE_BYTES}",
-                value.len()
-            )),
-            Some(Value::String(value)) if !value.trim().is_empty() => Ok(value.clone()),
-            Some(other) => Err(format!(
-                "attribute {name:?} is {other}, expected a non-empty string"
-            )),
-            None => Err(format!("attribute {name:?} is missing")),
-        }
-    };
+    let text = |name: &str| attribute(event, name);
     let ty = text("type")?;
     let kind = EventKind::from_type(&ty);
     let stage = match kind {
@@ -106,6 +125,9 @@ pub fn read(event: &Value) -> Result<Incoming, String> {
                     .to_owned(),
                 reason: data["reason"].as_str().unwrap_or_default().to_owned(),
                 event_ids,
+                dry_run: data["dryRun"].as_bool().unwrap_or(false)
+                    || matches!(&event["dryrun"], Value::Bool(true))
+                    || event["dryrun"] == "true",
             });
         }
         EventKind::Document => {
@@ -116,7 +138,7 @@ pub fn read(event: &Value) -> Result<Incoming, String> {
             });
         }
         EventKind::ApprovalRequest => return Ok(Incoming::Ignored("approval request")),
-        EventKind::Heartbeat => return Ok(Incoming::Ignored("heartbeat")),
+        EventKind::Heartbeat => return heartbeat(event, chrono::Utc::now(), false),
         EventKind::Other => {
             return Err(format!(
                 "type {ty:?} is not a Scheduled Events transition or approval outcome"
@@ -164,14 +186,16 @@ pub fn read(event: &Value) -> Result<Incoming, String> {
         Some(Value::String(s)) => s == "true",
         _ => data["affectsVm"].as_bool().unwrap_or(false),
     };
+    let id = text("id")?;
     Ok(Incoming::Transition {
         source: text("source")?,
-        id: text("id")?,
+        epoch: epoch_of(&id),
         vm: text("vmname")?,
         resource_id: data["vm"]["resourceId"]
             .as_str()
             .map(str::to_owned)
             .or_else(|| resource_id(event)),
+        id,
         stage,
         update: kind == EventKind::Transition(TransitionKind::Updated),
         incarnation,
@@ -186,4 +210,100 @@ fn resource_id(event: &Value) -> Option<String> {
         .as_str()
         .filter(|s| s.starts_with("/subscriptions/"))
         .map(str::to_owned)
+}
+
+/// A string attribute, present, non-empty and bounded.
+fn attribute(event: &Value, name: &str) -> Result<String, String> {
+    match event.get(name) {
+        // Ids, VM names and sources become state keys: bounded like the agent's own.
+        Some(Value::String(value)) if value.len() > MAX_ATTRIBUTE_BYTES => Err(format!(
+            "attribute {name:?} is {} bytes, more than {MAX_ATTRIBUTE_BYTES}",
+            value.len()
+        )),
+        Some(Value::String(value)) if !value.trim().is_empty() => Ok(value.clone()),
+        Some(other) => Err(format!(
+            "attribute {name:?} is {other}, expected a non-empty string"
+        )),
+        None => Err(format!("attribute {name:?} is missing")),
+    }
+}
+
+/// The epoch an incarnation-derived id carries (`...:<n>~e<epoch>`), 0 without one.
+fn epoch_of(id: &str) -> u64 {
+    id.rsplit_once("~e")
+        .and_then(|(_, epoch)| epoch.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A heartbeat (`<prefix>.heartbeat`): who the VM is, when, and its last document's events.
+fn heartbeat(
+    event: &Value,
+    now: chrono::DateTime<chrono::Utc>,
+    live: bool,
+) -> Result<Incoming, String> {
+    let text = |name: &str| attribute(event, name);
+    let time = text("time")?;
+    let sent = chrono::DateTime::parse_from_rfc3339(&time)
+        .map_err(|e| format!("attribute \"time\" {time:?} is not an RFC 3339 time: {e}"))?
+        .with_timezone(&chrono::Utc);
+    let at = if live { now } else { sent.min(now) };
+    let data = event
+        .get("data")
+        .filter(|data| data.is_object())
+        .ok_or("data is missing or not an object")?;
+    // The agent's own bounds (`events.heartbeat_interval`, 1s..1h): anything else is not an
+    // agent's heartbeat, and silence is computed from it.
+    let interval_seconds = data["intervalSeconds"]
+        .as_u64()
+        .filter(|s| (1..=3600).contains(s))
+        .ok_or("data.intervalSeconds is missing or not a whole number of seconds from 1 to 3600")?;
+    let events = match &data["events"] {
+        // A document lists a handful of events; a heartbeat listing more is not an agent's.
+        Value::Array(events) if events.len() > MAX_HEARTBEAT_EVENTS => {
+            return Err(format!(
+                "data.events lists {} events, more than {MAX_HEARTBEAT_EVENTS}",
+                events.len()
+            ));
+        }
+        Value::Array(events) => events
+            .iter()
+            .map(|e| {
+                e["EventId"]
+                    .as_str()
+                    .filter(|id| !id.is_empty() && id.len() <= MAX_ATTRIBUTE_BYTES)
+                    .map(key_of)
+                    .ok_or_else(|| format!("data.events: {e} has no EventId"))
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+        Value::Null => Vec::new(),
+        other => return Err(format!("data.events is {other}, expected an array")),
+    };
+    let started_at = data["startedAt"]
+        .as_str()
+        .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
+        .map(|t| t.with_timezone(&chrono::Utc));
+    Ok(Incoming::Heartbeat {
+        source: text("source")?,
+        id: text("id")?,
+        vm: text("vmname")?,
+        resource_id: data["vm"]["resourceId"]
+            .as_str()
+            .map(str::to_owned)
+            .or_else(|| resource_id(event)),
+        beat: Heartbeat {
+            at,
+            sent,
+            interval_seconds,
+            incarnation: data["incarnation"].as_u64(),
+            epoch: data["epoch"].as_u64().unwrap_or(0),
+            agent_version: data["agentVersion"]
+                .as_str()
+                .unwrap_or_default()
+                .chars()
+                .take(64)
+                .collect(),
+            started_at,
+            events,
+        },
+    })
 }

@@ -8,7 +8,7 @@ use figment::providers::Env;
 
 use crate::config::ConfigErrors;
 use crate::coordinator::config::CoordinatorConfig;
-use crate::coordinator::policy::{Action, Budget, Policy};
+use crate::coordinator::policy::{Action, Budget, Outage, Policy};
 
 fn load(text: &str) -> Result<(CoordinatorConfig, Policy), ConfigErrors> {
     let dir = tempfile::tempdir().unwrap();
@@ -26,7 +26,7 @@ stream = "SCHEDULEDEVENTS"
 [approvals]
 kind = "nats"
 url = "nats://127.0.0.1:4222"
-subject = "scheduledevents.approvals.{vmname}"
+subject = "scheduledapprovals.{vmname}"
 [signing]
 key_file = "/etc/sched-relay/coordinator.key"
 key_id = "fleet-1"
@@ -98,4 +98,73 @@ fn types_without_an_action_are_never_approved_and_group_rules_override_defaults(
     let default = policy.groups.last().unwrap();
     assert_eq!(default.rule("Reboot").action, Action::Approve);
     assert_eq!(default.budget, Budget::Count(3));
+}
+
+#[test]
+fn outages_windows_gates_and_the_fleet_budget_load_per_group_or_are_refused_with_their_paths() {
+    let text = format!(
+        "{BASE}\n[fleet]\nmax_down = 4\n\
+         [defaults.outage]\nReboot = \"5m\"\nPreempt = \"duration\"\n\
+         [[defaults.windows]]\ndays = [\"sat-sun\"]\nfrom = \"22:00\"\nto = \"04:00\"\n\
+         [[groups]]\nname = \"db\"\nvm_name = \"db-*\"\nmax_down = 1\nexpected_size = 12\n\
+         [groups.outage]\nReboot = \"until_gone\"\n\
+         [groups.health]\ncommand = [\"/bin/true\", \"{{vmname}}\"]\n"
+    );
+    let (config, policy) = load(&text).unwrap();
+    let db = &policy.groups[0];
+    assert_eq!(db.outages["reboot"], Outage::UntilGone);
+    assert_eq!(db.outages["preempt"], Outage::EventDuration);
+    assert_eq!(
+        (db.expected_size, db.gated, db.windows.len()),
+        (Some(12), true, 1)
+    );
+    let default = policy.groups.last().unwrap();
+    assert_eq!(
+        default.outages["reboot"],
+        Outage::For(Duration::from_secs(300))
+    );
+    assert!(!default.gated);
+    assert_eq!(policy.fleet_budget, Some(Budget::Count(4)));
+    assert!(config.health(0).is_some() && config.health(1).is_none());
+    assert_eq!(
+        (policy.silent_after, policy.report_wait.num_seconds()),
+        (3, 5)
+    );
+
+    let bad = format!(
+        "{BASE}\n[coordinator]\nsilent_after = 0\n[fleet]\n\
+         [defaults.outage]\nReboot = \"soon\"\n\
+         [[defaults.windows]]\nfrom = \"25:00\"\nto = \"04:00\"\n\
+         [defaults.health]\ncommand = []\ninterval = \"0s\"\n"
+    )
+    .replacen("[coordinator]\n", "", 1);
+    let errors = load(&bad).unwrap_err().to_string();
+    for expected in [
+        "coordinator.silent_after: 0 heartbeats is outside 1..100",
+        "fleet: set max_down or max_down_percent",
+        "defaults.outage.Reboot: \"soon\": expected a duration",
+        "defaults.windows[0]: \"25:00\" is not a time",
+        "defaults.health.command: must name a program",
+        "defaults.health.interval: 0s is outside 1s..1h",
+    ] {
+        assert!(
+            errors.contains(expected),
+            "{expected:?} missing from:\n{errors}"
+        );
+    }
+}
+
+#[test]
+fn approvals_sent_to_an_events_subject_are_refused() {
+    let text = BASE.replace(
+        "subject = \"scheduledapprovals.{vmname}\"",
+        "subject = \"scheduledevents.{vmname}.{transition}\"",
+    );
+    let errors = load(&text).unwrap_err().to_string();
+    assert!(
+        errors.contains(
+            "approvals.subject: \"scheduledevents.{vmname}.{transition}\" is an events subject"
+        ),
+        "{errors}"
+    );
 }

@@ -64,29 +64,34 @@ fn an_event_approved_by_someone_else_counts_against_the_budget_at_once() {
     let policy = policy(vec![("web", "web-*", Budget::Count(1))], Budget::Count(1));
     let decisions = decide(&fleet, &policy, t0());
     assert!(decisions.steps.is_empty(), "{:?}", decisions.steps);
-    assert_eq!(usage(&fleet, &policy, t0())[0].down.len(), 1);
+    assert_eq!(usage(&fleet, &policy, t0()).groups[0].down.len(), 1);
 }
 
 #[test]
-fn a_held_event_stops_counting_after_max_hold_past_not_before_and_its_last_report() {
+fn a_held_event_past_max_hold_is_alerted_on_and_keeps_its_place_until_evidence() {
     let mut fleet = Fleet::default();
-    let d1 = document(1, &[("P1", "Preempt", "Scheduled", &["web-1"], 30, -1)]);
-    let d2 = document(2, &[("P1", "Preempt", "Started", &["web-1"], 30, -1)]);
+    let d1 = document(1, &[("P1", "Reboot", "Scheduled", &["web-1"], 30, -1)]);
+    let d2 = document(2, &[("P1", "Reboot", "Started", &["web-1"], 30, -1)]);
     feed(&mut fleet, &published("web-1", None, &d1));
     feed(&mut fleet, &published("web-1", Some(&d1), &d2));
-    // The VM is evicted: its agent never reports the end.
-    let policy = policy(vec![("web", "web-*", Budget::Count(1))], Budget::Count(1));
+    // The Started report carries no NotBefore: the one it was scheduled for is kept.
     assert_eq!(
-        usage(&fleet, &policy, t0() + chrono::Duration::minutes(30))[0]
-            .down
-            .len(),
-        1
+        fleet.events["P1"].not_before,
+        Some(t0() + chrono::Duration::seconds(30))
     );
-    assert!(
-        usage(&fleet, &policy, t0() + chrono::Duration::minutes(62))[0]
-            .down
-            .is_empty()
-    );
+    // The VM never comes back: an hour past NotBefore it is overdue, and still down.
+    let policy = policy(vec![("web", "web-*", Budget::Count(1))], Budget::Count(1));
+    let at =
+        |fleet: &Fleet, minutes| usage(fleet, &policy, t0() + chrono::Duration::minutes(minutes));
+    let web = &at(&fleet, 30).groups[0];
+    assert_eq!((web.down.len(), web.overdue.len()), (1, 0));
+    let web = &at(&fleet, 62).groups[0];
+    assert_eq!((web.down.len(), web.overdue.len()), (1, 1), "{web:?}");
+    let web = &at(&fleet, 60 * 24 * 30).groups[0];
+    assert_eq!(web.down.len(), 1, "time alone never frees a place");
+    // An operator releases it by hand.
+    fleet.release("web-1", None, "operator", t0());
+    assert!(at(&fleet, 62).groups[0].down.is_empty());
 }
 
 #[test]
@@ -106,6 +111,7 @@ fn only_the_newest_request_s_failure_counts_and_an_acceptance_of_any_is_final() 
         sent: vec![sent("r1"), sent("r2")],
         outcome: None,
         abandoned: false,
+        dry_run_answers: 0,
     });
     let outcome = |request: &str, kind: &str, n: u32| {
         json!({"specversion": "1.0",

@@ -12,8 +12,12 @@ use sched_relay_core::document::Document;
 use sched_relay_core::event::{EventFactory, Identity, PartitionKey, events_for_document};
 use serde_json::{Value, json};
 
+mod ceiling;
 mod config;
 mod contradictions;
+mod controls;
+mod model;
+mod quiet_day;
 
 use super::fleet::{Applied, Approval, Fleet, Stage, read};
 use super::policy::{
@@ -99,19 +103,31 @@ fn policy(groups: Vec<(&str, &str, Budget)>, default: Budget) -> Policy {
                 ..Matcher::default()
             },
             budget,
+            expected_size: None,
             rules: approve_all.clone(),
+            outages: BTreeMap::new(),
+            windows: Vec::new(),
+            gated: false,
         })
         .collect();
     list.push(Group {
         name: "default".into(),
         matcher: Matcher::default(),
         budget: default,
+        expected_size: None,
         rules: approve_all,
+        outages: BTreeMap::new(),
+        windows: Vec::new(),
+        gated: false,
     });
     Policy {
         groups: list,
+        fleet_budget: None,
         min_lead: chrono::Duration::seconds(2),
         max_hold: chrono::Duration::hours(1),
+        silent_after: 3,
+        report_wait: chrono::Duration::seconds(5),
+        approve_failed_drains: false,
     }
 }
 
@@ -126,6 +142,7 @@ fn approve(fleet: &mut Fleet, steps: &[Step]) {
             sent: Vec::new(),
             outcome: None,
             abandoned: false,
+            dry_run_answers: 0,
         });
     }
 }
@@ -234,7 +251,7 @@ fn a_budget_of_one_approves_the_earliest_not_before_first_and_then_waits() {
         first
             .waits
             .iter()
-            .all(|(_, w)| matches!(w, Wait::Budget { group, down: 1, limit: 1 } if group == "web"))
+            .all(|(_, w)| matches!(w, Wait::Budget { group, down: 1, adds: 1, limit: 1, .. } if group == "web"))
     );
     approve(&mut fleet, &first.steps);
     assert!(decide(&fleet, &policy, t0()).steps.is_empty());
@@ -265,6 +282,8 @@ fn an_event_listing_several_vms_costs_each_and_is_approved_once_by_the_first_wit
         Wait::Budget {
             group: "web".into(),
             down: 0,
+            adds: 3,
+            forced: Vec::new(),
             limit: 2
         }
     );
@@ -278,7 +297,7 @@ fn an_event_listing_several_vms_costs_each_and_is_approved_once_by_the_first_wit
         }]
     );
     approve(&mut fleet, &decisions.steps);
-    let web = &usage(&fleet, &enough, t0())[0];
+    let web = &usage(&fleet, &enough, t0()).groups[0];
     assert_eq!(web.down.len(), 3);
 }
 
@@ -301,13 +320,15 @@ fn an_event_azure_is_about_to_start_by_itself_counts_against_the_budget() {
         Wait::Budget {
             group: "web".into(),
             down: 1,
+            adds: 1,
+            forced: Vec::new(),
             limit: 1
         },
         "web-1 goes down at S1's NotBefore: approving R1 now would make two"
     );
     // Past its NotBefore, before web-1's agent has reported it Started: still down.
     let later = t0() + chrono::Duration::seconds(3);
-    assert_eq!(usage(&fleet, &policy, later)[0].down.len(), 1);
+    assert_eq!(usage(&fleet, &policy, later).groups[0].down.len(), 1);
     // Once web-1 reports it over, R1 may go.
     let d1 = document(1, &[("S1", "Reboot", "Scheduled", &["web-1"], 1, -1)]);
     feed(
@@ -386,7 +407,7 @@ fn percentages_round_up_over_the_vms_known_in_the_group() {
         vec![("web", "web-*", Budget::Percent(10))],
         Budget::Count(0),
     );
-    let web = &usage(&fleet, &policy, t0())[0];
+    let web = &usage(&fleet, &policy, t0()).groups[0];
     assert_eq!((web.size, web.limit), (11, 2));
 }
 
@@ -454,7 +475,7 @@ proptest! {
         let decisions = decide(&fleet, &policy, t0());
         approve(&mut fleet, &decisions.steps);
         let after = usage(&fleet, &policy, t0());
-        for (b, a) in before.iter().zip(&after) {
+        for (b, a) in before.groups.iter().zip(&after.groups) {
             if a.down.len() > b.down.len() {
                 prop_assert!(a.down.len() <= a.limit, "{} went from {} to {} of {}", a.group, b.down.len(), a.down.len(), a.limit);
             }

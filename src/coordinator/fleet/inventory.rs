@@ -1,0 +1,214 @@
+//! The inventory: every VM whose agent speaks (heartbeats above all), whether it is alive,
+//! and the evidence that an event is over for a VM ([`Back`]): the only thing that frees
+//! its place in a budget, besides its leaving and an operator.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use super::{Applied, Fleet};
+
+/// Why an event is over for one VM, and whether the group's health gate has passed since.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Back {
+    pub at: DateTime<Utc>,
+    /// `completed` or `cancelled` (the VM's own agent said so), `heartbeat` (its agent
+    /// started again after the event appeared, and its document no longer lists it),
+    /// `left` (the VM left the inventory: evicted or deleted), `operator` (released by
+    /// hand).
+    pub by: String,
+    /// When the group's health gate passed (set at once where there is no gate, and for
+    /// `left` and `operator`).
+    #[serde(default)]
+    pub healthy_at: Option<DateTime<Utc>>,
+    /// The gate's last failure, for `/fleet`.
+    #[serde(default)]
+    pub gate: Option<String>,
+}
+
+impl Back {
+    pub fn new(by: &str, at: DateTime<Utc>) -> Back {
+        let final_ = matches!(by, "left" | "operator");
+        Back {
+            at,
+            by: by.to_owned(),
+            healthy_at: final_.then_some(at),
+            gate: None,
+        }
+    }
+}
+
+/// A VM of the inventory: its agent published something (a heartbeat, a document, a
+/// transition or an outcome).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Vm {
+    pub resource_id: Option<String>,
+    pub last_seen: DateTime<Utc>,
+    /// Its agent's latest heartbeat; `None` for an agent that sends none (an older
+    /// version): such a VM is never judged silent.
+    #[serde(default)]
+    pub heartbeat: Option<Heartbeat>,
+}
+
+impl Vm {
+    /// Its agent has missed `silent_after` heartbeats by `now`.
+    pub fn silent(&self, now: DateTime<Utc>, silent_after: u32) -> bool {
+        self.heartbeat.as_ref().is_some_and(|h| {
+            let allowed = h
+                .interval_seconds
+                .min(3600)
+                .saturating_mul(u64::from(silent_after));
+            now.signed_duration_since(h.at).num_seconds() > allowed.min(i64::MAX as u64) as i64
+        })
+    }
+}
+
+/// What an agent's heartbeat said.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    /// When the VM was last known alive, by this coordinator's clock: the heartbeat's
+    /// arrival once the input has caught up; while a stream is replayed, its own `time`
+    /// (never later than its arrival), so that an old heartbeat does not look fresh.
+    pub at: DateTime<Utc>,
+    /// Its CloudEvent `time` (the agent's clock): orders one agent's heartbeats.
+    #[serde(default)]
+    pub sent: DateTime<Utc>,
+    pub interval_seconds: u64,
+    pub incarnation: Option<u64>,
+    pub epoch: u64,
+    pub agent_version: String,
+    /// When the agent process started (after a reboot: after the VM came back).
+    pub started_at: Option<DateTime<Utc>>,
+    /// The EventIds of its last processed document, upper-case.
+    pub events: Vec<String>,
+}
+
+/// The operator paused approvals (`sched-relay coordinate pause`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Pause {
+    pub at: DateTime<Utc>,
+    pub reason: String,
+}
+
+/// Records that `vm`'s agent spoke at `now`; its resource id is set once and never moved
+/// (VM names must be unique on the broker: approvals are routed by name).
+pub(super) fn agent<'a>(
+    vms: &'a mut BTreeMap<String, Vm>,
+    vm: &str,
+    resource_id: Option<String>,
+    now: DateTime<Utc>,
+) -> Result<&'a mut Vm, String> {
+    let agent = vms.entry(vm.to_owned()).or_insert(Vm {
+        resource_id: None,
+        last_seen: now,
+        heartbeat: None,
+    });
+    match (&agent.resource_id, resource_id) {
+        (Some(known), Some(new)) if !known.eq_ignore_ascii_case(&new) => {
+            return Err(format!(
+                "VM {vm:?} reported as {new}, but it is {known}: two VMs share a name, or a publisher lies"
+            ));
+        }
+        (None, Some(new)) => agent.resource_id = Some(new),
+        _ => {}
+    }
+    agent.last_seen = now;
+    Ok(agent)
+}
+
+impl Fleet {
+    /// A heartbeat: the VM is in the inventory and alive as of the heartbeat's time; and
+    /// where its agent started after an event listing it appeared and its document no
+    /// longer lists the event, the event is over for it (a VM back from a reboot whose
+    /// agent lost its state never reports `completed`).
+    pub(super) fn heartbeat(
+        &mut self,
+        vm: &str,
+        resource_id: Option<String>,
+        beat: Heartbeat,
+        now: DateTime<Utc>,
+    ) -> Applied {
+        let agent = match agent(&mut self.vms, vm, resource_id, now) {
+            Ok(agent) => agent,
+            Err(conflict) => return Applied::Conflict(conflict),
+        };
+        // Heartbeats may arrive out of order (a replay, two partitions): the newest by the
+        // agent's own clock wins, and an older one says nothing new.
+        let previous = agent.heartbeat.clone();
+        if previous.as_ref().is_some_and(|p| p.sent > beat.sent) {
+            return Applied::Heartbeat(Vec::new());
+        }
+        let restarted = match (&previous, beat.started_at) {
+            (Some(p), Some(started)) => p.started_at.is_some_and(|before| started > before),
+            _ => false,
+        };
+        let listed = beat.events.clone();
+        let at = beat.at;
+        agent.heartbeat = Some(beat);
+        let mut back = Vec::new();
+        if !restarted {
+            return Applied::Heartbeat(back);
+        }
+        // Its agent started again since its last heartbeat (a reboot), and the first document
+        // it processed no longer lists an event this VM had shown: the event is over for it.
+        // Only the agent's own clock is compared, and only events that hold the VM count.
+        for (key, m) in self.events.iter_mut() {
+            let shown = m.reports.contains_key(vm)
+                || previous.as_ref().is_some_and(|p| p.events.contains(key));
+            if m.back.contains_key(vm)
+                || !m.lists(vm)
+                || listed.contains(key)
+                || !shown
+                || !m.holds()
+            {
+                continue;
+            }
+            m.back.insert(vm.to_owned(), Back::new("heartbeat", at));
+            back.push(key.clone());
+        }
+        Applied::Heartbeat(back)
+    }
+
+    /// The VM leaves the inventory (evicted, deleted): every event that lists it is over for
+    /// it (`by`: `left`), those still to come too (they cannot start on a VM that is gone),
+    /// so it frees its places. Returns the keys of the events changed.
+    pub fn leave(&mut self, vm: &str, now: DateTime<Utc>) -> Vec<String> {
+        self.vms.remove(vm);
+        let mut changed = Vec::new();
+        for (k, m) in self.events.iter_mut() {
+            if m.lists(vm) && m.back.get(vm).is_none_or(|b| b.healthy_at.is_none()) {
+                m.back.insert(vm.to_owned(), Back::new("left", now));
+                changed.push(k.clone());
+            }
+        }
+        changed
+    }
+
+    /// Records that the events holding `vm` (or only `key`) are over for it, `by` an
+    /// operator: those an agent said started, that were approved or are being drained,
+    /// or whose NotBefore has passed. An event still to come keeps its claim on the VM: a
+    /// release frees what has happened, never what Azure has yet to start. Returns the keys
+    /// of the events changed.
+    pub fn release(
+        &mut self,
+        vm: &str,
+        key: Option<&str>,
+        by: &str,
+        now: DateTime<Utc>,
+    ) -> Vec<String> {
+        let mut changed = Vec::new();
+        for (k, m) in self.events.iter_mut() {
+            let happened = m.holds() || m.not_before.is_some_and(|at| at <= now);
+            if key.is_some_and(|key| key != k) || !m.lists(vm) || !happened {
+                continue;
+            }
+            let done = m.back.get(vm).is_some_and(|b| b.healthy_at.is_some());
+            if !done {
+                m.back.insert(vm.to_owned(), Back::new(by, now));
+                changed.push(k.clone());
+            }
+        }
+        changed
+    }
+}

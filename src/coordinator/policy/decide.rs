@@ -1,0 +1,400 @@
+//! The decision: for every event nobody has acted on, and every drained event waiting for
+//! its approval, what to do now, earliest NotBefore first.
+//!
+//! The budget check looks ahead: approving an event takes its VMs down now and, as far as
+//! anyone knows, for its expected outage (the group's [`super::Outage`] for its type).
+//! Every Scheduled event nobody holds starts at its NotBefore at the latest, so those due
+//! inside that window will be down with it, whoever approves them. An approval is sent only
+//! if, for each group it touches (and the fleet), the VMs down now, plus its own, plus
+//! those Azure starts inside its window, fit the budget. Places are never freed by time,
+//! so the count can only grow inside the window: its end is the worst moment.
+
+use std::collections::BTreeSet;
+
+use chrono::{DateTime, Utc};
+
+use super::down::{Cause, Down, down_now, holds};
+use super::{Action, Policy};
+use crate::coordinator::fleet::{Fleet, Maintenance, Stage};
+
+/// Something to do now.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    /// Drain these VMs (the affected ones in the inventory), then approve.
+    Drain { key: String, vms: Vec<String> },
+    /// Sign and send an approval to `approver`'s agent.
+    Approve { key: String, approver: String },
+}
+
+/// Why an event is not acted on now.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Wait {
+    /// Its action is `never` (or it lasts longer than the rule allows): NotBefore decides.
+    Never(String),
+    /// NotBefore is too close (or past): Azure starts it.
+    TooLate,
+    /// No VM in Resources has a live agent to send the approval to.
+    NoAgent,
+    /// Approving it would put `group` over its budget within its outage window.
+    Budget {
+        group: String,
+        /// VMs down now (without this event's own hold).
+        down: usize,
+        /// VMs this approval takes down.
+        adds: usize,
+        /// Events Azure starts by itself inside the window (EventId and NotBefore).
+        forced: Vec<(String, DateTime<Utc>)>,
+        limit: usize,
+    },
+    /// Some VMs it lists have a live agent that has not reported it yet.
+    Reports(Vec<String>),
+    /// Outside every maintenance window of `group`.
+    Window(String),
+    /// An operator paused approvals.
+    Paused(String),
+    /// Drained; the drain failed and `on_failure` is `wait`.
+    DrainFailed,
+}
+
+impl std::fmt::Display for Wait {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Wait::Never(why) => write!(f, "not approved: {why}; NotBefore decides"),
+            Wait::TooLate => write!(f, "NotBefore is too close; Azure starts it"),
+            Wait::NoAgent => write!(f, "no VM in Resources has a live agent to approve it"),
+            Wait::Budget {
+                group,
+                down,
+                adds,
+                forced,
+                limit,
+            } => {
+                write!(
+                    f,
+                    "waiting for budget: group {group} has {down} of {limit} VM(s) down, this takes {adds}"
+                )?;
+                if !forced.is_empty() {
+                    let list: Vec<String> = forced
+                        .iter()
+                        .map(|(id, at)| format!("{id} at {}", at.to_rfc3339()))
+                        .collect();
+                    write!(
+                        f,
+                        ", and Azure starts {} more within its outage window ({})",
+                        forced.len(),
+                        list.join(", ")
+                    )?;
+                }
+                Ok(())
+            }
+            Wait::Reports(vms) => write!(
+                f,
+                "waiting up to report_wait for the reports of {}",
+                vms.join(", ")
+            ),
+            Wait::Window(group) => write!(
+                f,
+                "outside group {group}'s maintenance windows; Azure starts it at NotBefore if none opens before"
+            ),
+            Wait::Paused(reason) => write!(f, "paused by an operator: {reason}"),
+            Wait::DrainFailed => write!(f, "drain failed; not approved, NotBefore decides"),
+        }
+    }
+}
+
+impl Wait {
+    /// The metric label.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Wait::Never(_) => "never",
+            Wait::TooLate => "too_late",
+            Wait::NoAgent => "no_agent",
+            Wait::Budget { .. } => "budget",
+            Wait::Reports(_) => "reports",
+            Wait::Window(_) => "window",
+            Wait::Paused(_) => "paused",
+            Wait::DrainFailed => "drain_failed",
+        }
+    }
+}
+
+#[derive(Debug, Default, PartialEq)]
+pub struct Decisions {
+    pub steps: Vec<Step>,
+    pub waits: Vec<(String, Wait)>,
+}
+
+/// Where an event stands for the decision.
+enum Candidate {
+    /// Nobody acted on it yet.
+    New,
+    /// Its drain ended (all drained, or failed with `on_failure = "approve"`); waiting
+    /// for its approval.
+    Drained,
+}
+
+/// Decides, for every event nobody has acted on and every drained one, what to do now.
+pub fn decide(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Decisions {
+    let mut down = down_now(fleet, policy, now);
+    let mut decisions = Decisions::default();
+    let mut candidates: Vec<(&String, &Maintenance, Candidate)> = Vec::new();
+    for (key, m) in &fleet.events {
+        if m.reports.is_empty() || !m.reports.values().all(|r| r.stage == Stage::Scheduled) {
+            continue;
+        }
+        match (&m.drain, &m.approval) {
+            (None, None) if !holds(m) => candidates.push((key, m, Candidate::New)),
+            (Some(drain), None) if drain.finished_at.is_some() && !m.approved_elsewhere => {
+                if drain.all_done() || policy.approve_failed_drains {
+                    candidates.push((key, m, Candidate::Drained));
+                } else {
+                    decisions.waits.push((key.clone(), Wait::DrainFailed));
+                }
+            }
+            _ => {}
+        }
+    }
+    candidates.sort_by_key(|(key, m, _)| (m.not_before, m.first_seen, (*key).clone()));
+    for (key, m, candidate) in candidates {
+        match one(fleet, policy, &mut down, key, m, &candidate, now) {
+            Ok(Action::DrainThenApprove) if matches!(candidate, Candidate::New) => {
+                decisions.steps.push(Step::Drain {
+                    key: key.clone(),
+                    vms: m
+                        .affected()
+                        .into_iter()
+                        .filter(|vm| fleet.vms.contains_key(vm))
+                        .collect(),
+                })
+            }
+            Ok(_) => decisions.steps.push(Step::Approve {
+                key: key.clone(),
+                approver: approver(fleet, policy, m, now).expect("checked by one()"),
+            }),
+            Err(wait) => decisions.waits.push((key.clone(), wait)),
+        }
+    }
+    decisions
+}
+
+/// The agent an approval goes to: the first VM in Resources with a live agent that has
+/// reported the event (its document has it, so the agent will not answer `unknown_event`),
+/// else the first with a live agent at all. One approval releases every VM the event lists.
+pub fn approver(
+    fleet: &Fleet,
+    policy: &Policy,
+    m: &Maintenance,
+    now: DateTime<Utc>,
+) -> Option<String> {
+    let live = |vm: &String| {
+        fleet
+            .vms
+            .get(vm)
+            .is_some_and(|v| !v.silent(now, policy.silent_after))
+    };
+    let affected = m.affected();
+    affected
+        .iter()
+        .find(|vm| live(vm) && m.reports.get(*vm).is_some_and(|r| !r.stage.is_over()))
+        .or_else(|| affected.iter().find(|vm| live(vm)))
+        .cloned()
+}
+
+fn one(
+    fleet: &Fleet,
+    policy: &Policy,
+    down: &mut Down,
+    key: &str,
+    m: &Maintenance,
+    candidate: &Candidate,
+    now: DateTime<Utc>,
+) -> Result<Action, Wait> {
+    let affected = m.affected();
+    let groups: BTreeSet<usize> = affected
+        .iter()
+        .map(|vm| down.group_of(fleet, policy, vm))
+        .collect();
+    // The strictest rule of the groups involved.
+    let mut action = Action::Approve;
+    for &g in &groups {
+        let rule = policy.groups[g].rule(&m.event_type);
+        if let Some(max) = rule.max_duration {
+            let lasts = m.duration_seconds.filter(|d| *d >= 0);
+            if lasts.is_none_or(|d| d as u64 > max.as_secs()) {
+                return Err(Wait::Never(format!(
+                    "{} lasts {} s, group {} approves at most {} s",
+                    m.event_type,
+                    m.duration_seconds
+                        .map_or("an unknown number of".into(), |d| d.to_string()),
+                    policy.groups[g].name,
+                    max.as_secs()
+                )));
+            }
+        }
+        action = action.max(rule.action);
+    }
+    if affected.is_empty() {
+        action = Action::Never;
+    }
+    if action == Action::Never {
+        return Err(Wait::Never(format!(
+            "the action for {:?} is never",
+            m.event_type
+        )));
+    }
+    if m.not_before.is_some_and(|at| at - now < policy.min_lead) {
+        return Err(Wait::TooLate);
+    }
+    if let Some(pause) = &fleet.paused {
+        return Err(Wait::Paused(pause.reason.clone()));
+    }
+    if let Some(&g) = groups.iter().find(|&&g| !policy.groups[g].open(now)) {
+        return Err(Wait::Window(policy.groups[g].name.clone()));
+    }
+    if approver(fleet, policy, m, now).is_none() {
+        return Err(Wait::NoAgent);
+    }
+    if matches!(candidate, Candidate::New) && now - m.first_seen < policy.report_wait {
+        let missing: Vec<String> = affected
+            .iter()
+            .filter(|vm| {
+                fleet
+                    .vms
+                    .get(*vm)
+                    .is_some_and(|v| !v.silent(now, policy.silent_after))
+                    && !m.reports.contains_key(*vm)
+            })
+            .cloned()
+            .collect();
+        if !missing.is_empty() {
+            return Err(Wait::Reports(missing));
+        }
+    }
+    fits(fleet, policy, down, key, m, now)?;
+    // Taken: its VMs are down for the events decided after it.
+    for vm in affected {
+        let g = down.group_of(fleet, policy, &vm);
+        let causes = down.causes.entry(vm).or_default();
+        if causes.is_empty() {
+            down.counts[g] += 1;
+        }
+        causes.insert(Cause::Held(key.to_owned()));
+    }
+    Ok(action)
+}
+
+/// The budget check over the time the approval adds to the event's VMs' downtime, for each
+/// group it touches and the fleet: down now (without this event's own hold) + its VMs +
+/// every VM Azure starts by itself inside that window.
+///
+/// The window runs from now to the end of the event's expected outage, but no further than
+/// its own NotBefore: Azure starts it then whoever approves it, so from there on its VMs are
+/// down either way and the approval adds nothing (it only ends their outage sooner).
+fn fits(
+    fleet: &Fleet,
+    policy: &Policy,
+    down: &Down,
+    key: &str,
+    m: &Maintenance,
+    now: DateTime<Utc>,
+) -> Result<(), Wait> {
+    // Down now for any reason but this event.
+    let otherwise = |vm: &str| {
+        down.causes
+            .get(vm)
+            .is_some_and(|causes| causes.iter().any(|c| c.event() != Some(key)))
+    };
+    let down_now = |vm: &str| down.causes.contains_key(vm);
+    let affected = m.affected();
+    let window_end = |g: usize| -> Option<DateTime<Utc>> {
+        // An outage past what a date can hold is "until gone".
+        let end = policy.groups[g]
+            .outage(m)
+            .and_then(|outage| now.checked_add_signed(outage));
+        match (end, m.not_before) {
+            (Some(end), Some(not_before)) => Some(end.min(not_before)),
+            (None, not_before) => not_before,
+            (end, None) => end,
+        }
+    };
+    // The VMs Azure starts inside the window, not down otherwise and not this event's.
+    let starts = |list: &[(DateTime<Utc>, String, String)], end: Option<DateTime<Utc>>| {
+        let mut vms: BTreeSet<&str> = BTreeSet::new();
+        let mut events: Vec<(String, DateTime<Utc>)> = Vec::new();
+        // Earliest NotBefore first: the first one past the window ends the look.
+        for (at, event, vm) in list
+            .iter()
+            .take_while(|(at, ..)| end.is_none_or(|end| *at < end))
+        {
+            if event == key || otherwise(vm) || affected.contains(vm) || !vms.insert(vm) {
+                continue;
+            }
+            let id = fleet.events[event].event_id.clone();
+            if !events.iter().any(|(known, _)| *known == id) {
+                events.push((id, *at));
+            }
+        }
+        (vms.len(), events)
+    };
+    let groups: BTreeSet<usize> = affected
+        .iter()
+        .map(|vm| down.group_of(fleet, policy, vm))
+        .collect();
+    let mut fleet_end = Some(now);
+    for &g in &groups {
+        let end = window_end(g);
+        fleet_end = fleet_end.zip(end).map(|(a, b)| a.max(b));
+        let mine: BTreeSet<&String> = affected
+            .iter()
+            .filter(|vm| down.group_of(fleet, policy, vm) == g)
+            .collect();
+        // Down only because of this event: counted among its own VMs, not as down now.
+        let only_mine = mine
+            .iter()
+            .filter(|vm| down_now(vm) && !otherwise(vm))
+            .count();
+        let base = down.counts[g] - only_mine;
+        let adds = mine.iter().filter(|vm| !otherwise(vm)).count();
+        let (forced, events) = starts(&down.starts[g], end);
+        let limit = down.limit(policy, g);
+        if base + adds + forced > limit {
+            return Err(Wait::Budget {
+                group: policy.groups[g].name.clone(),
+                down: base,
+                adds,
+                forced: events,
+                limit,
+            });
+        }
+    }
+    if let Some(limit) = down.fleet_limit(policy) {
+        let mine: BTreeSet<&String> = affected.iter().collect();
+        let only_mine = mine
+            .iter()
+            .filter(|vm| down_now(vm) && !otherwise(vm))
+            .count();
+        let base = down.causes.len() - only_mine;
+        let adds = mine.iter().filter(|vm| !otherwise(vm)).count();
+        let all: Vec<(DateTime<Utc>, String, String)> = down
+            .pending
+            .iter()
+            .take_while(|p| fleet_end.is_none_or(|end| p.not_before < end))
+            .flat_map(|p| {
+                p.vms
+                    .iter()
+                    .map(|vm| (p.not_before, p.key.clone(), vm.clone()))
+            })
+            .collect();
+        let (forced, events) = starts(&all, fleet_end);
+        if base + adds + forced > limit {
+            return Err(Wait::Budget {
+                group: "fleet".into(),
+                down: base,
+                adds,
+                forced: events,
+                limit,
+            });
+        }
+    }
+    Ok(())
+}

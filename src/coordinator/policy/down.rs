@@ -1,0 +1,290 @@
+//! Who is down now, and why: the count every budget is checked against.
+//!
+//! A VM is down while some event that lists it holds it or is about to start, until the
+//! evidence that it is back (and, where the group has one, its health gate); and while its
+//! agent is silent. The events nobody holds yet are listed apart ([`Down::pending`]):
+//! Azure starts each at its NotBefore at the latest, which is what an approval's window
+//! must leave room for.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+
+use super::Policy;
+use crate::coordinator::fleet::{Fleet, Maintenance};
+
+/// Why a VM counts as down.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Cause {
+    /// An event (by key) holds it: drained or being drained, approved (by this coordinator
+    /// or anyone else), or started; until the evidence that it is back.
+    Held(String),
+    /// Azure starts an event (by key) of it in a moment, or did at a NotBefore already
+    /// past, and no agent has said so yet.
+    Starting(String),
+    /// Its agent missed `silent_after` heartbeats.
+    Silent,
+}
+
+impl Cause {
+    fn describe(&self) -> String {
+        match self {
+            Cause::Held(key) => format!("held by {key}"),
+            Cause::Starting(key) => format!("{key} starts at NotBefore"),
+            Cause::Silent => "agent silent".into(),
+        }
+    }
+
+    /// The event behind it, if any.
+    pub fn event(&self) -> Option<&str> {
+        match self {
+            Cause::Held(key) | Cause::Starting(key) => Some(key),
+            Cause::Silent => None,
+        }
+    }
+}
+
+/// An event nobody holds yet that Azure will start at its NotBefore unless it is approved
+/// earlier, with the VMs it will take down.
+#[derive(Debug, Clone)]
+pub struct Pending {
+    pub key: String,
+    pub not_before: DateTime<Utc>,
+    pub vms: Vec<String>,
+}
+
+/// The whole fleet's count at one moment.
+#[derive(Debug, Clone, Default)]
+pub struct Down {
+    /// Every VM down, with every reason.
+    pub causes: BTreeMap<String, BTreeSet<Cause>>,
+    /// The group of every VM known (the inventory's, and VMs named in Resources).
+    pub group: BTreeMap<String, usize>,
+    /// Per group, the VMs of the inventory.
+    pub members: Vec<BTreeSet<String>>,
+    /// Per group, the VMs held past `max_hold` without evidence that they are back.
+    pub overdue: Vec<BTreeSet<String>>,
+    /// Scheduled events nobody holds, earliest NotBefore first.
+    pub pending: Vec<Pending>,
+    /// Per group, how many of its VMs are down (the VMs of `causes` in it).
+    pub counts: Vec<usize>,
+    /// Per group, each VM a pending event will take down, with its NotBefore and the
+    /// event's key, earliest first: what an approval's window is checked against.
+    pub starts: Vec<Vec<(DateTime<Utc>, String, String)>>,
+}
+
+impl Down {
+    /// The group of `vm`, for VMs neither in the inventory nor named by an event.
+    pub fn group_of(&self, fleet: &Fleet, policy: &Policy, vm: &str) -> usize {
+        self.group
+            .get(vm)
+            .copied()
+            .unwrap_or_else(|| policy.group_of(fleet, vm))
+    }
+
+    /// The group's size: the larger of the VMs known and the operator's expected size.
+    pub fn size(&self, policy: &Policy, group: usize) -> usize {
+        let known = self.members[group].len();
+        policy.groups[group]
+            .expected_size
+            .map_or(known, |expected| known.max(expected as usize))
+    }
+
+    pub fn limit(&self, policy: &Policy, group: usize) -> usize {
+        policy.groups[group].budget.limit(self.size(policy, group))
+    }
+
+    /// The fleet's limit, if `[fleet]` sets one: of the sum of the groups' sizes.
+    pub fn fleet_limit(&self, policy: &Policy) -> Option<usize> {
+        let size = (0..policy.groups.len()).map(|g| self.size(policy, g)).sum();
+        policy.fleet_budget.map(|budget| budget.limit(size))
+    }
+}
+
+/// The event holds its VMs ([`Maintenance::holds`]).
+pub fn holds(m: &Maintenance) -> bool {
+    m.holds()
+}
+
+/// Nobody holds it and some agent still reports it Scheduled: Azure starts it at NotBefore
+/// unless it is approved first.
+pub fn pending(m: &Maintenance) -> bool {
+    !holds(m)
+        && m.reports
+            .values()
+            .any(|r| r.stage == crate::coordinator::fleet::Stage::Scheduled)
+}
+
+/// The place `vm` takes for `m` is free: the event is over for it, and the group's health
+/// gate (if any) has passed since.
+pub fn freed(fleet: &Fleet, policy: &Policy, m: &Maintenance, vm: &str, group: usize) -> bool {
+    if !m.back_for(vm, fleet.vms.contains_key(vm)) {
+        return false;
+    }
+    match m.back.get(vm) {
+        Some(back) => back.healthy_at.is_some() || !policy.groups[group].gated,
+        None => true,
+    }
+}
+
+/// Who is down at `now`, and the events Azure will start by itself.
+pub fn down_now(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Down {
+    let groups = policy.groups.len();
+    let mut down = Down {
+        members: vec![BTreeSet::new(); groups],
+        overdue: vec![BTreeSet::new(); groups],
+        ..Down::default()
+    };
+    // Holding (by the coordinator, anyone else, or Azure) is the event's own state.
+    for (name, vm) in &fleet.vms {
+        let g = policy.group_of(fleet, name);
+        down.group.insert(name.clone(), g);
+        down.members[g].insert(name.clone());
+        if vm.silent(now, policy.silent_after) {
+            down.causes
+                .entry(name.clone())
+                .or_default()
+                .insert(Cause::Silent);
+        }
+    }
+    for (key, m) in &fleet.events {
+        let held = holds(m);
+        let starting = m.not_before.is_some_and(|at| at - now < policy.min_lead);
+        let is_pending = !held && pending(m);
+        let since = [
+            m.not_before,
+            m.approval.as_ref().map(|a| a.decided_at),
+            m.started_at,
+        ]
+        .into_iter()
+        .flatten()
+        .max()
+        .unwrap_or(m.first_seen);
+        let overdue = held && now - since > policy.max_hold;
+        let mut waiting = Vec::new();
+        for vm in m.affected() {
+            let g = down.group_of(fleet, policy, &vm);
+            down.group.entry(vm.clone()).or_insert(g);
+            if freed(fleet, policy, m, &vm, g) {
+                continue;
+            }
+            let cause = if held {
+                Cause::Held(key.clone())
+            } else if is_pending && starting {
+                Cause::Starting(key.clone())
+            } else {
+                if is_pending {
+                    waiting.push(vm);
+                }
+                continue;
+            };
+            if overdue {
+                down.overdue[g].insert(vm.clone());
+            }
+            down.causes.entry(vm).or_default().insert(cause);
+        }
+        if let (true, Some(not_before)) = (is_pending && !starting, m.not_before)
+            && !waiting.is_empty()
+        {
+            down.pending.push(Pending {
+                key: key.clone(),
+                not_before,
+                vms: waiting,
+            });
+        }
+    }
+    down.pending
+        .sort_by(|a, b| (a.not_before, &a.key).cmp(&(b.not_before, &b.key)));
+    down.counts = vec![0; groups];
+    for vm in down.causes.keys() {
+        let g = down.group_of(fleet, policy, vm);
+        down.counts[g] += 1;
+    }
+    down.starts = vec![Vec::new(); groups];
+    for p in &down.pending {
+        for vm in &p.vms {
+            let g = down.group_of(fleet, policy, vm);
+            down.starts[g].push((p.not_before, p.key.clone(), vm.clone()));
+        }
+    }
+    down
+}
+
+/// One group's budget at a moment, as `/fleet` and the metrics show it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Usage {
+    pub group: String,
+    /// The larger of the VMs known and `expected_size`: what a percentage is of.
+    pub size: usize,
+    /// VMs in the inventory (agents that spoke), silent ones included.
+    pub known: usize,
+    pub expected_size: Option<u32>,
+    pub limit: usize,
+    pub down: BTreeSet<String>,
+    /// Of the inventory, the VMs whose agent missed `silent_after` heartbeats.
+    pub silent: BTreeSet<String>,
+    /// Held past `max_hold` without evidence that they are back: look at them.
+    pub overdue: BTreeSet<String>,
+    /// Why each VM of `down` is down.
+    pub why: BTreeMap<String, Vec<String>>,
+}
+
+/// Every group's budget, and the fleet's when `[fleet]` sets one.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Budgets {
+    pub groups: Vec<Usage>,
+    pub fleet: Option<Usage>,
+}
+
+pub fn usage(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Budgets {
+    let down = down_now(fleet, policy, now);
+    let mut groups: Vec<Usage> = policy
+        .groups
+        .iter()
+        .enumerate()
+        .map(|(g, group)| Usage {
+            group: group.name.clone(),
+            size: down.size(policy, g),
+            known: down.members[g].len(),
+            expected_size: group.expected_size,
+            limit: down.limit(policy, g),
+            down: BTreeSet::new(),
+            silent: BTreeSet::new(),
+            overdue: down.overdue[g].clone(),
+            why: BTreeMap::new(),
+        })
+        .collect();
+    for (vm, causes) in &down.causes {
+        let g = down.group_of(fleet, policy, vm);
+        let usage = &mut groups[g];
+        usage.down.insert(vm.clone());
+        if causes.contains(&Cause::Silent) {
+            usage.silent.insert(vm.clone());
+        }
+        usage
+            .why
+            .insert(vm.clone(), causes.iter().map(Cause::describe).collect());
+    }
+    let fleet_usage = down.fleet_limit(policy).map(|limit| Usage {
+        group: "fleet".into(),
+        size: groups.iter().map(|u| u.size).sum(),
+        known: groups.iter().map(|u| u.known).sum(),
+        expected_size: None,
+        limit,
+        down: groups.iter().flat_map(|u| u.down.iter().cloned()).collect(),
+        silent: groups
+            .iter()
+            .flat_map(|u| u.silent.iter().cloned())
+            .collect(),
+        overdue: groups
+            .iter()
+            .flat_map(|u| u.overdue.iter().cloned())
+            .collect(),
+        why: BTreeMap::new(),
+    });
+    Budgets {
+        groups,
+        fleet: fleet_usage,
+    }
+}
