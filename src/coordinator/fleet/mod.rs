@@ -14,9 +14,11 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+mod actions;
 mod inventory;
 mod read;
 
+pub use actions::{Approval, Drain, Outcome, Sent};
 use inventory::agent;
 pub use inventory::{Back, Heartbeat, Pause, Vm};
 pub use read::{Incoming, read, read_at};
@@ -57,67 +59,6 @@ pub struct Report {
     /// The event lists this VM in Resources.
     pub affects: bool,
     pub at: DateTime<Utc>,
-}
-
-/// A request the coordinator signed for an event.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Sent {
-    pub request_id: String,
-    /// The signed `time` (whole seconds count).
-    pub signed_at: DateTime<Utc>,
-    /// When the broker confirmed it; `None` while it is being published.
-    pub published_at: Option<DateTime<Utc>>,
-}
-
-/// An agent's answer to one of our requests.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Outcome {
-    /// `accepted`, `rejected` or `failed`.
-    pub outcome: String,
-    pub reason: String,
-    pub request_id: String,
-    pub at: DateTime<Utc>,
-}
-
-/// The coordinator approved (or, in a dry run, would approve) an event.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Approval {
-    /// The VM whose agent the request goes to (the first in Resources with an agent).
-    pub approver: String,
-    pub decided_at: DateTime<Utc>,
-    pub dry_run: bool,
-    /// Every request signed for it, oldest first.
-    pub sent: Vec<Sent>,
-    pub outcome: Option<Outcome>,
-    /// Gave up after `max_attempts` (alerted).
-    pub abandoned: bool,
-    /// Answers `accepted` with `dryRun: true`: the agent runs in dry run and POSTed
-    /// nothing, so they approve nothing (the request is renewed after `outcome_timeout`).
-    #[serde(default)]
-    pub dry_run_answers: u32,
-}
-
-/// A drain of each affected VM that has an agent.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Drain {
-    pub started_at: DateTime<Utc>,
-    pub deadline: DateTime<Utc>,
-    /// Per VM: `running`, `done` or `failed: <why>`.
-    pub vms: BTreeMap<String, String>,
-    pub finished_at: Option<DateTime<Utc>>,
-    pub deadline_missed: bool,
-}
-
-impl Drain {
-    pub fn all_done(&self) -> bool {
-        self.vms.values().all(|state| state == "done")
-    }
-    pub fn any_failed(&self) -> bool {
-        self.vms.values().any(|state| state.starts_with("failed"))
-    }
-    pub fn running(&self) -> bool {
-        self.vms.values().any(|state| state == "running")
-    }
 }
 
 /// One Azure event, as the fleet's agents reported it.

@@ -16,6 +16,7 @@ mod ceiling;
 mod config;
 mod contradictions;
 mod controls;
+mod evidence;
 mod model;
 mod quiet_day;
 

@@ -1,0 +1,68 @@
+//! What the coordinator did about an event: the requests it signed, the agents' answers,
+//! and the drains it ran.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+/// A request the coordinator signed for an event.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sent {
+    pub request_id: String,
+    /// The signed `time` (whole seconds count).
+    pub signed_at: DateTime<Utc>,
+    /// When the broker confirmed it; `None` while it is being published.
+    pub published_at: Option<DateTime<Utc>>,
+}
+
+/// An agent's answer to one of our requests.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Outcome {
+    /// `accepted`, `rejected` or `failed`.
+    pub outcome: String,
+    pub reason: String,
+    pub request_id: String,
+    pub at: DateTime<Utc>,
+}
+
+/// The coordinator approved (or, in a dry run, would approve) an event.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Approval {
+    /// The VM whose agent the request goes to (the first in Resources with an agent).
+    pub approver: String,
+    pub decided_at: DateTime<Utc>,
+    pub dry_run: bool,
+    /// Every request signed for it, oldest first.
+    pub sent: Vec<Sent>,
+    pub outcome: Option<Outcome>,
+    /// Gave up after `max_attempts` (alerted).
+    pub abandoned: bool,
+    /// Answers `accepted` with `dryRun: true`: the agent runs in dry run and POSTed
+    /// nothing, so they approve nothing (the request is renewed after `outcome_timeout`).
+    #[serde(default)]
+    pub dry_run_answers: u32,
+}
+
+/// A drain of each affected VM that has an agent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Drain {
+    pub started_at: DateTime<Utc>,
+    pub deadline: DateTime<Utc>,
+    /// Per VM: `running`, `done` or `failed: <why>`.
+    pub vms: BTreeMap<String, String>,
+    pub finished_at: Option<DateTime<Utc>>,
+    pub deadline_missed: bool,
+}
+
+impl Drain {
+    pub fn all_done(&self) -> bool {
+        self.vms.values().all(|state| state == "done")
+    }
+    pub fn any_failed(&self) -> bool {
+        self.vms.values().any(|state| state.starts_with("failed"))
+    }
+    pub fn running(&self) -> bool {
+        self.vms.values().any(|state| state == "running")
+    }
+}
