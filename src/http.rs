@@ -396,6 +396,7 @@ async fn approve(
         content_type: None,
         body: body.to_vec(),
         shared: false,
+        route: None,
     };
     let reply = match hand_over(&endpoint.deliveries, message).await {
         Handover::Handled(reply) => reply,

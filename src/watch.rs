@@ -311,6 +311,7 @@ async fn follow_file(
                     content_type: None,
                     body: line.to_vec(),
                     shared: true,
+                    route: None,
                 };
                 if sched_relay_transport::inbound::hand_over(&tx, message).await
                     == sched_relay_transport::inbound::Handover::Stopping
@@ -359,7 +360,9 @@ fn broker(
                 ack_wait: Duration::from_secs(60),
                 role: sched_relay_transport::inbound::SourceRole::Watch,
             };
-            Ok(tokio::spawn(sched_relay_nats::source::run(spec, tx, stop)))
+            Ok(tokio::spawn(sched_relay_nats::source::run(
+                spec, tx, None, stop,
+            )))
         }
         #[cfg(feature = "amqp")]
         "amqp" | "amqps" => {
@@ -376,7 +379,9 @@ fn broker(
                 exclusive: true,
                 role: sched_relay_transport::inbound::SourceRole::Watch,
             };
-            Ok(tokio::spawn(sched_relay_amqp::source::run(spec, tx, stop)))
+            Ok(tokio::spawn(sched_relay_amqp::source::run(
+                spec, tx, None, stop,
+            )))
         }
         #[cfg(feature = "kafka")]
         "kafka" => {
@@ -401,7 +406,9 @@ fn broker(
                     .map_err(|e| format!("since: {e}"))?,
                 role: sched_relay_transport::inbound::SourceRole::Watch,
             };
-            Ok(tokio::spawn(sched_relay_kafka::source::run(spec, tx, stop)))
+            Ok(tokio::spawn(sched_relay_kafka::source::run(
+                spec, tx, None, stop,
+            )))
         }
         scheme => Err(format!(
             "--from {scheme}://: this build has no support for it"

@@ -81,7 +81,8 @@ fn the_same_wave_through_rabbitmq_queues_keeps_the_budgets() {
 }
 
 #[test]
-fn a_standby_takes_over_within_a_lease_when_the_active_coordinator_stalls_and_the_old_one_stops() {
+fn a_standby_takes_over_when_the_active_coordinator_stalls_in_a_drain_and_the_woken_one_writes_nothing_and_stops()
+ {
     if broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
         wave(Broker::Nats, 5, Some(Failover::Stall));
     }
@@ -257,8 +258,14 @@ fn wave(broker: Broker, per_group: usize, failover: Option<Failover>) {
     std::fs::write(
         &drain_script,
         format!(
-            "echo \"$1 $2 $(date +%s%6N)\" >> {}\nsleep 0.2\n",
-            drains.display()
+            "echo \"$1 $2 $(date +%s%6N)\" >> {}\nsleep {}\n",
+            drains.display(),
+            // Long enough for the stalled coordinator to be stopped in the middle of one.
+            if matches!(failover, Some(Failover::Stall)) {
+                "1"
+            } else {
+                "0.2"
+            }
         ),
     )
     .unwrap();
@@ -366,10 +373,57 @@ max_down_percent = 20
             coordinator = standby;
         }
         Some(standby) => {
+            // Stopped in the middle of a drain: the next drain to start.
+            let drained_lines = || {
+                std::fs::read_to_string(&drains)
+                    .unwrap_or_default()
+                    .lines()
+                    .map(str::to_owned)
+                    .collect::<Vec<_>>()
+            };
+            let before = drained_lines().len();
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while drained_lines().len() == before {
+                assert!(Instant::now() < deadline, "no drain started");
+                std::thread::sleep(Duration::from_millis(20));
+            }
             coordinator.signal("STOP");
+            let line = drained_lines()[before].clone();
+            let mut words = line.split(' ');
+            let (vm, event) = (
+                words.next().unwrap().to_owned(),
+                words.next().unwrap().to_owned(),
+            );
+            eprintln!("stopped the active coordinator while it drained {vm} for {event}");
             takes_over(&standby, Instant::now(), "stalled");
+            // The standby runs that drain again and approves the event; only then is the old
+            // one woken, with the drain's result and its own decisions still to write.
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while !posts(&sims[&vm])
+                .iter()
+                .any(|(body, _, _)| body.contains(&event))
+            {
+                assert!(
+                    Instant::now() < deadline,
+                    "the standby did not approve {event}:\n{}",
+                    standby.log()
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let said_before = coordinator.log().len();
             coordinator.signal("CONT");
             let status = coordinator.wait_exit(LEASE * 2);
+            let said_after = coordinator.log()[said_before..].to_owned();
+            for act in [
+                "Approving",
+                "Draining before approval",
+                "Running a drain again",
+            ] {
+                assert!(
+                    !said_after.contains(act),
+                    "woken, the old coordinator acted ({act}):\n{said_after}"
+                );
+            }
             assert!(
                 status.is_some_and(|s| !s.success()),
                 "the stalled coordinator did not stop ({status:?}):\n{}",

@@ -172,7 +172,72 @@ fn the_agent_modules_import_each_other_without_cycles() {
         graph.contains_key("agent") && graph.contains_key("config"),
         "{graph:?}"
     );
-    // Depth-first search for a back edge; report the cycle as a path.
+    if let Some(cycle) = cycle(&graph) {
+        panic!("import cycle: {}\n{graph:#?}", cycle.join(" -> "));
+    }
+}
+
+/// Inside the top-level module `module` (a folder of `src/`), the child modules each child
+/// names: `crate::<module>::<child>`, or `super::<child>` from as deep as it is written
+/// (`super::super::` from a grandchild). Its `tests` are left out: they may name anything.
+fn child_imports(module: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let root = Path::new(ROOT).join("src").join(module);
+    let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for file in sources(&root) {
+        let relative = file.strip_prefix(&root).unwrap();
+        let parts: Vec<String> = relative
+            .components()
+            .map(|c| {
+                c.as_os_str()
+                    .to_string_lossy()
+                    .trim_end_matches(".rs")
+                    .to_owned()
+            })
+            .collect();
+        let child = parts[0].clone();
+        if child == "mod" || child == "tests" {
+            continue;
+        }
+        // child.rs and child/mod.rs are the child itself; child/x.rs is one deeper.
+        let depth = parts.len() - 1 - usize::from(parts.last().is_some_and(|p| p == "mod"));
+        let text: String = std::fs::read_to_string(&file)
+            .unwrap()
+            .lines()
+            .map(strip_comment)
+            .collect::<Vec<_>>()
+            .join("\n");
+        let mut names = BTreeSet::new();
+        let mut add = |rest: &str| {
+            if let Some(group) = rest.strip_prefix('{') {
+                names.extend(top_level_names(group));
+            } else {
+                names.insert(
+                    rest.chars()
+                        .take_while(|c| c.is_alphanumeric() || *c == '_')
+                        .collect::<String>(),
+                );
+            }
+        };
+        let own = format!("crate::{module}::");
+        for (at, _) in text.match_indices(own.as_str()) {
+            add(&text[at + own.len()..]);
+        }
+        let up = "super::".repeat(depth + 1);
+        for (at, _) in text.match_indices(up.as_str()) {
+            let rest = &text[at + up.len()..];
+            // One more `super::` goes above the module: not a child.
+            if !rest.starts_with("super::") && !text[..at].ends_with("super::") {
+                add(rest);
+            }
+        }
+        names.retain(|n| !n.is_empty() && *n != child && n.chars().next().unwrap().is_lowercase());
+        graph.entry(child).or_default().extend(names);
+    }
+    graph
+}
+
+/// A cycle in `graph`, as a path, if there is one.
+fn cycle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
     fn visit(
         node: &str,
         graph: &BTreeMap<String, BTreeSet<String>>,
@@ -198,11 +263,37 @@ fn the_agent_modules_import_each_other_without_cycles() {
         None
     }
     let mut done = BTreeSet::new();
-    for module in graph.keys() {
-        if let Some(cycle) = visit(module, &graph, &mut Vec::new(), &mut done) {
-            panic!("import cycle: {}\n{graph:#?}", cycle.join(" -> "));
+    graph
+        .keys()
+        .find_map(|module| visit(module, graph, &mut Vec::new(), &mut done))
+}
+
+#[test]
+fn the_rooms_inside_each_module_import_each_other_without_cycles() {
+    let src = Path::new(ROOT).join("src");
+    let mut checked = Vec::new();
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        if !path.is_dir() {
+            continue;
         }
+        let module = path.file_name().unwrap().to_string_lossy().into_owned();
+        let graph = child_imports(&module);
+        if let Some(cycle) = cycle(&graph) {
+            panic!(
+                "import cycle inside {module}: {}\n{graph:#?}",
+                cycle.join(" -> ")
+            );
+        }
+        checked.push(module);
     }
+    assert!(checked.contains(&"coordinator".to_owned()), "{checked:?}");
+    // The parser sees what it must: the engine names the store.
+    assert!(
+        child_imports("coordinator")["engine"].contains("store"),
+        "{:#?}",
+        child_imports("coordinator")
+    );
 }
 
 #[test]

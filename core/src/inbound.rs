@@ -17,4 +17,8 @@ pub struct Inbound {
     /// The channel also carries other VMs' requests (a fleet subject, every partition of a
     /// topic): requests that name another VM are skipped without an outcome.
     pub shared: bool,
+    /// The address the publisher gave it, where the channel is not that: an AMQP routing key
+    /// (the channel is the queue), a Kafka record's key. `None` for NATS (the channel is the
+    /// subject) and HTTP.
+    pub route: Option<String>,
 }

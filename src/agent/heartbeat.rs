@@ -14,11 +14,12 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use cloudevents::AttributesReader;
-use sched_relay_core::event::Heartbeat;
+use sched_relay_core::document::Document;
+use sched_relay_core::event::{Event, EventFactory, Heartbeat};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::poller::Poller;
+use crate::fanout::Publisher;
 
 /// When heartbeats are due, and the one being stored.
 pub(super) struct Heartbeats {
@@ -60,41 +61,42 @@ impl Heartbeats {
     }
 }
 
-impl Poller {
-    /// Makes and hands over a heartbeat if one is due and the last processed document is
-    /// what the outbox holds as processed; never waits for the store.
-    pub(super) fn heartbeat_if_due(&mut self) {
-        let Some(heartbeats) = self.heartbeats.as_mut() else {
-            return;
-        };
+impl Heartbeats {
+    /// Makes a heartbeat if one is due: the first document after start was processed
+    /// (`armed`), the last one is what the outbox holds as processed (`settled`), and the
+    /// one before has been stored. `document` is the last processed document.
+    pub(super) fn due(
+        &mut self,
+        settled: bool,
+        document: Option<&Document>,
+        epoch: u64,
+        factory: &EventFactory,
+    ) -> Option<Event> {
         let now = Instant::now();
-        if !heartbeats.armed
-            || heartbeats.next.is_some_and(|next| now < next)
-            || heartbeats
-                .storing
-                .as_ref()
-                .is_some_and(|s| !s.is_finished())
-            || !self.unstored.is_empty()
-            || !self.previous_stored
+        if !self.armed
+            || !settled
+            || self.next.is_some_and(|next| now < next)
+            || self.storing.as_ref().is_some_and(|s| !s.is_finished())
         {
-            return;
+            return None;
         }
-        let Some(document) = self.previous.as_deref() else {
-            return;
-        };
-        let first = heartbeats.next.is_none();
-        heartbeats.next = Some(now + heartbeats.interval);
+        let document = document?;
+        self.next = Some(now + self.interval);
         let state = Heartbeat {
             document: Some(document),
-            epoch: self.epoch,
-            interval: heartbeats.interval,
-            started_at: heartbeats.started_at,
+            epoch,
+            interval: self.interval,
+            started_at: self.started_at,
             agent_version: env!("CARGO_PKG_VERSION"),
         };
-        let event = self.factory.heartbeat(&state, Utc::now());
-        let publisher = self.fanout.publisher();
-        let interval = heartbeats.interval;
-        heartbeats.storing = Some(tokio::spawn(async move {
+        Some(factory.heartbeat(&state, Utc::now()))
+    }
+
+    /// Hands `event` to the fan-out off the poll loop; `stored` waits for it.
+    pub(super) fn store(&mut self, event: Event, publisher: Publisher) {
+        let first = self.storing.is_none();
+        let interval = self.interval;
+        self.storing = Some(tokio::spawn(async move {
             let id = event.id().to_owned();
             match publisher.publish_heartbeat(event).await {
                 Ok(0) => {

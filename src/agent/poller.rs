@@ -108,6 +108,20 @@ impl Poller {
         }
     }
 
+    /// Makes and hands over a heartbeat if one is due (`super::heartbeat`); never waits for
+    /// the store.
+    fn heartbeat_if_due(&mut self) {
+        let settled = self.unstored.is_empty() && self.previous_stored;
+        let Some(heartbeats) = self.heartbeats.as_mut() else {
+            return;
+        };
+        if let Some(event) =
+            heartbeats.due(settled, self.previous.as_deref(), self.epoch, &self.factory)
+        {
+            heartbeats.store(event, self.fanout.publisher());
+        }
+    }
+
     /// Publishes heartbeats as `heartbeats` says (see `super::heartbeat`).
     pub(super) fn with_heartbeats(
         mut self,

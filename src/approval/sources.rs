@@ -177,6 +177,7 @@ pub async fn start_listener_and_sources(
         sources.push(tokio::spawn(sched_relay_nats::source::run(
             spec,
             deliveries.clone(),
+            None,
             stop.clone(),
         )));
         started = true;
@@ -198,6 +199,7 @@ pub async fn start_listener_and_sources(
         sources.push(tokio::spawn(sched_relay_amqp::source::run(
             spec,
             deliveries.clone(),
+            None,
             stop.clone(),
         )));
         started = true;
@@ -217,6 +219,7 @@ pub async fn start_listener_and_sources(
         sources.push(tokio::spawn(sched_relay_kafka::source::run(
             spec,
             deliveries.clone(),
+            None,
             stop.clone(),
         )));
         started = true;

@@ -104,6 +104,7 @@ fn request() -> Inbound {
         content_type: Some("application/cloudevents+json".into()),
         body: serde_json::to_vec(&draft.event(None)).unwrap(),
         shared: false,
+        route: None,
     }
 }
 

@@ -34,6 +34,7 @@ pub(super) async fn start(
     input: &Input,
     approvals: &SinkKind,
     deliveries: sched_relay_transport::inbound::Deliveries,
+    progress: sched_relay_transport::inbound::Progress,
     stop: watch::Receiver<bool>,
 ) -> Result<tokio::task::JoinHandle<()>, String> {
     #[cfg(feature = "nats")]
@@ -49,6 +50,7 @@ pub(super) async fn start(
             stream,
             durable,
             credentials_file,
+            ..
         } => {
             let connection = serde_json::from_value(serde_json::json!({
                 "url": url, "credentials_file": credentials_file,
@@ -70,7 +72,7 @@ pub(super) async fn start(
                 role,
             };
             Ok(tokio::spawn(sched_relay_nats::source::run(
-                spec, deliveries, stop,
+                spec, deliveries, progress, stop,
             )))
         }
         #[cfg(feature = "amqp")]
@@ -79,6 +81,7 @@ pub(super) async fn start(
             exchange,
             queue,
             binding_key,
+            ..
         } => {
             let connection = serde_json::from_value(serde_json::json!({"url": url}))
                 .map_err(|e| format!("input: {e}"))?;
@@ -94,7 +97,7 @@ pub(super) async fn start(
                 role,
             };
             Ok(tokio::spawn(sched_relay_amqp::source::run(
-                spec, deliveries, stop,
+                spec, deliveries, progress, stop,
             )))
         }
         #[cfg(feature = "kafka")]
@@ -116,7 +119,7 @@ pub(super) async fn start(
                 role,
             };
             Ok(tokio::spawn(sched_relay_kafka::source::run(
-                spec, deliveries, stop,
+                spec, deliveries, progress, stop,
             )))
         }
         #[allow(unreachable_patterns)]
@@ -285,5 +288,72 @@ mod tests {
             "{error}"
         );
         sched_relay_nats::testing::delete_stream(NATS_URL, &old).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_input_is_caught_up_once_it_has_handled_what_its_stream_held_however_slowly() {
+        use sched_relay_transport::inbound::{Answer, CatchUp, Reply};
+        if !broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
+            return;
+        }
+        let stream = unique("CATCHUP");
+        let prefix = unique("catchup");
+        let client = async_nats::connect(NATS_URL).await.unwrap();
+        let js = async_nats::jetstream::new(client);
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name: stream.clone(),
+            subjects: vec![format!("{prefix}.>")],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        for n in 0..5 {
+            js.publish(format!("{prefix}.vm-{n}.heartbeat"), "{}".into())
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        }
+        let input: super::Input = serde_json::from_value(serde_json::json!({
+            "kind": "nats", "url": NATS_URL, "stream": stream, "subject": format!("{prefix}.>"),
+            "durable": "coordinator",
+        }))
+        .unwrap();
+        let approvals = serde_json::from_value(serde_json::json!({
+            "kind": "nats", "url": NATS_URL, "subject": format!("{prefix}x.{{vmname}}"),
+        }))
+        .unwrap();
+        let (deliveries, mut delivered) = tokio::sync::mpsc::channel(1);
+        let (progress, mut caught_up) = tokio::sync::watch::channel(CatchUp::Unknown);
+        let (stop_tx, stop) = tokio::sync::watch::channel(false);
+        let task = super::start(&input, &approvals, deliveries, Some(progress), stop)
+            .await
+            .unwrap();
+        // A slow engine: every message waits; the input is behind until the fifth is handled,
+        // however long that takes (no quiet second decides it).
+        caught_up
+            .wait_for(|state| *state != CatchUp::Unknown)
+            .await
+            .unwrap();
+        assert_eq!(*caught_up.borrow(), CatchUp::Behind(5));
+        for n in 0..5 {
+            tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
+            assert_ne!(*caught_up.borrow(), CatchUp::CaughtUp, "after {n} of 5");
+            let delivery = delivered.recv().await.unwrap();
+            let _ = delivery.handled.send(Answer::Handled(Reply {
+                outcome: "accepted",
+                body: serde_json::Value::Null,
+            }));
+        }
+        tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            caught_up.wait_for(|state| *state == CatchUp::CaughtUp),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        let _ = stop_tx.send(true);
+        let _ = task.await;
+        sched_relay_nats::testing::delete_stream(NATS_URL, &stream).await;
     }
 }

@@ -16,6 +16,7 @@
 //! events (and the input stream it creates when missing).
 
 mod admin;
+pub mod changes;
 pub mod config;
 pub mod drain;
 pub mod engine;
@@ -23,6 +24,7 @@ pub mod fleet;
 #[cfg(feature = "nats")]
 pub mod ha;
 mod input;
+mod offload;
 pub mod policy;
 pub mod store;
 #[cfg(test)]
@@ -125,10 +127,21 @@ pub async fn run(
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
     let (deliveries, mut delivered) = mpsc::channel(64);
     let (stop_tx, stop_rx) = watch::channel(false);
-    let input = input::start(&config.input, &config.approvals, deliveries, stop_rx).await?;
+    let (progress, caught_up) = watch::channel(sched_relay_transport::inbound::CatchUp::Unknown);
+    let input = input::start(
+        &config.input,
+        &config.approvals,
+        deliveries,
+        Some(progress),
+        stop_rx,
+    )
+    .await?;
     let tick_every = config.coordinator.tick;
+    let channel_template = config.input.channel_template();
     let mut engine = Engine::new(fleet, policy, config, store, signer, publisher, done_tx);
     engine.snapshot = snapshot;
+    engine.progress = Some(caught_up);
+    engine.channel_template = channel_template;
     #[cfg(feature = "nats")]
     let (kept, holder) = {
         let holder = lease.as_ref().map(|(ha, _)| ha.clone());

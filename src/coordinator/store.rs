@@ -6,16 +6,17 @@
 
 use std::path::Path;
 
-use chrono::{DateTime, Utc};
+use chrono::DateTime;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
-use super::fleet::{Fleet, Maintenance, Pause, Vm};
+pub use super::changes::Changes;
+use super::fleet::{Fleet, Maintenance, Vm};
 
 const EVENTS: TableDefinition<&str, &[u8]> = TableDefinition::new("events");
 const VMS: TableDefinition<&str, &[u8]> = TableDefinition::new("vms");
 /// `source \n id` -> when it was applied (Unix seconds).
 const SEEN: TableDefinition<&str, i64> = TableDefinition::new("seen");
-/// The operator's switches: `paused` -> [`Pause`] as JSON.
+/// The operator's switches: `paused` -> [`super::fleet::Pause`] as JSON.
 const CONTROL: TableDefinition<&str, &[u8]> = TableDefinition::new("control");
 
 /// Where the state is kept: the embedded file (one instance), or NATS JetStream KV (a
@@ -24,29 +25,6 @@ pub enum Store {
     Redb(Database),
     #[cfg(feature = "nats")]
     Kv(Box<super::ha::KvState>),
-}
-
-/// What one commit writes.
-#[derive(Debug, Default)]
-pub struct Changes {
-    pub events: Vec<(String, Option<Maintenance>)>,
-    pub vms: Vec<(String, Vm)>,
-    pub vms_removed: Vec<String>,
-    pub seen: Vec<((String, String), DateTime<Utc>)>,
-    pub unseen: Vec<(String, String)>,
-    /// `Some` when the pause switch changed: paused (`Some(Some)`) or resumed.
-    pub paused: Option<Option<Pause>>,
-}
-
-impl Changes {
-    pub fn is_empty(&self) -> bool {
-        self.events.is_empty()
-            && self.vms.is_empty()
-            && self.vms_removed.is_empty()
-            && self.seen.is_empty()
-            && self.unseen.is_empty()
-            && self.paused.is_none()
-    }
 }
 
 fn seen_key(source: &str, id: &str) -> String {
@@ -66,6 +44,10 @@ impl Store {
 
     /// Everything stored.
     pub fn load(&self) -> Result<Fleet, String> {
+        super::offload::blocking(|| self.load_now())
+    }
+
+    fn load_now(&self) -> Result<Fleet, String> {
         let db = match self {
             Store::Redb(db) => db,
             #[cfg(feature = "nats")]
@@ -104,8 +86,12 @@ impl Store {
         Ok(fleet)
     }
 
-    /// Commits `changes` durably, all or nothing.
+    /// Commits `changes` durably, all or nothing (the KV store: key by key, fenced).
     pub fn write(&self, changes: &Changes) -> Result<(), String> {
+        super::offload::blocking(|| self.write_now(changes))
+    }
+
+    fn write_now(&self, changes: &Changes) -> Result<(), String> {
         let db = match self {
             Store::Redb(db) => db,
             #[cfg(feature = "nats")]

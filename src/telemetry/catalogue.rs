@@ -260,6 +260,11 @@ pub const METRICS: &[(&str, &str, &str)] = &[
         "Health gate checks that did not pass (the VM stays counted as down).",
     ),
     (
+        "sched_relay_coordinator_conflicting_vms",
+        "gauge",
+        "VM names whose last message was refused for contradicting who the VM is (another resource id, none where one is known, a subject or routing key that names another VM, a name that shares a subject with another); /fleet conflicts says why.",
+    ),
+    (
         "sched_relay_coordinator_paused",
         "gauge",
         "1 while an operator has paused draining and approving.",

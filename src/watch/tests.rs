@@ -108,6 +108,7 @@ fn binary_mode_headers_and_structured_bodies_decode_alike() {
         content_type: None,
         body: structured.to_string().into_bytes(),
         shared: true,
+        route: None,
     };
     assert_eq!(decode(&from_body).unwrap()["subject"], "E");
     let binary = Inbound {

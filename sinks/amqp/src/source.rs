@@ -12,7 +12,8 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, ExchangeKind};
 use sched_relay_transport::inbound::{
-    Deliveries, Handover, Inbound, SourceRole, hand_over, keep_consuming, pause_after_not_handled,
+    Backlog, Deliveries, Handover, Inbound, Progress, SourceRole, hand_over, keep_consuming,
+    pause_after_not_handled,
 };
 use tokio::sync::watch;
 
@@ -36,17 +37,26 @@ pub struct AmqpSourceSpec {
     pub role: SourceRole,
 }
 
-/// Consumes until `stop` turns true. Broker problems are logged and retried.
-pub async fn run(spec: AmqpSourceSpec, deliveries: Deliveries, stop: watch::Receiver<bool>) {
+/// Consumes until `stop` turns true. Broker problems are logged and retried. `progress`
+/// hears how far the source is through the messages its queue held when it first
+/// connected.
+pub async fn run(
+    spec: AmqpSourceSpec,
+    deliveries: Deliveries,
+    progress: Progress,
+    stop: watch::Receiver<bool>,
+) {
     let what = format!("AMQP queue {}", spec.queue);
-    let (spec, deliveries) = (&spec, &deliveries);
+    let backlog = Backlog::new(progress);
+    let (spec, deliveries, backlog) = (&spec, &deliveries, &backlog);
     keep_consuming(spec.role, &what, stop, |mut stop| async move {
-        consume(spec, deliveries, &mut stop).await
+        consume(spec, deliveries, backlog, &mut stop).await
     })
     .await
 }
 
-async fn declare(spec: &AmqpSourceSpec, channel: &Channel, sink: &AmqpSink) -> Result<(), String> {
+/// Declares the exchange, the queue and its bindings; returns the messages the queue holds.
+async fn declare(spec: &AmqpSourceSpec, channel: &Channel, sink: &AmqpSink) -> Result<u32, String> {
     let what = |what: String| move |e| sink.classify(e, &what).to_string();
     if !spec.exclusive {
         channel
@@ -62,7 +72,7 @@ async fn declare(spec: &AmqpSourceSpec, channel: &Channel, sink: &AmqpSink) -> R
             .await
             .map_err(what(format!("cannot declare exchange {}", spec.exchange)))?;
     }
-    channel
+    let queue = channel
         .queue_declare(
             spec.queue.as_str().into(),
             QueueDeclareOptions {
@@ -87,19 +97,37 @@ async fn declare(spec: &AmqpSourceSpec, channel: &Channel, sink: &AmqpSink) -> R
             .await
             .map_err(what(format!("cannot bind queue {} with {key}", spec.queue)))?;
     }
-    Ok(())
+    Ok(queue.message_count())
 }
 
 /// Stops between messages, never in the middle of one.
 async fn consume(
     spec: &AmqpSourceSpec,
     deliveries: &Deliveries,
+    backlog: &Backlog,
     stop: &mut watch::Receiver<bool>,
 ) -> Result<(), String> {
     let sink = AmqpSink::new(spec.connection.clone());
     let (_connection, channel) = sink.open(false).await.map_err(|e| e.to_string())?;
     if spec.declare {
-        declare(spec, &channel, &sink).await?;
+        backlog.found(declare(spec, &channel, &sink).await?.into());
+    } else if backlog.watched() {
+        // What the queue holds, without declaring it.
+        let queue = channel
+            .queue_declare(
+                spec.queue.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| {
+                sink.classify(e, &format!("cannot find queue {}", spec.queue))
+                    .to_string()
+            })?;
+        backlog.found(queue.message_count().into());
     }
     channel
         .basic_qos(spec.prefetch, BasicQosOptions::default())
@@ -139,6 +167,7 @@ async fn consume(
                 if let Err(error) = delivery.ack(BasicAckOptions::default()).await {
                     tracing::warn!(error = %error, "Cannot acknowledge a handled message; the broker will deliver it again");
                 }
+                backlog.handled();
             }
             Handover::NotHandled(why) => {
                 // Requeued after a pause (RabbitMQ redelivers a requeued message at once).
@@ -179,6 +208,7 @@ fn inbound(queue: &str, delivery: &Delivery, shared: bool) -> Inbound {
         content_type: properties.content_type().as_ref().map(|ct| ct.to_string()),
         body: delivery.data.clone(),
         shared,
+        route: Some(delivery.routing_key.to_string()),
     }
 }
 

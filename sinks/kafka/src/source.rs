@@ -10,7 +10,8 @@ use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 use sched_relay_transport::inbound::{
-    Deliveries, Handover, Inbound, SourceRole, hand_over, keep_consuming, pause_after_not_handled,
+    Backlog, Deliveries, Handover, Inbound, Progress, SourceRole, hand_over, keep_consuming,
+    pause_after_not_handled,
 };
 use tokio::sync::watch;
 
@@ -40,14 +41,45 @@ pub fn partition_for(key: &str, partitions: i32) -> i32 {
     (hash % partitions.max(1) as u32) as i32
 }
 
-/// Consumes until `stop` turns true. Broker problems are logged and retried.
-pub async fn run(spec: KafkaSourceSpec, deliveries: Deliveries, stop: watch::Receiver<bool>) {
+/// Consumes until `stop` turns true. Broker problems are logged and retried. `progress`
+/// hears how far the source is through its partitions up to their end offsets when it
+/// first connected.
+pub async fn run(
+    spec: KafkaSourceSpec,
+    deliveries: Deliveries,
+    progress: Progress,
+    stop: watch::Receiver<bool>,
+) {
     let what = format!("Kafka topic {}", spec.topic);
-    let (spec, deliveries) = (&spec, &deliveries);
+    let backlog = Backlog::new(progress);
+    let (spec, deliveries, backlog) = (&spec, &deliveries, &backlog);
     keep_consuming(spec.role, &what, stop, |mut stop| async move {
-        consume(spec, deliveries, &mut stop).await
+        consume(spec, deliveries, backlog, &mut stop).await
     })
     .await
+}
+
+/// Per partition, the end offset at the start and where reading starts: the records
+/// between them are the backlog.
+fn ends(
+    consumer: &StreamConsumer,
+    spec: &KafkaSourceSpec,
+    start: &TopicPartitionList,
+) -> std::collections::BTreeMap<i32, (i64, i64)> {
+    start
+        .elements()
+        .iter()
+        .filter_map(|p| {
+            let (low, high) = consumer
+                .fetch_watermarks(&spec.topic, p.partition(), METADATA_TIMEOUT)
+                .ok()?;
+            let from = match p.offset() {
+                Offset::Offset(offset) => offset.max(low),
+                _ => high,
+            };
+            Some((p.partition(), (from, high)))
+        })
+        .collect()
 }
 
 /// Creates the consumer and works out where each of its partitions starts.
@@ -134,12 +166,30 @@ fn assign(spec: &KafkaSourceSpec) -> Result<(StreamConsumer, TopicPartitionList)
 async fn consume(
     spec: &KafkaSourceSpec,
     deliveries: &Deliveries,
+    backlog: &Backlog,
     stop: &mut watch::Receiver<bool>,
 ) -> Result<(), String> {
     let setup = spec.clone();
-    let (consumer, start) = tokio::task::spawn_blocking(move || assign(&setup))
-        .await
-        .map_err(|e| e.to_string())??;
+    let watched = backlog.watched();
+    let (consumer, start, mut behind) = tokio::task::spawn_blocking(move || {
+        let (consumer, start) = assign(&setup)?;
+        let ends = if watched {
+            ends(&consumer, &setup, &start)
+        } else {
+            Default::default()
+        };
+        Ok::<_, String>((consumer, start, ends))
+    })
+    .await
+    .map_err(|e| e.to_string())??;
+    behind.retain(|_, (from, high)| from < high);
+    let left = |behind: &std::collections::BTreeMap<i32, (i64, i64)>| -> u64 {
+        behind
+            .values()
+            .map(|(from, high)| (high - from).max(0) as u64)
+            .sum()
+    };
+    backlog.found(left(&behind));
     let assigned: Vec<String> = start
         .elements()
         .iter()
@@ -176,6 +226,7 @@ async fn consume(
                 content_type: None,
                 body: message.payload().unwrap_or_default().to_vec(),
                 shared: !spec.by_key,
+                route: key.clone(),
             };
             // A record not handled is handed over again after a pause, its offset
             // uncommitted, so nothing after it is committed before it is handled.
@@ -200,6 +251,14 @@ async fn consume(
         .map_err(|e| e.to_string())?;
         if let Err(error) = consumer.commit(&done, CommitMode::Async) {
             tracing::warn!(error = %error, "Cannot commit the offset of a handled message; it may be read again after a restart");
+        }
+        if let Some((from, high)) = behind.get_mut(&message.partition()) {
+            *from = message.offset() + 1;
+            if *from >= *high {
+                behind.remove(&message.partition());
+            }
+            let now_left = left(&behind);
+            backlog.handled_up_to(|_| now_left);
         }
     }
 }

@@ -11,7 +11,8 @@ use async_nats::jetstream::AckKind;
 use async_nats::jetstream::{self, consumer::pull};
 use futures_util::StreamExt;
 use sched_relay_transport::inbound::{
-    Deliveries, Handover, Inbound, NOT_HANDLED_RETRY, Reply, SourceRole, hand_over, keep_consuming,
+    Backlog, Deliveries, Handover, Inbound, NOT_HANDLED_RETRY, Progress, Reply, SourceRole,
+    hand_over, keep_consuming,
 };
 use tokio::sync::watch;
 
@@ -53,12 +54,20 @@ pub struct JetStreamSpec {
     pub max_age: std::time::Duration,
 }
 
-/// Consumes until `stop` turns true. Broker problems are logged and retried.
-pub async fn run(spec: NatsSourceSpec, deliveries: Deliveries, stop: watch::Receiver<bool>) {
+/// Consumes until `stop` turns true. Broker problems are logged and retried. `progress`
+/// hears how far the source is through what its JetStream consumer held when it first
+/// connected (core NATS holds nothing: caught up at once).
+pub async fn run(
+    spec: NatsSourceSpec,
+    deliveries: Deliveries,
+    progress: Progress,
+    stop: watch::Receiver<bool>,
+) {
     let what = format!("NATS subject {}", spec.subject);
-    let (spec, deliveries) = (&spec, &deliveries);
+    let backlog = Backlog::new(progress);
+    let (spec, deliveries, backlog) = (&spec, &deliveries, &backlog);
     keep_consuming(spec.role, &what, stop, |mut stop| async move {
-        consume(spec, deliveries, &mut stop).await
+        consume(spec, deliveries, backlog, &mut stop).await
     })
     .await
 }
@@ -81,6 +90,7 @@ fn inbound(transport: &'static str, message: &async_nats::Message, shared: bool)
         content_type: None,
         body: message.payload.to_vec(),
         shared,
+        route: None,
     }
 }
 
@@ -89,6 +99,7 @@ fn inbound(transport: &'static str, message: &async_nats::Message, shared: bool)
 async fn consume(
     spec: &NatsSourceSpec,
     deliveries: &Deliveries,
+    backlog: &Backlog,
     stop: &mut watch::Receiver<bool>,
 ) -> Result<(), String> {
     let client = connect(&spec.connection).await.map_err(|e| e.to_string())?;
@@ -111,6 +122,7 @@ async fn consume(
             }
             // Subscriptions are registered once the server has seen them.
             client.flush().await.map_err(|e| e.to_string())?;
+            backlog.found(0);
             tracing::info!(subject = %spec.subject, fleet_subject = ?spec.fleet_subject, "{} ready (NATS)", spec.role.name());
             let mut messages = futures_util::stream::select_all(subscriptions);
             loop {
@@ -160,6 +172,8 @@ async fn consume(
                 subjects.push((fleet.clone(), format!("{durable}-fleet")));
             }
             let mut streams = Vec::new();
+            let mut consumers = Vec::new();
+            let mut pending = 0;
             for (subject, name) in subjects {
                 let consumer = stream_handle
                     .get_or_create_consumer(
@@ -179,14 +193,41 @@ async fn consume(
                     )
                     .await
                     .map_err(|e| format!("durable consumer {name:?} on stream {stream:?}: {e}"))?;
+                // Not yet delivered, and delivered but not acknowledged (to an instance that
+                // died with them: delivered again after ack_wait).
+                let info = consumer.cached_info();
+                pending += info.num_pending + info.num_ack_pending as u64;
                 streams.push(consumer.messages().await.map_err(|e| e.to_string())?);
+                consumers.push(consumer);
             }
+            backlog.found(pending);
+            // The count can miss: a message the instance before acknowledged just before it
+            // died. The consumer's own state is the position: nothing pending and nothing
+            // unacknowledged is the end of what was there.
+            let mut position = tokio::time::interval(Duration::from_secs(1));
+            position.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut messages = futures_util::stream::select_all(streams);
             tracing::info!(stream = %stream, durable = %durable, subject = %spec.subject, "{} ready (JetStream)", spec.role.name());
             loop {
                 let message = tokio::select! {
                     _ = stop.wait_for(|stop| *stop) => return Ok(()),
-                    message = messages.next() => message,
+                    _ = position.tick(), if backlog.waiting() => None,
+                    message = messages.next() => Some(message),
+                };
+                let Some(message) = message else {
+                    let mut at_end = true;
+                    for consumer in consumers.iter_mut() {
+                        match consumer.info().await {
+                            Ok(info) => {
+                                at_end &= info.num_pending == 0 && info.num_ack_pending == 0
+                            }
+                            Err(_) => at_end = false,
+                        }
+                    }
+                    if at_end {
+                        backlog.reached_end();
+                    }
+                    continue;
                 };
                 let Some(message) = message else { break };
                 let message = message.map_err(|e| e.to_string())?;
@@ -196,6 +237,7 @@ async fn consume(
                         if let Err(error) = message.ack().await {
                             tracing::warn!(error = %error, reply = reply.outcome, "Cannot acknowledge a handled message; JetStream will deliver it again");
                         }
+                        backlog.handled();
                     }
                     Handover::NotHandled(why) => {
                         tracing::warn!(error = %why, retry_in = ?NOT_HANDLED_RETRY, "{} could not be handled; JetStream will deliver it again", spec.role.message());

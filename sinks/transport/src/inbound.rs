@@ -171,3 +171,132 @@ pub async fn keep_consuming<F, Fut>(
         }
     }
 }
+
+/// How far a source is through what its input held when it first connected. The fleet
+/// coordinator decides nothing until all of that has been handled: catch-up by position,
+/// however long it takes, not by a quiet second (a fleet's heartbeats never leave one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CatchUp {
+    /// Not connected yet: the backlog is not known.
+    #[default]
+    Unknown,
+    /// About this many messages of the backlog are still to be handled.
+    Behind(u64),
+    /// Everything the input held when the source first connected has been handled.
+    CaughtUp,
+}
+
+/// Where a source reports its [`CatchUp`]; `None` where nobody waits on it (the agent's
+/// approval sources, `watch`).
+pub type Progress = Option<watch::Sender<CatchUp>>;
+
+/// Counts the messages handled against the backlog a source found when it first connected
+/// (a JetStream consumer's pending and unacknowledged messages, a queue's depth at declare,
+/// a partition's end offset). Later connections change nothing: once caught up, a source
+/// stays so. Shared by reference across a source's reconnections.
+pub struct Backlog {
+    progress: Progress,
+    left: std::sync::Mutex<Option<u64>>,
+}
+
+impl Backlog {
+    pub fn new(progress: Progress) -> Backlog {
+        Backlog {
+            progress,
+            left: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// Whether anyone waits on it (a source may skip counting otherwise).
+    pub fn watched(&self) -> bool {
+        self.progress.is_some()
+    }
+
+    /// Whether someone waits and the backlog is not handled yet: a source that can see its
+    /// position (a consumer with nothing pending) says so with [`Backlog::reached_end`].
+    pub fn waiting(&self) -> bool {
+        self.watched()
+            && self
+                .left
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_some_and(|left| left > 0)
+    }
+
+    /// The source saw that nothing of its input is left to deliver or acknowledge (by it or
+    /// by an instance before it): caught up, whatever the count says.
+    pub fn reached_end(&self) {
+        self.handled_up_to(|_| 0);
+    }
+
+    /// The backlog found on connecting; only the first connection's counts.
+    pub fn found(&self, messages: u64) {
+        let mut left = self.left.lock().unwrap_or_else(|e| e.into_inner());
+        if left.is_none() {
+            *left = Some(messages);
+            self.report(messages);
+        }
+    }
+
+    /// One message of the input handled (answered, and acknowledged or committed).
+    pub fn handled(&self) {
+        self.handled_up_to(|left| left.saturating_sub(1));
+    }
+
+    /// Sets what is left (a source that knows its position better than a count).
+    pub fn handled_up_to(&self, next: impl FnOnce(u64) -> u64) {
+        let mut left = self.left.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(count) = left.as_mut()
+            && *count > 0
+        {
+            *count = next(*count);
+            if *count == 0 || *count % 1000 == 0 {
+                self.report(*count);
+            }
+        }
+    }
+
+    fn report(&self, left: u64) {
+        if let Some(progress) = &self.progress {
+            let state = if left == 0 {
+                CatchUp::CaughtUp
+            } else {
+                CatchUp::Behind(left)
+            };
+            progress.send_if_modified(|current| {
+                let changed = *current != state && *current != CatchUp::CaughtUp;
+                if changed {
+                    *current = state;
+                }
+                changed
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod backlog_tests {
+    use super::*;
+
+    #[test]
+    fn a_backlog_is_caught_up_once_every_message_found_at_the_first_connection_is_handled() {
+        let (tx, rx) = watch::channel(CatchUp::Unknown);
+        let backlog = Backlog::new(Some(tx));
+        backlog.handled();
+        assert_eq!(
+            *rx.borrow(),
+            CatchUp::Unknown,
+            "nothing known before connecting"
+        );
+        backlog.found(2);
+        assert_eq!(*rx.borrow(), CatchUp::Behind(2));
+        backlog.found(100);
+        backlog.handled();
+        assert_ne!(*rx.borrow(), CatchUp::CaughtUp);
+        backlog.handled();
+        assert_eq!(*rx.borrow(), CatchUp::CaughtUp);
+        let (tx, rx) = watch::channel(CatchUp::Unknown);
+        Backlog::new(Some(tx)).found(0);
+        assert_eq!(*rx.borrow(), CatchUp::CaughtUp, "an empty input");
+    }
+}

@@ -154,6 +154,17 @@ impl CoordinatorConfig {
                 "must contain {vmname}: each VM's agent reads only its own approvals (scheduledapprovals.{vmname})",
             ));
         }
+        if let Some(template) = self.input.channel_template()
+            && !template.contains("{vmname}")
+        {
+            problems.push(problem(
+                match self.input {
+                    super::Input::Amqp { .. } => "input.agent_routing_key",
+                    _ => "input.agent_subject",
+                },
+                format!("{template:?} must contain {{vmname}}: the channel must name the VM a message speaks for"),
+            ));
+        }
         // The NATS sink's default subject is the events' one: approvals sent there reach no
         // agent (they read scheduledapprovals.<vm>).
         if let SinkKind::Nats(nats) = &self.approvals

@@ -102,6 +102,13 @@ pub enum Input {
         url: String,
         #[serde(default = "default_subject")]
         subject: String,
+        /// The subject template the agents publish with: a message whose subject is not it,
+        /// for the VM the message speaks for, is refused (with per-VM publish permissions,
+        /// no agent can then speak for another VM). Default: `subject`'s root, then
+        /// `{vmname}.{transition}` (`scheduledevents.{vmname}.{transition}`).
+        #[serde(default)]
+        agent_subject: Option<String>,
+        /// The JetStream stream (created with `subject` when missing).
         stream: String,
         #[serde(default = "default_durable")]
         durable: String,
@@ -117,6 +124,10 @@ pub enum Input {
         queue: String,
         #[serde(default = "default_binding_key")]
         binding_key: String,
+        /// The routing-key template the agents publish with; a message routed otherwise
+        /// for the VM it speaks for is refused (see `agent_subject`).
+        #[serde(default = "default_agent_routing_key")]
+        agent_routing_key: String,
     },
     /// Every partition of the agents' topic, offsets committed under `group_id`.
     Kafka {
@@ -311,6 +322,29 @@ pub struct GroupConfig {
     pub health: Option<HealthConfig>,
 }
 
+impl Input {
+    /// The template (`{vmname}`, `{transition}`, ...) a message's subject or routing key
+    /// must match for the VM it speaks for; `None` where the channel cannot name the VM
+    /// (Kafka's key is the EventId by default, and its ACLs are per topic).
+    pub fn channel_template(&self) -> Option<String> {
+        match self {
+            Input::Nats {
+                subject,
+                agent_subject,
+                ..
+            } => agent_subject.clone().or_else(|| {
+                subject
+                    .strip_suffix(".>")
+                    .map(|root| format!("{root}.{{vmname}}.{{transition}}"))
+            }),
+            Input::Amqp {
+                agent_routing_key, ..
+            } => Some(agent_routing_key.clone()),
+            Input::Kafka { .. } => None,
+        }
+    }
+}
+
 impl CoordinatorConfig {
     /// The health gate of the policy's group `index` (the last is `default`).
     pub fn health(&self, index: usize) -> Option<&HealthConfig> {
@@ -374,6 +408,9 @@ fn default_queue() -> String {
 }
 fn default_binding_key() -> String {
     "#".into()
+}
+fn default_agent_routing_key() -> String {
+    "{vmname}.{transition}".into()
 }
 fn default_topic() -> String {
     "scheduledevents".into()

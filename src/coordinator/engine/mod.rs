@@ -1,7 +1,9 @@
 //! The coordinator's loop: one task owns the fleet. Each delivered message is read, applied,
 //! committed and only then acknowledged; each change is decided at once (and again on every
 //! tick); every drain and approval is recorded before it is started, and its result comes
-//! back to this loop. Nothing here blocks on a broker or a hook.
+//! back to this loop. Nothing here waits on a broker or a hook; the store's commits (a redb
+//! fsync, a round of KV writes) block this task only, the runtime's other tasks moving to
+//! other threads meanwhile (`offload`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
@@ -52,10 +54,8 @@ pub enum Done {
 /// A signed request is sent again as it is (same id) while it is younger than this; after
 /// that a new one is signed (the agents refuse requests older than their `max_age`, 5 min).
 const REUSE_REQUEST_FOR: chrono::Duration = chrono::Duration::seconds(120);
-/// Decisions start at the latest this long after the start, caught up or not.
-const CATCH_UP_AT_MOST: Duration = Duration::from_secs(30);
-/// The input counts as caught up after this long without a message.
-const CAUGHT_UP_AFTER: Duration = Duration::from_secs(1);
+/// While catching up, how often the coordinator says how far it is.
+const CATCH_UP_LOG_EVERY: Duration = Duration::from_secs(10);
 /// A failed publication is tried again after this.
 const PUBLISH_RETRY: Duration = Duration::from_secs(2);
 /// Rejections that say the event needs no approval any more.
@@ -77,12 +77,14 @@ pub struct Engine {
     trigger: Option<Instant>,
     /// When forgotten events and old ids were last pruned (the tick's clock).
     pruned: Option<DateTime<Utc>>,
-    /// Decisions wait until the input has caught up (a second without a message, or
-    /// [`CATCH_UP_AT_MOST`]): deciding on half of a replayed stream could miss VMs already
-    /// down.
+    /// Decisions wait until the input has delivered everything it held when it started,
+    /// however long that takes: deciding on half of a replayed stream could miss VMs
+    /// already down. Until then, replayed messages are judged by their own `time`.
     ready: bool,
-    started: Instant,
-    last_delivery: Instant,
+    /// How far the input is through its backlog (`None`: nothing to wait for).
+    pub progress: Option<tokio::sync::watch::Receiver<sched_relay_transport::inbound::CatchUp>>,
+    /// When the catch-up was last logged.
+    catch_up_logged: Option<Instant>,
     /// Publications in flight, and when each event's last one started.
     publishing: HashMap<String, (bool, Instant)>,
     /// Drains running in this process (not restarted on the tick).
@@ -93,6 +95,9 @@ pub struct Engine {
     dirty: bool,
     /// When `/fleet` was last refreshed (the tick's clock).
     snapshot_at: Option<DateTime<Utc>>,
+    /// What a message's subject or routing key must be for the VM it speaks for
+    /// (`Input::channel_template`).
+    pub channel_template: Option<String>,
     /// With a standby: whether this instance may act now (it holds a fresh lease).
     pub gate: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
 }
@@ -123,14 +128,15 @@ impl Engine {
             trigger: None,
             pruned: None,
             ready: false,
-            started: Instant::now(),
-            last_delivery: Instant::now(),
+            progress: None,
+            catch_up_logged: None,
             publishing: HashMap::new(),
             draining: HashMap::new(),
             gating: HashMap::new(),
             snapshot: Arc::new(RwLock::new(Value::Null)),
             dirty: true,
             snapshot_at: None,
+            channel_template: None,
             gate: None,
         }
     }
@@ -168,6 +174,16 @@ impl Engine {
             let _ = delivery.handled.send(reply("skipped"));
             return;
         };
+        // While a backlog is replayed, a message counts as of its own `time` (never later
+        // than now): an hour-old report must not look an hour younger.
+        let now = if self.ready {
+            now
+        } else {
+            event["time"]
+                .as_str()
+                .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
+                .map_or(now, |t| t.with_timezone(&Utc).min(now))
+        };
         let incoming = match fleet::read_at(&event, now, self.ready) {
             Ok(incoming) => incoming,
             Err(why) => {
@@ -177,6 +193,29 @@ impl Engine {
                 return;
             }
         };
+        // The channel must name the VM the message speaks for: with per-VM publish rights,
+        // no agent can then report for another.
+        if let (Some(template), Some(claimed)) = (&self.channel_template, incoming.vm()) {
+            let actual = delivery
+                .message
+                .route
+                .as_deref()
+                .unwrap_or(&delivery.message.channel);
+            let expected = serde_json::from_value::<sched_relay_core::Event>(event.clone())
+                .map(|e| sched_relay_core::binding::expand_template(template, &e));
+            if expected.as_deref().ok() != Some(actual) {
+                input("conflict");
+                let why = format!(
+                    "came on {actual:?}, but a message of VM {claimed:?} comes on {:?}",
+                    expected.unwrap_or_default()
+                );
+                tracing::warn!(vm = %claimed, id = %printable(&event["id"]), conflict = %why, "A message whose channel does not name its VM; not applied");
+                self.fleet.conflicts.insert(claimed.to_owned(), why);
+                self.dirty = true;
+                let _ = delivery.handled.send(reply("skipped"));
+                return;
+            }
+        }
         let key = incoming.key();
         let vm = match &incoming {
             fleet::Incoming::Transition { vm, .. }
@@ -268,7 +307,6 @@ impl Engine {
             self.outcome(event_key);
         }
         self.dirty = true;
-        self.last_delivery = Instant::now();
         if self.ready && !routine_beat {
             self.trigger = Some(arrived);
             self.decide(now);
@@ -280,6 +318,15 @@ impl Engine {
     /// back. If that fails too, the process exits (its supervisor starts it again on what
     /// is stored): acting on unstored decisions could break a budget after a failover.
     pub(super) fn reload(&mut self) {
+        // A write refused with a stale lease: another coordinator is active (with a standby,
+        // every write is fenced). Stop rather than act on a state this one did not write.
+        if !self.may_act() {
+            tracing::error!(
+                "A write was refused and this coordinator's lease is not fresh: another one is active; exiting"
+            );
+            eprintln!("error: fenced: another coordinator is active");
+            std::process::exit(1);
+        }
         match self.store.load() {
             Ok(fleet) => self.fleet = fleet,
             Err(error) => {

@@ -12,6 +12,11 @@ use crate::coordinator::store::Changes;
 impl Engine {
     /// A drain or a publication finished.
     pub fn finished(&mut self, done: Done) {
+        // A standby may be active: what a stalled instance's work came to is not written
+        // (the active one runs its drains again and republishes what it does not know sent).
+        if !self.may_act() {
+            return;
+        }
         let now = Utc::now();
         let key = match done {
             Done::Gated { key, vm, result } => {

@@ -185,16 +185,8 @@ impl Engine {
         for key in republish {
             self.publish(&key);
         }
-        if !self.ready
-            && (self.last_delivery.elapsed() >= super::CAUGHT_UP_AFTER
-                || self.started.elapsed() >= super::CATCH_UP_AT_MOST)
-        {
-            tracing::info!(
-                events = self.fleet.events.len(),
-                vms = self.fleet.vms.len(),
-                "Input caught up; deciding"
-            );
-            self.ready = true;
+        if !self.ready {
+            self.catch_up();
         }
         if self.ready {
             self.restart_drains(now);
@@ -207,6 +199,40 @@ impl Engine {
                 .is_none_or(|at| now - at >= chrono::Duration::seconds(SNAPSHOT_EVERY_SECONDS))
         {
             self.publish_snapshot(now);
+        }
+    }
+
+    /// Starts deciding once the input has delivered what it held when it started; says how
+    /// far it is meanwhile.
+    fn catch_up(&mut self) {
+        use sched_relay_transport::inbound::CatchUp;
+        let state = self
+            .progress
+            .as_ref()
+            .map_or(CatchUp::CaughtUp, |progress| *progress.borrow());
+        if state == CatchUp::CaughtUp {
+            tracing::info!(
+                events = self.fleet.events.len(),
+                vms = self.fleet.vms.len(),
+                "Input caught up; deciding"
+            );
+            self.ready = true;
+            return;
+        }
+        if self
+            .catch_up_logged
+            .is_none_or(|at| at.elapsed() >= super::CATCH_UP_LOG_EVERY)
+        {
+            self.catch_up_logged = Some(std::time::Instant::now());
+            match state {
+                CatchUp::Behind(left) => tracing::info!(
+                    left,
+                    "Catching up with the input: nothing is decided until what it held at the start is read"
+                ),
+                _ => tracing::info!(
+                    "Waiting for the input to connect: nothing is decided until it has caught up"
+                ),
+            }
         }
     }
 
@@ -228,6 +254,8 @@ impl Engine {
             metrics::gauge!("sched_relay_coordinator_holds_overdue", "group" => group)
                 .set(u.overdue.len() as f64);
         }
+        metrics::gauge!("sched_relay_coordinator_conflicting_vms")
+            .set(self.fleet.conflicts.len() as f64);
         metrics::gauge!("sched_relay_coordinator_paused").set(if self.fleet.paused.is_some() {
             1.0
         } else {
@@ -237,6 +265,7 @@ impl Engine {
             "time": now.to_rfc3339(),
             "dryRun": self.config.coordinator.dry_run,
             "paused": self.fleet.paused,
+            "conflicts": self.fleet.conflicts,
             "groups": budgets.groups,
             "fleet": budgets.fleet,
             "vms": self.fleet.vms.iter().map(|(name, vm)| {

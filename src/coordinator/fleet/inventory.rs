@@ -99,6 +99,18 @@ pub(super) fn agent<'a>(
     resource_id: Option<String>,
     now: DateTime<Utc>,
 ) -> Result<&'a mut Vm, String> {
+    if !vms.contains_key(vm) {
+        // Two names that differ only by `.` and `_` share every subject and routing key
+        // (`.` becomes `_` there): approvals for one would reach the other.
+        let token = subject_token(vm);
+        if (token != vm || vm.contains('_'))
+            && let Some(other) = vms.keys().find(|other| subject_token(other) == token)
+        {
+            return Err(format!(
+                "VM {vm:?} and VM {other:?} share the subject and routing key token {token:?}: rename one"
+            ));
+        }
+    }
     let agent = vms.entry(vm.to_owned()).or_insert(Vm {
         resource_id: None,
         last_seen: now,
@@ -110,11 +122,22 @@ pub(super) fn agent<'a>(
                 "VM {vm:?} reported as {new}, but it is {known}: two VMs share a name, or a publisher lies"
             ));
         }
+        (Some(known), None) => {
+            return Err(format!(
+                "VM {vm:?} is known as {known}; a message that does not say which resource it comes from is not its agent's"
+            ));
+        }
         (None, Some(new)) => agent.resource_id = Some(new),
-        _ => {}
+        (None, None) | (Some(_), Some(_)) => {}
     }
     agent.last_seen = now;
     Ok(agent)
+}
+
+/// A VM name as it appears in a subject or routing key (`.` becomes `_`, as the agents'
+/// templates write it).
+pub fn subject_token(vm: &str) -> String {
+    vm.replace('.', "_")
 }
 
 impl Fleet {
@@ -131,7 +154,10 @@ impl Fleet {
     ) -> Applied {
         let agent = match agent(&mut self.vms, vm, resource_id, now) {
             Ok(agent) => agent,
-            Err(conflict) => return Applied::Conflict(conflict),
+            Err(conflict) => {
+                self.conflicts.insert(vm.to_owned(), conflict.clone());
+                return Applied::Conflict(conflict);
+            }
         };
         // Heartbeats may arrive out of order (a replay, two partitions): the newest by the
         // agent's own clock wins, and an older one says nothing new.

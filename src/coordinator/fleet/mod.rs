@@ -193,6 +193,11 @@ pub struct Fleet {
     /// Set while an operator has paused approvals; stored like the rest.
     #[serde(default)]
     pub paused: Option<Pause>,
+    /// Per VM name, the last message refused because it contradicts who the VM is (another
+    /// resource id, none where one is known, a name that shares a subject with another):
+    /// shown in `/fleet`, not stored.
+    #[serde(skip)]
+    pub conflicts: BTreeMap<String, String>,
 }
 
 pub fn key_of(event_id: &str) -> String {
@@ -214,7 +219,10 @@ impl Fleet {
                 let resource_id = source.starts_with("/subscriptions/").then_some(source);
                 match agent(&mut self.vms, &vm, resource_id, now) {
                     Ok(_) => Applied::Agent,
-                    Err(conflict) => Applied::Conflict(conflict),
+                    Err(conflict) => {
+                        self.conflicts.insert(vm, conflict.clone());
+                        Applied::Conflict(conflict)
+                    }
                 }
             }
             Incoming::Heartbeat {
@@ -235,6 +243,7 @@ impl Fleet {
                 ..
             } => {
                 if let Err(conflict) = agent(&mut self.vms, &vm, resource_id, now) {
+                    self.conflicts.insert(vm, conflict.clone());
                     return Applied::Conflict(conflict);
                 }
                 let event_id = event["EventId"].as_str().unwrap_or_default().to_owned();
@@ -317,6 +326,7 @@ impl Fleet {
             }
             Incoming::Outcome {
                 vm,
+                resource_id,
                 request_id,
                 outcome,
                 reason,
@@ -324,8 +334,9 @@ impl Fleet {
                 dry_run,
                 ..
             } => {
-                if let Some(agent) = self.vms.get_mut(&vm) {
-                    agent.last_seen = now;
+                if let Err(conflict) = agent(&mut self.vms, &vm, resource_id, now) {
+                    self.conflicts.insert(vm, conflict.clone());
+                    return Applied::Conflict(conflict);
                 }
                 for event_id in &event_ids {
                     let key = key_of(event_id);

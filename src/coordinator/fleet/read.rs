@@ -30,6 +30,8 @@ pub enum Incoming {
         source: String,
         id: String,
         vm: String,
+        /// The VM's resource id, as the outcome says it (`data.vm.resourceId`, or `source`).
+        resource_id: Option<String>,
         request_id: String,
         outcome: String,
         reason: String,
@@ -56,6 +58,17 @@ pub enum Incoming {
 }
 
 impl Incoming {
+    /// The VM the message speaks for (none for what is not an agent's).
+    pub fn vm(&self) -> Option<&str> {
+        match self {
+            Incoming::Transition { vm, .. }
+            | Incoming::Outcome { vm, .. }
+            | Incoming::Heartbeat { vm, .. }
+            | Incoming::Document { vm, .. } => Some(vm),
+            Incoming::Ignored(_) => None,
+        }
+    }
+
     pub fn key(&self) -> Option<(String, String)> {
         match self {
             Incoming::Transition { source, id, .. }
@@ -109,14 +122,19 @@ pub fn read(event: &Value) -> Result<Incoming, String> {
                 .as_array()
                 .map(|ids| {
                     ids.iter()
-                        .filter_map(|id| id.as_str().map(str::to_owned))
+                        .filter_map(|id| id.as_str().filter(|id| valid_event_id(id)))
+                        .map(str::to_owned)
                         .collect()
                 })
                 .unwrap_or_default();
             return Ok(Incoming::Outcome {
                 source: text("source")?,
                 id: text("id")?,
-                vm: text("vmname")?,
+                vm: vm_name(event)?,
+                resource_id: data["vm"]["resourceId"]
+                    .as_str()
+                    .map(str::to_owned)
+                    .or_else(|| resource_id(event)),
                 request_id,
                 outcome: kind
                     .suffix()
@@ -134,7 +152,7 @@ pub fn read(event: &Value) -> Result<Incoming, String> {
             return Ok(Incoming::Document {
                 source: text("source")?,
                 id: text("id")?,
-                vm: text("vmname")?,
+                vm: vm_name(event)?,
             });
         }
         EventKind::ApprovalRequest => return Ok(Incoming::Ignored("approval request")),
@@ -155,6 +173,11 @@ pub fn read(event: &Value) -> Result<Incoming, String> {
         .ok_or("data.event (the Azure event) is missing")?;
     let subject = text("subject")?;
     match azure.get("EventId").and_then(Value::as_str) {
+        Some(id) if !valid_event_id(id) => {
+            return Err(format!(
+                "data.event.EventId {id:?} is not an EventId (letters, digits and '-', at most 64)"
+            ));
+        }
         Some(id) if id.eq_ignore_ascii_case(&subject) => {}
         other => {
             return Err(format!(
@@ -190,7 +213,7 @@ pub fn read(event: &Value) -> Result<Incoming, String> {
     Ok(Incoming::Transition {
         source: text("source")?,
         epoch: epoch_of(&id),
-        vm: text("vmname")?,
+        vm: vm_name(event)?,
         resource_id: data["vm"]["resourceId"]
             .as_str()
             .map(str::to_owned)
@@ -210,6 +233,32 @@ fn resource_id(event: &Value) -> Option<String> {
         .as_str()
         .filter(|s| s.starts_with("/subscriptions/"))
         .map(str::to_owned)
+}
+
+/// The `vmname` attribute, checked against Azure's rules for VM names (letters, digits,
+/// `_`, `.` and `-`, at most 64, starting with a letter, a digit or `_`, not ending with
+/// `.` or `-`): it becomes part of subjects, routing keys and drain commands' arguments.
+fn vm_name(event: &Value) -> Result<String, String> {
+    let name = attribute(event, "vmname")?;
+    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-');
+    let first = name
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_');
+    let last = !name.ends_with(['.', '-']);
+    if name.len() <= 64 && name.chars().all(allowed) && first && last {
+        Ok(name)
+    } else {
+        Err(format!(
+            "attribute \"vmname\" {:?} is not an Azure VM name (letters, digits, '_', '.' and '-', at most 64)",
+            crate::watch::printable(&name)
+        ))
+    }
+}
+
+/// An Azure EventId: a GUID in practice; letters, digits and `-`, at most 64.
+pub fn valid_event_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 64 && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
 }
 
 /// A string attribute, present, non-empty and bounded.
@@ -285,7 +334,7 @@ fn heartbeat(
     Ok(Incoming::Heartbeat {
         source: text("source")?,
         id: text("id")?,
-        vm: text("vmname")?,
+        vm: vm_name(event)?,
         resource_id: data["vm"]["resourceId"]
             .as_str()
             .map(str::to_owned)

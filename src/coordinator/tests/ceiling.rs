@@ -338,7 +338,8 @@ fn a_dry_run_answer_approves_nothing_and_counts_nothing_as_approved_elsewhere() 
         json!({"specversion": "1.0", "type": "com.azure.scheduledevents.approval.accepted",
             "source": "urn:sched-relay:vm:x", "id": id, "vmname": "web-1", "requestid": request,
             "subject": event, "dryrun": true,
-            "data": {"eventIds": [event], "reason": "dry_run", "dryRun": true}})
+            "data": {"eventIds": [event], "reason": "dry_run", "dryRun": true,
+                "vm": {"name": "web-1", "resourceId": resource_id("web-1")}}})
     };
     let applied = fleet.apply(read(&answer("r1", "a1", &ours)).unwrap(), t0());
     assert_eq!(applied, Applied::DryRun(Some(ours.clone())));

@@ -8,6 +8,10 @@ use super::{document, feed, policy, published, t0};
 use crate::coordinator::fleet::{Applied, Approval, Fleet, Stage, read};
 use crate::coordinator::policy::{Budget, decide, usage};
 
+/// web-1's resource id, as `published` and its agent's outcomes say it.
+const RG_WEB_1: &str =
+    "/subscriptions/s/resourceGroups/rg-web/providers/Microsoft.Compute/virtualMachines/web-1";
+
 #[test]
 fn a_report_that_contradicts_the_known_type_or_identity_is_not_applied() {
     let mut fleet = Fleet::default();
@@ -56,7 +60,8 @@ fn an_event_approved_by_someone_else_counts_against_the_budget_at_once() {
     // web-1's agent approved E1 by its local policy: accepted, a request id not ours.
     let outcome = json!({"specversion": "1.0", "type": "com.azure.scheduledevents.approval.accepted",
         "source": "urn:sched-relay:vm:web-1", "id": "policy:E1:accepted", "vmname": "web-1",
-        "requestid": "policy:E1", "subject": "E1", "data": {"eventIds": ["E1"], "reason": "policy"}});
+        "requestid": "policy:E1", "subject": "E1", "data": {"eventIds": ["E1"], "reason": "policy",
+        "vm": {"name": "web-1", "resourceId": RG_WEB_1}}});
     assert_eq!(
         fleet.apply(read(&outcome).unwrap(), t0()),
         Applied::ApprovedElsewhere(vec!["E1".into()])
@@ -117,7 +122,8 @@ fn only_the_newest_request_s_failure_counts_and_an_acceptance_of_any_is_final() 
         json!({"specversion": "1.0",
         "type": format!("com.azure.scheduledevents.approval.{kind}"), "source": "urn:sched-relay:vm:web-1",
         "id": format!("{request}:{kind}:{n}"), "vmname": "web-1", "requestid": request, "subject": "E1",
-        "data": {"eventIds": ["E1"], "reason": if kind == "failed" { "imds_error" } else { "imds_accepted" }}})
+        "data": {"eventIds": ["E1"], "reason": if kind == "failed" { "imds_error" } else { "imds_accepted" },
+            "vm": {"name": "web-1", "resourceId": RG_WEB_1}}})
     };
     fleet.apply(read(&outcome("r1", "failed", 1)).unwrap(), t0());
     assert!(

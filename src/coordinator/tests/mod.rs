@@ -19,6 +19,7 @@ mod controls;
 mod evidence;
 mod model;
 mod quiet_day;
+mod trust;
 
 use super::fleet::{Applied, Approval, Fleet, Stage, read};
 use super::policy::{

@@ -50,8 +50,8 @@ impl Recorder {
     }
 }
 
-struct World {
-    engine: Engine,
+pub(super) struct World {
+    pub(super) engine: Engine,
     recorder: Arc<Recorder>,
     done: mpsc::UnboundedReceiver<Done>,
     _dir: tempfile::TempDir,
@@ -61,7 +61,7 @@ fn minutes(n: i64) -> chrono::Duration {
     chrono::Duration::minutes(n)
 }
 
-fn start(dir: tempfile::TempDir) -> World {
+pub(super) fn start(dir: tempfile::TempDir) -> World {
     crate::install_crypto_provider();
     let key_file = dir.path().join("key");
     std::fs::write(&key_file, SigningKey::generate_ed25519().unwrap()).unwrap();
@@ -113,6 +113,7 @@ max_down_percent = 34
     );
     engine.resume();
     engine.caught_up();
+    engine.channel_template = Some("scheduledevents.{vmname}.{transition}".into());
     World {
         engine,
         recorder,
@@ -122,17 +123,33 @@ max_down_percent = 34
 }
 
 impl World {
-    fn deliver(&mut self, event: &Value, now: DateTime<Utc>) {
+    /// Delivers `event` on the subject its agent publishes it on.
+    pub(super) fn deliver(&mut self, event: &Value, now: DateTime<Utc>) {
+        let subject = format!(
+            "scheduledevents.{}.{}",
+            event["vmname"].as_str().unwrap_or_default(),
+            event["type"]
+                .as_str()
+                .unwrap_or_default()
+                .trim_start_matches("com.azure.scheduledevents.")
+                .replace('.', "_")
+        );
+        self.deliver_on(event, now, &subject);
+    }
+
+    /// Delivers `event` on `channel`.
+    pub(super) fn deliver_on(&mut self, event: &Value, now: DateTime<Utc>, channel: &str) {
         let (handled, answer) = oneshot::channel();
         self.engine.deliver_at(
             Delivery {
                 message: Inbound {
                     transport: "jetstream",
-                    channel: "scheduledevents.test".into(),
+                    channel: channel.into(),
                     headers: Vec::new(),
                     content_type: Some("application/cloudevents+json".into()),
                     body: serde_json::to_vec(event).unwrap(),
                     shared: true,
+                    route: None,
                 },
                 handled,
             },

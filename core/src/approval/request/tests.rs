@@ -23,6 +23,7 @@ fn message(transport: &'static str, encoded: binding::Encoded) -> Inbound {
         content_type: Some(encoded.content_type),
         body: encoded.body,
         shared: false,
+        route: None,
     }
 }
 
@@ -43,6 +44,7 @@ fn the_bare_azure_body_is_read_without_attributes() {
         content_type: None,
         body,
         shared: false,
+        route: None,
     };
     let request = parse(&inbound, &limits()).unwrap();
     assert_eq!(request.cloud_event, None);
@@ -66,6 +68,7 @@ fn wrong_content_types_and_batches_are_refused_by_name() {
             content_type: Some(content_type.into()),
             body: b"[1,2]".to_vec(),
             shared: false,
+            route: None,
         };
         assert_eq!(
             parse(&inbound, &limits()).unwrap_err().0.reason,
@@ -89,7 +92,8 @@ proptest! {
         headers in proptest::collection::vec(("(ce[-_]|cloudEvents_)?[a-z]{1,12}", ".{0,40}"), 0..8),
         content_type in proptest::option::of("[a-z/+.-]{0,40}"),
     ) {
-        let inbound = Inbound { transport: "kafka", channel: "t".into(), headers, content_type, body, shared: false };
+        let inbound = Inbound { transport: "kafka", channel: "t".into(), headers, content_type, body, shared: false,
+ route: None, };
         let _ = parse(&inbound, &limits());
     }
 
@@ -155,6 +159,7 @@ fn structured_with_id(id: &str) -> Inbound {
         content_type: Some("application/cloudevents+json".into()),
         body: serde_json::to_vec(&body).unwrap(),
         shared: false,
+        route: None,
     }
 }
 

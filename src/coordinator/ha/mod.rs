@@ -10,23 +10,30 @@
 //!   younger than two thirds of a period: one that stalls stops acting before its key can
 //!   expire, so two instances never act at once. A failed renewal ends the process (its
 //!   supervisor starts it again, as a standby).
-//! - State: each event, agent and handled message id is a key of `<bucket>` (hex-encoded
-//!   names), written before the message is acknowledged or the action started, as with the
-//!   embedded store. Keys are written one by one, not atomically: a crash between two keys
-//!   leaves a message unacknowledged and applied again, which the fleet's rules make
-//!   harmless (a report never moves backwards).
+//! - The lease's clock is CLOCK_BOOTTIME, which goes on while the machine sleeps: an
+//!   instance whose VM was suspended knows its renewal is old when it wakes. A renewal whose
+//!   answer was lost (the server wrote it) is recognised by reading the key back, and is no
+//!   reason to stop.
+//! - State: each event and agent is a key of `<bucket>` (hex-encoded names), handled message
+//!   ids keys of `<bucket>-seen` (which expire after `forget_after`), written before the
+//!   message is acknowledged or the action started, as with the embedded store, and read
+//!   in bulk at takeover. Every state write is fenced ([`state`]): it expects the bucket's
+//!   stream to end where this instance last saw it, so a stalled instance woken after a
+//!   standby took over cannot overwrite anything; it stops. Keys are written one by one,
+//!   not atomically: a crash between two keys leaves a message unacknowledged and applied
+//!   again, which the fleet's rules make harmless (a report never moves backwards).
+
+mod state;
+
+pub use state::KvState;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
-use chrono::{DateTime, Utc};
-use futures_util::StreamExt;
 
 use super::config::HaConfig;
-use super::fleet::{Fleet, Maintenance, Vm};
-use super::store::Changes;
 
 /// The connection, the buckets and the lease's state.
 pub struct Ha {
@@ -35,11 +42,14 @@ pub struct Ha {
     seen: kv::Store,
     lease: kv::Store,
     js: jetstream::Context,
+    /// The state bucket's name (its stream is `KV_<bucket>`).
+    bucket: String,
     name: String,
     period: Duration,
-    origin: Instant,
-    /// Milliseconds since `origin` of the last successful renewal.
+    /// CLOCK_BOOTTIME milliseconds of the last successful renewal's sending.
     renewed: AtomicU64,
+    /// The lease key's revision this instance last wrote (0: none).
+    revision: AtomicU64,
     pub active: AtomicBool,
 }
 
@@ -130,10 +140,11 @@ impl Ha {
             seen,
             lease,
             js,
+            bucket: config.bucket.clone(),
             name,
             period: config.lease,
-            origin: Instant::now(),
             renewed: AtomicU64::new(0),
+            revision: AtomicU64::new(0),
             active: AtomicBool::new(false),
         }))
     }
@@ -142,10 +153,11 @@ impl Ha {
     pub async fn acquire(&self) -> u64 {
         let mut logged = false;
         loop {
-            let sent = self.now();
+            let sent = now();
             match self.lease.create("leader", self.name.clone().into()).await {
                 Ok(revision) => {
                     self.renewed.store(sent, Ordering::SeqCst);
+                    self.revision.store(revision, Ordering::SeqCst);
                     self.active.store(true, Ordering::SeqCst);
                     tracing::info!(instance = %self.name, "Lease acquired: this coordinator is active");
                     return revision;
@@ -170,25 +182,53 @@ impl Ha {
 
     /// Renews every third of a period, on a task of its own (the engine's work never delays
     /// it). A renewal counts from when it was sent, so a slow answer only shortens the time
-    /// this instance may act. A failure is tried again while the last renewal is fresh
-    /// (a NATS blip); when it is not, or another instance wrote the key, returns why.
+    /// this instance may act. A failed renewal whose write the server made anyway (the
+    /// answer was lost) is recognised by reading the key back: still ours, at a later
+    /// revision. Another failure is tried again while the last renewal is fresh (a NATS
+    /// blip); when it is not, or another instance wrote the key, returns why.
     pub async fn keep(self: Arc<Self>, mut revision: u64) -> String {
         loop {
             tokio::time::sleep(self.period / 3).await;
-            let sent = self.now();
-            match self
+            let sent = now();
+            let error = match self
                 .lease
                 .update("leader", self.name.clone().into(), revision)
                 .await
             {
                 Ok(next) => {
                     revision = next;
+                    self.revision.store(next, Ordering::SeqCst);
+                    self.renewed.store(sent, Ordering::SeqCst);
+                    continue;
+                }
+                Err(error) => error,
+            };
+            match self.lease.entry("leader").await {
+                // Our own write, whose answer was lost: the key is ours and fresh.
+                Ok(Some(entry))
+                    if entry.value.as_ref() == self.name.as_bytes()
+                        && entry.revision > revision
+                        && entry.operation == kv::Operation::Put =>
+                {
+                    tracing::warn!(error = %error, "ha: a lease renewal's answer was lost; the server had written it");
+                    revision = entry.revision;
+                    self.revision.store(revision, Ordering::SeqCst);
                     self.renewed.store(sent, Ordering::SeqCst);
                 }
-                Err(error) if self.may_act() && self.holder().await.is_none() => {
+                Ok(Some(entry))
+                    if entry.value.as_ref() != self.name.as_bytes()
+                        && entry.operation == kv::Operation::Put =>
+                {
+                    self.active.store(false, Ordering::SeqCst);
+                    return format!(
+                        "the lease is held by {}; another coordinator is active",
+                        String::from_utf8_lossy(&entry.value)
+                    );
+                }
+                _ if self.may_act() => {
                     tracing::warn!(error = %error, "ha: the lease could not be renewed; trying again");
                 }
-                Err(error) => {
+                _ => {
                     self.active.store(false, Ordering::SeqCst);
                     return format!(
                         "the lease could not be renewed ({error}); another coordinator may be active"
@@ -198,187 +238,60 @@ impl Ha {
         }
     }
 
-    /// Who holds the lease, if the key can be read and someone else does.
-    async fn holder(&self) -> Option<String> {
-        let value = self.lease.get("leader").await.ok().flatten()?;
-        let holder = String::from_utf8_lossy(&value).into_owned();
-        (holder != self.name).then_some(holder)
-    }
-
-    /// Gives the lease up at a planned stop, so that a standby takes over at once.
+    /// Gives the lease up at a planned stop, so that a standby takes over at once: only
+    /// the revision this instance wrote (a lease another took meanwhile stays theirs).
     pub async fn release(&self) {
         if self.may_act() {
             self.active.store(false, Ordering::SeqCst);
-            if let Err(error) = self.lease.delete("leader").await {
-                tracing::warn!(error = %error, "ha: cannot release the lease; a standby takes over when it expires");
+            let revision = self.revision.load(Ordering::SeqCst);
+            if let Err(error) = self
+                .lease
+                .delete_expect_revision("leader", Some(revision))
+                .await
+            {
+                tracing::warn!(error = %error, "ha: cannot release the lease (or it is not ours any more); a standby takes over when it expires");
             }
         }
-    }
-
-    fn now(&self) -> u64 {
-        self.origin.elapsed().as_millis() as u64
     }
 
     /// This instance may act: it holds the lease and sent its last successful renewal less
     /// than two thirds of a period ago (the key lives a period from when the server wrote
     /// it, which is after the renewal was sent).
     pub fn may_act(&self) -> bool {
-        let since = self
-            .now()
-            .saturating_sub(self.renewed.load(Ordering::SeqCst));
+        let since = now().saturating_sub(self.renewed.load(Ordering::SeqCst));
         self.active.load(Ordering::SeqCst) && since < (self.period * 2 / 3).as_millis() as u64
     }
 
+    /// The state in the buckets, fenced by the state stream's sequence.
     pub fn state(&self) -> KvState {
-        let _ = &self.js;
-        KvState {
-            store: self.state.clone(),
-            seen: self.seen.clone(),
-        }
+        KvState::new(
+            self.state.clone(),
+            self.seen.clone(),
+            self.js.clone(),
+            self.bucket.clone(),
+        )
     }
 }
 
-/// The fleet's state in the KV bucket.
-pub struct KvState {
-    store: kv::Store,
-    seen: kv::Store,
-}
-
-fn hex(text: &str) -> String {
-    text.bytes().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(text: &str) -> Option<String> {
-    let bytes: Option<Vec<u8>> = (0..text.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
-        .collect();
-    String::from_utf8(bytes?).ok()
-}
-
-/// Runs `future` to its end from the engine's synchronous code (the multi-thread runtime
-/// lets this worker block while others run).
-fn wait<T>(future: impl std::future::Future<Output = T>) -> T {
-    tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(future))
-}
-
-/// Every live key of a bucket with its value.
-async fn entries(store: &kv::Store) -> Result<Vec<(String, Vec<u8>)>, String> {
-    let mut keys = store.keys().await.map_err(|e| e.to_string())?;
-    let mut names = Vec::new();
-    while let Some(key) = keys.next().await {
-        names.push(key.map_err(|e| e.to_string())?);
+/// Milliseconds of CLOCK_BOOTTIME: monotonic, and going on while the machine is suspended
+/// (CLOCK_MONOTONIC, behind `Instant`, stops then: a VM that slept would believe its
+/// renewal fresh).
+fn now() -> u64 {
+    #[cfg(target_os = "linux")]
+    {
+        let t = rustix::time::clock_gettime(rustix::time::ClockId::Boottime);
+        (t.tv_sec as u64) * 1000 + (t.tv_nsec as u64) / 1_000_000
     }
-    let mut entries = Vec::with_capacity(names.len());
-    for key in names {
-        if let Some(value) = store.get(&key).await.map_err(|e| e.to_string())? {
-            entries.push((key, value.to_vec()));
-        }
-    }
-    Ok(entries)
-}
-
-impl KvState {
-    pub fn load(&self) -> Result<Fleet, String> {
-        wait(async {
-            let mut fleet = Fleet::default();
-            for (key, value) in entries(&self.store).await? {
-                let (kind, name) = key.split_once('.').unwrap_or(("", ""));
-                let name = unhex(name).ok_or(format!("KV key {key:?} is not ours"))?;
-                match kind {
-                    "e" => {
-                        let m: Maintenance = serde_json::from_slice(&value)
-                            .map_err(|e| format!("KV event {name}: {e}"))?;
-                        fleet.events.insert(name, m);
-                    }
-                    "v" => {
-                        let vm: Vm = serde_json::from_slice(&value)
-                            .map_err(|e| format!("KV VM {name}: {e}"))?;
-                        fleet.vms.insert(name, vm);
-                    }
-                    "c" if name == "paused" => {
-                        fleet.paused = Some(
-                            serde_json::from_slice(&value)
-                                .map_err(|e| format!("KV pause switch: {e}"))?,
-                        );
-                    }
-                    _ => {}
-                }
-            }
-            for (key, value) in entries(&self.seen).await? {
-                let name = key.strip_prefix("s.").and_then(unhex).unwrap_or_default();
-                let (source, id) = name.split_once('\n').unwrap_or((&name, ""));
-                let at: i64 = String::from_utf8_lossy(&value).parse().unwrap_or(0);
-                fleet.seen.insert(
-                    (source.to_owned(), id.to_owned()),
-                    DateTime::<Utc>::from_timestamp(at, 0).unwrap_or_default(),
-                );
-            }
-            Ok(fleet)
-        })
-    }
-
-    /// Writes the changes key by key: events and agents first, the ids of the messages
-    /// that caused them last (so that a crash in between applies them again).
-    pub fn write(&self, changes: &Changes) -> Result<(), String> {
-        wait(async {
-            for (key, m) in &changes.events {
-                let key = format!("e.{}", hex(key));
-                match m {
-                    Some(m) => {
-                        let json = serde_json::to_vec(m).map_err(|e| e.to_string())?;
-                        self.store
-                            .put(&key, json.into())
-                            .await
-                            .map_err(|e| e.to_string())?;
-                    }
-                    None => self.store.delete(&key).await.map_err(|e| e.to_string())?,
-                }
-            }
-            for (name, vm) in &changes.vms {
-                let json = serde_json::to_vec(vm).map_err(|e| e.to_string())?;
-                self.store
-                    .put(format!("v.{}", hex(name)), json.into())
-                    .await
-                    .map_err(|e| e.to_string())?;
-            }
-            for name in &changes.vms_removed {
-                self.store
-                    .delete(format!("v.{}", hex(name)))
-                    .await
-                    .map_err(|e| e.to_string())?;
-            }
-            match &changes.paused {
-                Some(Some(pause)) => {
-                    let json = serde_json::to_vec(pause).map_err(|e| e.to_string())?;
-                    self.store
-                        .put(format!("c.{}", hex("paused")), json.into())
-                        .await
-                        .map_err(|e| e.to_string())?;
-                }
-                Some(None) => self
-                    .store
-                    .delete(format!("c.{}", hex("paused")))
-                    .await
-                    .map_err(|e| e.to_string())?,
-                None => {}
-            }
-            for ((source, id), at) in &changes.seen {
-                self.store
-                    .put(
-                        format!("s.{}", hex(&format!("{source}\n{id}"))),
-                        at.timestamp().to_string().into(),
-                    )
-                    .await
-                    .map_err(|e| e.to_string())?;
-            }
-            for (source, id) in &changes.unseen {
-                self.store
-                    .delete(format!("s.{}", hex(&format!("{source}\n{id}"))))
-                    .await
-                    .map_err(|e| e.to_string())?;
-            }
-            Ok(())
-        })
+    #[cfg(not(target_os = "linux"))]
+    {
+        use std::sync::OnceLock;
+        static ORIGIN: OnceLock<std::time::Instant> = OnceLock::new();
+        ORIGIN
+            .get_or_init(std::time::Instant::now)
+            .elapsed()
+            .as_millis() as u64
     }
 }
+
+#[cfg(test)]
+mod tests;

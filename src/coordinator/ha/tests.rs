@@ -1,0 +1,135 @@
+//! The lease and the fenced state against the machine's real NATS: a stalled instance
+//! woken after another took over writes nothing; a release deletes only its own lease; a
+//! renewal whose answer was lost does not end the instance.
+
+use std::time::Duration;
+
+use sched_relay_transport::testing::{broker_available, unique};
+
+use super::state::FENCED;
+use super::{Ha, KvState};
+use crate::coordinator::changes::Changes;
+use crate::coordinator::config::HaConfig;
+use crate::coordinator::fleet::Maintenance;
+
+const NATS: &str = "127.0.0.1:4222";
+
+fn config(bucket: &str, instance: &str) -> HaConfig {
+    HaConfig {
+        url: "nats://127.0.0.1:4222".into(),
+        credentials_file: None,
+        bucket: bucket.into(),
+        lease: Duration::from_secs(3),
+        instance: Some(instance.into()),
+        replicas: 1,
+    }
+}
+
+/// A change that records event `key` (its content does not matter here).
+fn event(key: &str) -> Changes {
+    let m: Maintenance = serde_json::from_value(serde_json::json!({
+        "event_id": key, "event_type": "Reboot", "event_source": null, "duration_seconds": -1,
+        "not_before": null, "resources": ["web-1"], "first_seen": "2026-11-27T10:00:00Z",
+        "last_report": "2026-11-27T10:00:00Z", "reports": {}, "drain": null, "approval": null
+    }))
+    .unwrap();
+    Changes {
+        events: vec![(key.to_owned(), Some(m))],
+        ..Changes::default()
+    }
+}
+
+async fn delete_buckets(bucket: &str) {
+    let js =
+        async_nats::jetstream::new(async_nats::connect("nats://127.0.0.1:4222").await.unwrap());
+    for name in [
+        bucket.to_owned(),
+        format!("{bucket}-seen"),
+        format!("{bucket}-lease"),
+    ] {
+        let _ = js.delete_stream(format!("KV_{name}")).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_instance_woken_after_a_takeover_cannot_overwrite_the_active_ones_state() {
+    if !broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
+        return;
+    }
+    let bucket = unique("fence");
+    let a = Ha::connect(&config(&bucket, "a"), Duration::from_secs(3600))
+        .await
+        .unwrap();
+    let b = Ha::connect(&config(&bucket, "b"), Duration::from_secs(3600))
+        .await
+        .unwrap();
+    let (old, new): (KvState, KvState) = (a.state(), b.state());
+    old.load().unwrap();
+    old.write(&event("E1")).unwrap();
+    // `old` stalls; `new` takes over, reads everything and decides.
+    new.load().unwrap();
+    new.write(&event("E2")).unwrap();
+    // Woken, `old` acts on what it decided before: refused.
+    let refused = old.write(&event("E3")).unwrap_err();
+    assert!(refused.starts_with(FENCED), "{refused}");
+    // A write of the stalled one that lands after the new one read the state makes the
+    // new one's next write fail instead: it reads again, and knows it.
+    let again = b.state();
+    let loaded = again.load().unwrap();
+    assert!(loaded.events.contains_key("E1") && loaded.events.contains_key("E2"));
+    assert!(!loaded.events.contains_key("E3"));
+    let late = a.state();
+    late.load().unwrap();
+    late.write(&event("E4")).unwrap();
+    assert!(again.write(&event("E5")).unwrap_err().starts_with(FENCED));
+    let reloaded = again.load().unwrap();
+    assert!(reloaded.events.contains_key("E4"));
+    again.write(&event("E5")).unwrap();
+    assert!(late.write(&event("E6")).unwrap_err().starts_with(FENCED));
+    delete_buckets(&bucket).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_deletes_only_the_lease_this_instance_wrote() {
+    if !broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
+        return;
+    }
+    let bucket = unique("release");
+    let a = Ha::connect(&config(&bucket, "a"), Duration::from_secs(3600))
+        .await
+        .unwrap();
+    a.acquire().await;
+    // Someone else holds the key now (a takeover this instance did not see).
+    a.lease.put("leader", "b".into()).await.unwrap();
+    a.release().await;
+    let holder = a.lease.get("leader").await.unwrap();
+    assert_eq!(holder.as_deref(), Some(b"b".as_slice()));
+    delete_buckets(&bucket).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_whose_answer_was_lost_is_recognised_and_the_instance_stays_active() {
+    if !broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
+        return;
+    }
+    let bucket = unique("renew");
+    let a = Ha::connect(&config(&bucket, "a"), Duration::from_secs(3600))
+        .await
+        .unwrap();
+    let revision = a.acquire().await;
+    // The server wrote a renewal of ours whose answer never came back: the key is ours,
+    // at a revision this instance does not know.
+    a.lease.put("leader", "a".into()).await.unwrap();
+    let keeper = tokio::spawn(a.clone().keep(revision));
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(!keeper.is_finished(), "the instance stopped");
+    assert!(a.may_act());
+    // Another instance's key ends it.
+    a.lease.put("leader", "b".into()).await.unwrap();
+    let why = tokio::time::timeout(Duration::from_secs(5), keeper)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(why.contains("held by b"), "{why}");
+    delete_buckets(&bucket).await;
+}

@@ -1,0 +1,105 @@
+//! Reports the coordinator can trust (issue 37, item 1): a message that contradicts who a
+//! VM is, or whose VM name or EventId could not be Azure's, is refused and counted as a
+//! conflict, and never frees a place.
+
+use serde_json::json;
+
+use super::{document, feed, published, t0};
+use crate::coordinator::fleet::{Applied, Fleet, Stage, read};
+
+#[test]
+fn a_report_without_a_resource_id_for_a_vm_known_with_one_is_refused() {
+    let mut fleet = Fleet::default();
+    let d1 = document(1, &[("E1", "Reboot", "Started", &["web-1"], 0, -1)]);
+    feed(&mut fleet, &published("web-1", None, &d1));
+    // A forged "completed" that does not say which resource it comes from.
+    let mut forged = published("web-1", Some(&d1), &document(2, &[])).remove(0);
+    forged["source"] = json!("urn:sched-relay:vm:web-1");
+    forged["data"]["vm"]["resourceId"] = json!(null);
+    forged["id"] = json!("E1:completed:forged");
+    let applied = fleet.apply(read(&forged).unwrap(), t0());
+    assert!(
+        matches!(&applied, Applied::Conflict(why) if why.contains("does not say which resource")),
+        "{applied:?}"
+    );
+    assert_eq!(fleet.events["E1"].reports["web-1"].stage, Stage::Started);
+    assert!(fleet.conflicts.contains_key("web-1"));
+    // So is an outcome of our request that names another resource.
+    let outcome = json!({"specversion": "1.0", "type": "com.azure.scheduledevents.approval.accepted",
+        "source": "/subscriptions/x/resourceGroups/rg-other/providers/Microsoft.Compute/virtualMachines/web-1",
+        "id": "r1:accepted", "vmname": "web-1", "requestid": "r1", "subject": "E1",
+        "data": {"eventIds": ["E1"], "reason": "imds_accepted"}});
+    assert!(matches!(
+        fleet.apply(read(&outcome).unwrap(), t0()),
+        Applied::Conflict(_)
+    ));
+}
+
+#[test]
+fn two_vms_whose_names_differ_only_by_dot_and_underscore_cannot_share_an_approvals_subject() {
+    let mut fleet = Fleet::default();
+    feed(&mut fleet, &published("db_1", None, &document(1, &[])));
+    let mut other = published("db.1", None, &document(1, &[])).remove(0);
+    other["source"] = json!(
+        "/subscriptions/s/resourceGroups/rg-db/providers/Microsoft.Compute/virtualMachines/db.1"
+    );
+    let applied = fleet.apply(read(&other).unwrap(), t0());
+    assert!(
+        matches!(&applied, Applied::Conflict(why) if why.contains("share the subject")),
+        "{applied:?}"
+    );
+    assert!(!fleet.vms.contains_key("db.1"));
+}
+
+#[test]
+fn vm_names_and_event_ids_that_are_not_azures_are_refused_before_they_reach_a_subject() {
+    let d = document(1, &[("E1", "Reboot", "Scheduled", &["web-1"], 900, -1)]);
+    let good = published("web-1", None, &d).remove(0);
+    for name in [
+        "web.*.>",
+        "web 1",
+        "-web",
+        "web.",
+        "a/b",
+        "$(reboot)",
+        &"x".repeat(65),
+    ] {
+        let mut bad = good.clone();
+        bad["vmname"] = json!(name);
+        assert!(
+            read(&bad).unwrap_err().contains("not an Azure VM name"),
+            "{name:?}"
+        );
+    }
+    let mut bad = good.clone();
+    bad["subject"] = json!("E1;rm");
+    bad["data"]["event"]["EventId"] = json!("E1;rm");
+    assert!(read(&bad).unwrap_err().contains("is not an EventId"));
+    for name in ["vmss_3", "web-1", "WestNO_0", "a.b"] {
+        let mut fine = good.clone();
+        fine["vmname"] = json!(name);
+        assert!(read(&fine).is_ok(), "{name:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_whose_subject_names_another_vm_than_it_speaks_for_is_refused() {
+    let mut world = super::quiet_day::start(tempfile::tempdir().unwrap());
+    let d1 = document(1, &[("E1", "Reboot", "Started", &["web-2"], 0, -1)]);
+    for event in published("web-2", None, &d1) {
+        world.deliver(&event, t0());
+    }
+    // web-1's agent, allowed to publish only under scheduledevents.web-1, says web-2's
+    // Reboot completed: refused, whatever the message says.
+    let forged = published("web-2", Some(&d1), &document(2, &[])).remove(0);
+    world.deliver_on(&forged, t0(), "scheduledevents.web-1.completed");
+    let m = &world.engine.fleet.events["E1"];
+    assert_eq!(m.reports["web-2"].stage, Stage::Started);
+    assert!(world.engine.fleet.conflicts["web-2"].contains("scheduledevents.web-1.completed"));
+    // On its own subject the same message is applied.
+    world.deliver_on(&forged, t0(), "scheduledevents.web-2.completed");
+    assert_eq!(
+        world.engine.fleet.events["E1"].reports["web-2"].stage,
+        Stage::Completed
+    );
+}
