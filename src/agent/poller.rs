@@ -26,6 +26,7 @@ use crate::fanout::Fanout;
 use crate::imds::pacing::{self, GONE_GRACE};
 use crate::imds::{ImdsClient, ImdsError, MIN_POLL_INTERVAL, Snapshot};
 
+mod beats;
 mod fetched;
 
 /// After this long without a good answer, an operator has to look: log at ERROR.
@@ -106,29 +107,6 @@ impl Poller {
             last_body: None,
             heartbeats: None,
         }
-    }
-
-    /// Makes and hands over a heartbeat if one is due (`super::heartbeat`); never waits for
-    /// the store.
-    fn heartbeat_if_due(&mut self) {
-        let settled = self.unstored.is_empty() && self.previous_stored;
-        let Some(heartbeats) = self.heartbeats.as_mut() else {
-            return;
-        };
-        if let Some(event) =
-            heartbeats.due(settled, self.previous.as_deref(), self.epoch, &self.factory)
-        {
-            heartbeats.store(event, self.fanout.publisher());
-        }
-    }
-
-    /// Publishes heartbeats as `heartbeats` says (see `super::heartbeat`).
-    pub(super) fn with_heartbeats(
-        mut self,
-        heartbeats: Option<super::heartbeat::Heartbeats>,
-    ) -> Poller {
-        self.heartbeats = heartbeats;
-        self
     }
 
     /// Hands each processed document to local policy through `documents`.
