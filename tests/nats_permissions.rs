@@ -9,7 +9,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{AgentProcess, BINARY, SimProcess};
+use common::{AgentProcess, SimProcess};
 use sched_relay_core::approval::SigningKey;
 use sched_relay_nats::testing::PrivateNats;
 
@@ -18,11 +18,18 @@ const CONF: &str = concat!(
     "/deploy/nats/per-vm-permissions.conf"
 );
 
+/// A client with `user`'s credentials; a VM's with its own inbox, as the file asks.
 async fn connect(url: &str, user: &str) -> async_nats::Client {
-    async_nats::ConnectOptions::with_user_and_password(user.into(), format!("change-me-{user}"))
-        .connect(url)
-        .await
-        .unwrap()
+    let options = async_nats::ConnectOptions::with_user_and_password(
+        user.into(),
+        format!("change-me-{user}"),
+    );
+    let options = if user == "coordinator" {
+        options
+    } else {
+        options.custom_inbox_prefix(format!("_INBOX_{user}"))
+    };
+    options.connect(url).await.unwrap()
 }
 
 /// The subjects of every message `stream` holds.
@@ -66,6 +73,23 @@ fn an_agent_restricted_to_its_own_subjects_works_and_cannot_speak_or_listen_for_
         }
         js
     });
+    // Before its agent ever ran, web-1's credentials cannot make its consumer with another
+    // VM's filter (the agent would find it and take web-2's approvals for its own).
+    runtime.block_on(async {
+        let web1 = async_nats::jetstream::new(connect(&url, "web-1").await);
+        let stream = web1.get_stream("SCHEDULEDAPPROVALS").await.unwrap();
+        let misfiltered = stream
+            .create_consumer(async_nats::jetstream::consumer::pull::Config {
+                durable_name: Some("sched-relay-web-1".into()),
+                filter_subject: "scheduledapprovals.web-2".into(),
+                ..Default::default()
+            })
+            .await;
+        assert!(
+            misfiltered.is_err(),
+            "web-1 made its consumer on web-2's approvals"
+        );
+    });
     let dir = tempfile::tempdir().unwrap();
     let scenario = dir.path().join("web-1.toml");
     std::fs::write(
@@ -82,7 +106,7 @@ fn an_agent_restricted_to_its_own_subjects_works_and_cannot_speak_or_listen_for_
     let agent = AgentProcess::start_on_defaults(
         &sim.url,
         &format!(
-            "[[sinks]]\nname = \"bus\"\nkind = \"nats\"\nurl = \"{url}\"\nuser = \"web-1\"\npassword = \"change-me-web-1\"\njetstream = true\n\n\
+            "[[sinks]]\nname = \"bus\"\nkind = \"nats\"\nurl = \"{url}\"\nuser = \"web-1\"\npassword = \"change-me-web-1\"\njetstream = true\ninbox_prefix = \"_INBOX_web-1\"\n\n\
              [approvals.nats]\nsink = \"bus\"\nstream = \"SCHEDULEDAPPROVALS\"\n\
              [[approvals.keys]]\nid = \"coordinator\"\nalgorithm = \"ed25519\"\npublic_key = \"{public_key}\"\n"
         ),
@@ -147,42 +171,61 @@ fn an_agent_restricted_to_its_own_subjects_works_and_cannot_speak_or_listen_for_
             theirs.is_err(),
             "web-1 made a consumer of web-2's approvals"
         );
+        // ... not even under its own consumer's name, with another VM's filter.
+        let renamed = stream
+            .create_consumer(async_nats::jetstream::consumer::pull::Config {
+                durable_name: Some("sched-relay-web-1-x".into()),
+                filter_subject: "scheduledapprovals.web-2".into(),
+                ..Default::default()
+            })
+            .await;
+        assert!(renamed.is_err(), "web-1 made a second consumer");
     });
 
+    // Nor can web-1 listen to other clients' replies (acknowledgements, deliveries): it may
+    // subscribe only to its own inbox.
+    let sniffed = runtime.block_on(async {
+        let web1 = connect(&url, "web-1").await;
+        let mut sniffers = Vec::new();
+        for subject in ["_INBOX.>", "_INBOX_web-2.>", ">"] {
+            sniffers.push(web1.subscribe(subject).await.unwrap());
+        }
+        web1.flush().await.unwrap();
+        let web2 = async_nats::jetstream::new(connect(&url, "web-2").await);
+        web2.publish("scheduledevents.web-2.document", "{}".into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        let coordinator = async_nats::jetstream::new(connect(&url, "coordinator").await);
+        coordinator
+            .publish("scheduledapprovals.web-2", "{}".into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        let mut all = futures_util::stream::select_all(sniffers);
+        tokio::time::timeout(
+            Duration::from_secs(2),
+            futures_util::StreamExt::next(&mut all),
+        )
+        .await
+        .ok()
+        .flatten()
+        .map(|message| message.subject.to_string())
+    });
+    assert_eq!(sniffed, None, "web-1 read another client's reply");
+
     // The coordinator's approval for web-1 reaches web-1's agent, which POSTs it.
-    let request = std::process::Command::new(BINARY)
-        .args(["sign-approval", "--key"])
-        .arg(&key_file)
-        .args([
-            "--key-id",
-            "coordinator",
-            "--event-id",
-            "E1",
-            "--vm",
-            "web-1",
-        ])
-        .output()
-        .unwrap();
-    assert!(request.status.success());
+    let request = common::fleet::signed_approval(&key_file, "coordinator", "web-1", "E1");
     runtime.block_on(async {
         let coordinator = async_nats::jetstream::new(connect(&url, "coordinator").await);
         coordinator
-            .publish("scheduledapprovals.web-1", request.stdout.into())
+            .publish("scheduledapprovals.web-1", request.into())
             .await
             .unwrap()
             .await
             .unwrap();
     });
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !common::fleet::posts(&sim)
-        .iter()
-        .any(|(body, _, status)| body.contains("E1") && *status == 200)
-    {
-        assert!(
-            Instant::now() < deadline,
-            "web-1's agent did not take its approval:\n{}",
-            agent.log()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    common::fleet::wait_for_accepted_post(&sim, "E1", || agent.log());
 }

@@ -179,17 +179,8 @@ pub fn expand_template(template: &str, event: &Event) -> String {
             "type" => Some(event.ty().to_owned()),
             _ => None,
         };
-        let raw = raw.unwrap_or_else(|| "none".to_owned());
         // `transition` of approvals is `approval.accepted`: keep it one level.
-        raw.chars()
-            .map(|c| {
-                if matches!(c, '.' | '*' | '>' | '#' | ' ' | '\t') {
-                    '_'
-                } else {
-                    c
-                }
-            })
-            .collect()
+        template_value(&raw.unwrap_or_else(|| "none".to_owned()))
     };
     let mut out = String::with_capacity(template.len() + 32);
     let mut rest = template;
@@ -208,6 +199,22 @@ pub fn expand_template(template: &str, event: &Event) -> String {
     }
     out.push_str(rest);
     out
+}
+
+/// A value as a template writes it: characters a broker gives meaning to (`.`, `*`, `>`,
+/// `#`, spaces) become `_`, so a value can never add levels or wildcards. Whoever builds a
+/// subject, routing key or consumer name from a VM name (the agent's approval sources, the
+/// coordinator) uses this, so that both sides name a VM alike.
+pub fn template_value(raw: &str) -> String {
+    raw.chars()
+        .map(|c| {
+            if matches!(c, '.' | '*' | '>' | '#' | ' ' | '\t') {
+                '_'
+            } else {
+                c
+            }
+        })
+        .collect()
 }
 
 /// The placeholders [`expand_template`] knows, for configuration validation.

@@ -335,14 +335,45 @@ fn default_kafka_topic() -> String {
 
 broker_source!(KafkaSourceConfig, KafkaSinkConfig, Kafka, "kafka");
 
-/// Replaces `{vmname}` in a source's subject, queue or group template.
+/// Replaces `{vmname}` in a source's subject, queue or group template, the name written as
+/// every template writes it (`.` becomes `_`: a VM named `a.b` reads
+/// `scheduledapprovals.a_b`, where the coordinator and `sign-approval` publish).
 pub fn for_vm(template: &str, vm_name: &str) -> String {
-    template.replace("{vmname}", vm_name)
+    template.replace(
+        "{vmname}",
+        &sched_relay_core::binding::template_value(vm_name),
+    )
 }
 
 #[cfg(test)]
 mod tests {
-    use super::NatsSourceConfig;
+    use super::{NatsSourceConfig, for_vm};
+
+    #[test]
+    fn a_vm_name_with_a_dot_reads_one_level_where_the_coordinator_and_sign_approval_publish() {
+        assert_eq!(
+            for_vm("scheduledapprovals.{vmname}", "db.prod"),
+            "scheduledapprovals.db_prod"
+        );
+        assert_eq!(
+            for_vm("sched-relay-{vmname}", "db.prod"),
+            "sched-relay-db_prod"
+        );
+        assert_eq!(
+            for_vm("scheduledapprovals.{vmname}", "web-1"),
+            "scheduledapprovals.web-1"
+        );
+        // The coordinator's and sign-approval's publishers write `{vmname}` through the
+        // sinks' templates.
+        let draft = sched_relay_core::approval::Draft::new("urn:test", Some("db.prod"), vec![]);
+        assert_eq!(
+            sched_relay_core::binding::expand_template(
+                "scheduledapprovals.{vmname}",
+                &draft.event(None)
+            ),
+            for_vm("scheduledapprovals.{vmname}", "db.prod")
+        );
+    }
 
     fn nats(text: &str) -> NatsSourceConfig {
         toml::from_str(text).unwrap()

@@ -17,10 +17,15 @@ use serde_json::json;
 )]
 pub async fn publish_to(to: &str, event: &Event, token: Option<&str>) -> Result<String, String> {
     let url = url::Url::parse(to).map_err(|e| format!("--to {to:?} is not a URL: {e}"))?;
+    // As the agents' approval sources write it (`.` becomes `_`); "*" (the fleet) stays.
     let vm = event
         .extension("vmname")
         .map(|v| v.to_string())
-        .unwrap_or_else(|| "*".into());
+        .filter(|v| v != "*")
+        .map_or_else(
+            || "*".into(),
+            |v| sched_relay_core::binding::template_value(&v),
+        );
     let query = |name: &str| {
         url.query_pairs()
             .find(|(key, _)| key == name)

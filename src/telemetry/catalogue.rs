@@ -265,6 +265,11 @@ pub const METRICS: &[(&str, &str, &str)] = &[
         "VM names whose last message was refused for contradicting who the VM is (another resource id, none where one is known, a subject or routing key that names another VM, a name that shares a subject with another); /fleet conflicts says why.",
     ),
     (
+        "sched_relay_coordinator_catching_up",
+        "gauge",
+        "Messages of its input's backlog the coordinator has yet to read since it started (1 while not connected, 0 once caught up): nothing is decided meanwhile.",
+    ),
+    (
         "sched_relay_coordinator_paused",
         "gauge",
         "1 while an operator has paused draining and approving.",

@@ -126,6 +126,45 @@ pub fn posts(sim: &SimProcess) -> Vec<(String, i64, u64)> {
         .collect()
 }
 
+/// A StartRequest for `event_id` on `vm`, signed by `sched-relay sign-approval` with the
+/// key in `key_file`, named `key_id`: what a coordinator publishes.
+pub fn signed_approval(
+    key_file: &std::path::Path,
+    key_id: &str,
+    vm: &str,
+    event_id: &str,
+) -> Vec<u8> {
+    let request = Command::new(BINARY)
+        .args(["sign-approval", "--key"])
+        .arg(key_file)
+        .args(["--key-id", key_id, "--event-id", event_id, "--vm", vm])
+        .output()
+        .unwrap();
+    assert!(
+        request.status.success(),
+        "{}",
+        String::from_utf8_lossy(&request.stderr)
+    );
+    request.stdout
+}
+
+/// Waits up to 20 s for `sim` to accept a StartRequest naming `event_id`; `log` says why
+/// not.
+pub fn wait_for_accepted_post(sim: &SimProcess, event_id: &str, log: impl Fn() -> String) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !posts(sim)
+        .iter()
+        .any(|(body, _, status)| body.contains(event_id) && *status == 200)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "no accepted StartRequest for {event_id}:\n{}",
+            log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 /// The most VMs down at one moment, each approval taking its VM down for
 /// `[POST, POST + down_for)` (two events of one VM at once are one VM down).
 pub fn most_at_once(starts: &[(String, i64)], down_for: Duration) -> usize {

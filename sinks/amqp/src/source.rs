@@ -10,7 +10,7 @@ use lapin::options::{
     ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Channel, ExchangeKind};
+use lapin::{Channel, Connection, ExchangeKind};
 use sched_relay_transport::inbound::{
     Backlog, Deliveries, Handover, Inbound, Progress, SourceRole, hand_over, keep_consuming,
     pause_after_not_handled,
@@ -55,10 +55,43 @@ pub async fn run(
     .await
 }
 
-/// Declares the exchange, the queue and its bindings; returns the messages the queue holds.
-async fn declare(spec: &AmqpSourceSpec, channel: &Channel, sink: &AmqpSink) -> Result<u32, String> {
+/// Declares the exchange (if missing), the queue and its bindings; returns the messages the
+/// queue holds.
+async fn declare(
+    spec: &AmqpSourceSpec,
+    connection: &Connection,
+    channel: &Channel,
+    sink: &AmqpSink,
+) -> Result<u32, String> {
     let what = |what: String| move |e| sink.classify(e, &what).to_string();
-    if !spec.exclusive {
+    // An exchange that exists is left alone: declaring it again needs the right to configure
+    // it, which is also the right to delete it, and a VM restricted to its own queue (README:
+    // "Per-VM publish permissions") must not hold that over every VM's approvals. A passive
+    // declare needs no right; when it fails, the broker closes the channel it was tried on,
+    // so it gets a channel of its own.
+    let exists = !spec.exclusive && {
+        let probe = connection
+            .create_channel()
+            .await
+            .map_err(what("cannot open a channel".into()))?;
+        let found = probe
+            .exchange_declare(
+                spec.exchange.as_str().into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .is_ok();
+        if found {
+            let _ = probe.close(200, "OK".into()).await;
+        }
+        found
+    };
+    if !spec.exclusive && !exists {
         channel
             .exchange_declare(
                 spec.exchange.as_str().into(),
@@ -108,9 +141,9 @@ async fn consume(
     stop: &mut watch::Receiver<bool>,
 ) -> Result<(), String> {
     let sink = AmqpSink::new(spec.connection.clone());
-    let (_connection, channel) = sink.open(false).await.map_err(|e| e.to_string())?;
+    let (connection, channel) = sink.open(false).await.map_err(|e| e.to_string())?;
     if spec.declare {
-        backlog.found(declare(spec, &channel, &sink).await?.into());
+        backlog.found(declare(spec, &connection, &channel, &sink).await?.into());
     } else if backlog.watched() {
         // What the queue holds, without declaring it.
         let queue = channel

@@ -61,23 +61,31 @@ pub async fn run(
 
 /// Per partition, the end offset at the start and where reading starts: the records
 /// between them are the backlog.
+/// A partition whose end cannot be read fails the connection (tried again), rather than
+/// being left out of the catch-up.
 fn ends(
     consumer: &StreamConsumer,
     spec: &KafkaSourceSpec,
     start: &TopicPartitionList,
-) -> std::collections::BTreeMap<i32, (i64, i64)> {
+) -> Result<std::collections::BTreeMap<i32, (i64, i64)>, String> {
     start
         .elements()
         .iter()
-        .filter_map(|p| {
+        .map(|p| {
             let (low, high) = consumer
                 .fetch_watermarks(&spec.topic, p.partition(), METADATA_TIMEOUT)
-                .ok()?;
+                .map_err(|e| {
+                    format!(
+                        "cannot read the end offset of {}/{}: {e}",
+                        spec.topic,
+                        p.partition()
+                    )
+                })?;
             let from = match p.offset() {
                 Offset::Offset(offset) => offset.max(low),
                 _ => high,
             };
-            Some((p.partition(), (from, high)))
+            Ok((p.partition(), (from, high)))
         })
         .collect()
 }
@@ -174,7 +182,7 @@ async fn consume(
     let (consumer, start, mut behind) = tokio::task::spawn_blocking(move || {
         let (consumer, start) = assign(&setup)?;
         let ends = if watched {
-            ends(&consumer, &setup, &start)
+            ends(&consumer, &setup, &start)?
         } else {
             Default::default()
         };

@@ -68,6 +68,13 @@ pub struct NatsSinkConfig {
     /// Connect, flush and acknowledgement timeout.
     #[serde(default = "default_timeout", with = "humantime_serde")]
     pub timeout: Duration,
+    /// Where replies to this client go (JetStream acknowledgements, consumer deliveries,
+    /// API answers): `<inbox_prefix>.<unique>`. The default `_INBOX` is shared by every
+    /// client; with per-VM permissions give each VM its own (`_INBOX_web-1`) and allow it to
+    /// subscribe only there, or any VM could read other clients' replies
+    /// (`deploy/nats/per-vm-permissions.conf`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inbox_prefix: Option<String>,
 }
 
 fn default_subject() -> String {
@@ -120,6 +127,21 @@ impl NatsSinkConfig {
         if self.timeout.is_zero() {
             problems.push(("timeout", "must be more than 0s".into()));
         }
+        if let Some(prefix) = &self.inbox_prefix
+            && (prefix.split('.').any(|token| {
+                token.is_empty()
+                    || token
+                        .chars()
+                        .any(|c| c.is_whitespace() || c == '*' || c == '>')
+            }))
+        {
+            problems.push((
+                "inbox_prefix",
+                format!(
+                    "{prefix:?} is not a subject prefix; expected tokens without spaces or wildcards, e.g. \"_INBOX_web-1\""
+                ),
+            ));
+        }
         // TLS is implied by the files themselves (see `connect`).
         problems.extend(sched_relay_transport::tls::check(
             None,
@@ -137,6 +159,22 @@ mod tests {
 
     fn config(text: &str) -> NatsSinkConfig {
         toml::from_str(text).unwrap()
+    }
+
+    #[test]
+    fn an_inbox_prefix_with_a_wildcard_space_or_empty_token_is_refused() {
+        for bad in ["", "_INBOX.>", "_INBOX_*", "_INBOX web", "_INBOX.", ".x"] {
+            let problems = config(&format!(
+                "url = \"nats://127.0.0.1:4222\"\ninbox_prefix = {bad:?}\n"
+            ))
+            .validate();
+            assert!(
+                problems.iter().any(|(key, _)| *key == "inbox_prefix"),
+                "{bad:?}: {problems:?}"
+            );
+        }
+        let good = config("url = \"nats://127.0.0.1:4222\"\ninbox_prefix = \"_INBOX_web-1\"\n");
+        assert!(good.validate().is_empty(), "{:?}", good.validate());
     }
 
     #[test]

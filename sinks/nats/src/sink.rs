@@ -239,6 +239,9 @@ pub async fn connect(config: &NatsSinkConfig) -> Result<async_nats::Client, Sink
     if let Some(user) = &config.user {
         options = options.user_and_password(user.clone(), password.unwrap_or_default());
     }
+    if let Some(prefix) = &config.inbox_prefix {
+        options = options.custom_inbox_prefix(prefix.clone());
+    }
     // A CA or client certificate means TLS: never a plain connection to a server that
     // happens not to ask for TLS.
     if config.tls || config.ca_file.is_some() || config.client_cert_file.is_some() {

@@ -200,10 +200,12 @@ async fn consume(
                 streams.push(consumer.messages().await.map_err(|e| e.to_string())?);
                 consumers.push(consumer);
             }
-            backlog.found(pending);
-            // The count can miss: a message the instance before acknowledged just before it
-            // died. The consumer's own state is the position: nothing pending and nothing
-            // unacknowledged is the end of what was there.
+            backlog.found_by_position(pending);
+            // A count can end too early (a message that arrived since the start, counted while
+            // one of the backlog waits to be delivered again after ack_wait) or never (one the
+            // instance before acknowledged as it died). The consumer's own state is the
+            // position: nothing pending and nothing unacknowledged is the end of what was
+            // there.
             let mut position = tokio::time::interval(Duration::from_secs(1));
             position.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut messages = futures_util::stream::select_all(streams);

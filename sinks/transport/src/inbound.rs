@@ -197,6 +197,8 @@ pub type Progress = Option<watch::Sender<CatchUp>>;
 pub struct Backlog {
     progress: Progress,
     left: std::sync::Mutex<Option<u64>>,
+    /// Only [`Backlog::reached_end`] says caught up (the count is shown, not trusted).
+    by_position: std::sync::atomic::AtomicBool,
 }
 
 impl Backlog {
@@ -204,6 +206,7 @@ impl Backlog {
         Backlog {
             progress,
             left: std::sync::Mutex::new(None),
+            by_position: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -226,7 +229,18 @@ impl Backlog {
     /// The source saw that nothing of its input is left to deliver or acknowledge (by it or
     /// by an instance before it): caught up, whatever the count says.
     pub fn reached_end(&self) {
+        self.by_position
+            .store(false, std::sync::atomic::Ordering::SeqCst);
         self.handled_up_to(|_| 0);
+    }
+
+    /// As [`Backlog::found`], for a source that can see its position: the count only says
+    /// how far it is, and a message that arrived since the start (counted as handled while
+    /// one of the backlog is still to come again, say) cannot end the catch-up early.
+    pub fn found_by_position(&self, messages: u64) {
+        self.by_position
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.found(messages);
     }
 
     /// The backlog found on connecting; only the first connection's counts.
@@ -249,8 +263,10 @@ impl Backlog {
         if let Some(count) = left.as_mut()
             && *count > 0
         {
-            *count = next(*count);
-            if *count == 0 || *count % 1000 == 0 {
+            let by_position = self.by_position.load(std::sync::atomic::Ordering::SeqCst);
+            // Counted down, but not to the end: only the position says that.
+            *count = next(*count).max(u64::from(by_position));
+            if *count == 0 || *count % 1000 == 0 || (by_position && *count == 1) {
                 self.report(*count);
             }
         }
@@ -298,5 +314,22 @@ mod backlog_tests {
         let (tx, rx) = watch::channel(CatchUp::Unknown);
         Backlog::new(Some(tx)).found(0);
         assert_eq!(*rx.borrow(), CatchUp::CaughtUp, "an empty input");
+    }
+
+    #[test]
+    fn a_source_that_sees_its_position_is_caught_up_only_when_it_says_it_reached_the_end() {
+        let (tx, rx) = watch::channel(CatchUp::Unknown);
+        let backlog = Backlog::new(Some(tx));
+        backlog.found_by_position(2);
+        // Two handled, but one was a message that arrived since the start while one of the
+        // backlog waits to be delivered again: the count is not the end.
+        backlog.handled();
+        backlog.handled();
+        backlog.handled();
+        assert_eq!(*rx.borrow(), CatchUp::Behind(1));
+        assert!(backlog.waiting());
+        backlog.reached_end();
+        assert_eq!(*rx.borrow(), CatchUp::CaughtUp);
+        assert!(!backlog.waiting());
     }
 }

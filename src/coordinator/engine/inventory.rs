@@ -221,6 +221,15 @@ impl Engine {
                     return Err(format!("no VM named {vm:?} is known"));
                 }
                 let released = self.fleet.release(&vm, key.as_deref(), "operator", now);
+                // A VM moved to another resource group, or recreated: its next report says
+                // which resource it is.
+                if event.is_none()
+                    && let Some(known) = self.fleet.vms.get_mut(&vm)
+                    && known.resource_id.take().is_some()
+                {
+                    changes.vms.push((vm.clone(), known.clone()));
+                }
+                self.fleet.conflicts.remove(&vm);
                 for k in &released {
                     changes
                         .events

@@ -56,6 +56,11 @@ pub enum Done {
 const REUSE_REQUEST_FOR: chrono::Duration = chrono::Duration::seconds(120);
 /// While catching up, how often the coordinator says how far it is.
 const CATCH_UP_LOG_EVERY: Duration = Duration::from_secs(10);
+/// Catching up longer than this is said at WARN.
+const CATCH_UP_ALERT_AFTER: Duration = Duration::from_secs(300);
+/// What a drain or a publication comes back with when the lease went stale before it
+/// started: nothing was done, nothing is recorded, it is started again from the state.
+const NOT_RUN: &str = "not run: this coordinator's lease is not fresh";
 /// A failed publication is tried again after this.
 const PUBLISH_RETRY: Duration = Duration::from_secs(2);
 /// Rejections that say the event needs no approval any more.
@@ -85,6 +90,8 @@ pub struct Engine {
     pub progress: Option<tokio::sync::watch::Receiver<sched_relay_transport::inbound::CatchUp>>,
     /// When the catch-up was last logged.
     catch_up_logged: Option<Instant>,
+    /// When this engine started.
+    started: Instant,
     /// Publications in flight, and when each event's last one started.
     publishing: HashMap<String, (bool, Instant)>,
     /// Drains running in this process (not restarted on the tick).
@@ -130,6 +137,7 @@ impl Engine {
             ready: false,
             progress: None,
             catch_up_logged: None,
+            started: Instant::now(),
             publishing: HashMap::new(),
             draining: HashMap::new(),
             gating: HashMap::new(),
@@ -209,8 +217,11 @@ impl Engine {
                     "came on {actual:?}, but a message of VM {claimed:?} comes on {:?}",
                     expected.unwrap_or_default()
                 );
-                tracing::warn!(vm = %claimed, id = %printable(&event["id"]), conflict = %why, "A message whose channel does not name its VM; not applied");
-                self.fleet.conflicts.insert(claimed.to_owned(), why);
+                // An ERROR: either a publisher speaks for another VM, or every agent's
+                // messages are refused because `[input] agent_subject` (or
+                // `agent_routing_key`) is not the template the agents publish with.
+                tracing::error!(vm = %claimed, id = %printable(&event["id"]), conflict = %why, "A message whose subject or routing key does not name its VM; not applied (if every agent's are refused, set [input] agent_subject or agent_routing_key to the template they publish with)");
+                self.fleet.note_conflict(claimed, &why);
                 self.dirty = true;
                 let _ = delivery.handled.send(reply("skipped"));
                 return;
@@ -367,9 +378,15 @@ impl Engine {
             deadline: d.deadline,
         };
         let (http, done, key) = (self.http.clone(), self.done.clone(), key.to_owned());
+        let gate = self.gate.clone();
         tokio::spawn(async move {
             let started = Instant::now();
-            let result = drain::run(&config, &http, &job).await;
+            // The lease may have gone stale since this was decided: run nothing then.
+            let result = if gate.as_ref().is_some_and(|may_act| !may_act()) {
+                Err(NOT_RUN.to_owned())
+            } else {
+                drain::run(&config, &http, &job).await
+            };
             let _ = done.send(Done::Drained {
                 key,
                 vm: job.vm,
@@ -413,11 +430,16 @@ impl Engine {
             key.to_owned(),
             sent.request_id.clone(),
         );
+        let gate = self.gate.clone();
         tokio::spawn(async move {
-            let result = publisher
-                .deliver(std::slice::from_ref(&event))
-                .await
-                .map_err(|e| e.to_string());
+            let result = if gate.as_ref().is_some_and(|may_act| !may_act()) {
+                Err(NOT_RUN.to_owned())
+            } else {
+                publisher
+                    .deliver(std::slice::from_ref(&event))
+                    .await
+                    .map_err(|e| e.to_string())
+            };
             let _ = done.send(Done::Published {
                 key,
                 request_id,

@@ -14,7 +14,21 @@ impl Engine {
     pub fn finished(&mut self, done: Done) {
         // A standby may be active: what a stalled instance's work came to is not written
         // (the active one runs its drains again and republishes what it does not know sent).
-        if !self.may_act() {
+        // Nor is it lost if the lease comes back fresh (a slow renewal): the work is marked
+        // as no longer running, so the tick starts it again from what is stored.
+        let not_run = matches!(&done, Done::Drained { result: Err(why), .. } | Done::Published { result: Err(why), .. } if why == super::NOT_RUN);
+        if !self.may_act() || not_run {
+            match done {
+                Done::Drained { key, vm, .. } => {
+                    self.draining.remove(&(key, vm));
+                }
+                Done::Published { key, .. } => {
+                    self.publishing.remove(&key);
+                }
+                Done::Gated { key, vm, .. } => {
+                    self.gating.remove(&(key, vm));
+                }
+            }
             return;
         }
         let now = Utc::now();

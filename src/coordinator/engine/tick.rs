@@ -210,6 +210,12 @@ impl Engine {
             .progress
             .as_ref()
             .map_or(CatchUp::CaughtUp, |progress| *progress.borrow());
+        let left = match state {
+            CatchUp::CaughtUp => 0,
+            CatchUp::Behind(left) => left,
+            CatchUp::Unknown => 1,
+        };
+        metrics::gauge!("sched_relay_coordinator_catching_up").set(left as f64);
         if state == CatchUp::CaughtUp {
             tracing::info!(
                 events = self.fleet.events.len(),
@@ -217,6 +223,7 @@ impl Engine {
                 "Input caught up; deciding"
             );
             self.ready = true;
+            self.dirty = true;
             return;
         }
         if self
@@ -224,13 +231,25 @@ impl Engine {
             .is_none_or(|at| at.elapsed() >= super::CATCH_UP_LOG_EVERY)
         {
             self.catch_up_logged = Some(std::time::Instant::now());
-            match state {
-                CatchUp::Behind(left) => tracing::info!(
+            // Nothing is decided meanwhile: Azure starts events at NotBefore. Long enough,
+            // that is an operator's problem.
+            let long = self.started.elapsed() >= super::CATCH_UP_ALERT_AFTER;
+            match (state, long) {
+                (CatchUp::Behind(left), false) => tracing::info!(
                     left,
                     "Catching up with the input: nothing is decided until what it held at the start is read"
                 ),
-                _ => tracing::info!(
+                (CatchUp::Behind(left), true) => tracing::warn!(
+                    left,
+                    since = ?self.started.elapsed(),
+                    "Still catching up with the input: nothing is decided meanwhile (a slow or stuck input; check the broker and sched_relay_coordinator_catching_up)"
+                ),
+                (_, false) => tracing::info!(
                     "Waiting for the input to connect: nothing is decided until it has caught up"
+                ),
+                (_, true) => tracing::warn!(
+                    since = ?self.started.elapsed(),
+                    "The input has not connected: nothing is decided meanwhile (check the broker)"
                 ),
             }
         }
@@ -265,6 +284,7 @@ impl Engine {
             "time": now.to_rfc3339(),
             "dryRun": self.config.coordinator.dry_run,
             "paused": self.fleet.paused,
+            "caughtUp": self.ready,
             "conflicts": self.fleet.conflicts,
             "groups": budgets.groups,
             "fleet": budgets.fleet,

@@ -134,10 +134,10 @@ pub(super) fn agent<'a>(
     Ok(agent)
 }
 
-/// A VM name as it appears in a subject or routing key (`.` becomes `_`, as the agents'
-/// templates write it).
+/// A VM name as it appears in a subject or routing key (`.` becomes `_`, as every template
+/// writes it).
 pub fn subject_token(vm: &str) -> String {
-    vm.replace('.', "_")
+    sched_relay_core::binding::template_value(vm)
 }
 
 impl Fleet {
@@ -155,7 +155,7 @@ impl Fleet {
         let agent = match agent(&mut self.vms, vm, resource_id, now) {
             Ok(agent) => agent,
             Err(conflict) => {
-                self.conflicts.insert(vm.to_owned(), conflict.clone());
+                self.note_conflict(vm, &conflict);
                 return Applied::Conflict(conflict);
             }
         };

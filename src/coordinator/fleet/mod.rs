@@ -216,11 +216,15 @@ impl Fleet {
         match incoming {
             Incoming::Ignored(what) => Applied::Ignored(what),
             Incoming::Document { vm, source, .. } => {
+                // A document carries no identity but its `source`, which an agent may set
+                // to anything else: one without a resource id claims none.
                 let resource_id = source.starts_with("/subscriptions/").then_some(source);
+                let claims = resource_id.is_some();
                 match agent(&mut self.vms, &vm, resource_id, now) {
                     Ok(_) => Applied::Agent,
+                    Err(_) if !claims => Applied::Agent,
                     Err(conflict) => {
-                        self.conflicts.insert(vm, conflict.clone());
+                        self.note_conflict(&vm, &conflict);
                         Applied::Conflict(conflict)
                     }
                 }
@@ -243,7 +247,7 @@ impl Fleet {
                 ..
             } => {
                 if let Err(conflict) = agent(&mut self.vms, &vm, resource_id, now) {
-                    self.conflicts.insert(vm, conflict.clone());
+                    self.note_conflict(&vm, &conflict);
                     return Applied::Conflict(conflict);
                 }
                 let event_id = event["EventId"].as_str().unwrap_or_default().to_owned();
@@ -335,7 +339,7 @@ impl Fleet {
                 ..
             } => {
                 if let Err(conflict) = agent(&mut self.vms, &vm, resource_id, now) {
-                    self.conflicts.insert(vm, conflict.clone());
+                    self.note_conflict(&vm, &conflict);
                     return Applied::Conflict(conflict);
                 }
                 for event_id in &event_ids {
@@ -382,10 +386,16 @@ impl Fleet {
                     return Applied::DryRun(None);
                 }
                 if outcome == "accepted" {
-                    // Someone else started these events: their VMs are going down.
+                    // Someone else started these events: their VMs are going down. Only the
+                    // agent of a VM an event concerns can say so (any other could hold the
+                    // budget of VMs it has nothing to do with).
                     let mut changed = Vec::new();
                     for event_id in &event_ids {
-                        if let Some(entry) = self.events.get_mut(&key_of(event_id)) {
+                        if let Some(entry) = self
+                            .events
+                            .get_mut(&key_of(event_id))
+                            .filter(|m| m.lists(&vm) || m.reports.contains_key(&vm))
+                        {
                             entry.approved_elsewhere = true;
                             changed.push(key_of(event_id));
                         }
@@ -430,6 +440,19 @@ impl Fleet {
     }
 }
 
+/// The most names `/fleet` lists as conflicting (a publisher can claim any name).
+pub const MAX_CONFLICTS: usize = 1000;
+
+impl Fleet {
+    /// Notes why a message about `vm` was refused, for `/fleet` (at most
+    /// [`MAX_CONFLICTS`] names).
+    pub fn note_conflict(&mut self, vm: &str, why: &str) {
+        if self.conflicts.len() < MAX_CONFLICTS || self.conflicts.contains_key(vm) {
+            self.conflicts.insert(vm.to_owned(), why.to_owned());
+        }
+    }
+}
+
 /// Copies the Azure event's fields (as received) into the record. A NotBefore is kept when
 /// a later report carries none (a Started event's is empty): the time it was scheduled for
 /// is what `max_hold` counts from.
@@ -446,10 +469,14 @@ fn fields(entry: &mut Maintenance, event: &Value) {
     {
         entry.not_before = Some(not_before.with_timezone(&Utc));
     }
+    // Resources only grow: one agent's document (a lagging one, or a forged one) that lists
+    // fewer VMs must not make the others stop counting as down. A VM really taken off the
+    // event frees its place as every VM does, by its own agent's report that it is over.
     if let Some(resources) = event["Resources"].as_array() {
-        entry.resources = resources
-            .iter()
-            .filter_map(|r| r.as_str().map(str::to_owned))
-            .collect();
+        for vm in resources.iter().filter_map(Value::as_str) {
+            if !entry.resources.iter().any(|r| r == vm) {
+                entry.resources.push(vm.to_owned());
+            }
+        }
     }
 }

@@ -45,6 +45,9 @@ pub struct Ha {
     /// The state bucket's name (its stream is `KV_<bucket>`).
     bucket: String,
     name: String,
+    /// What this process writes in the lease: its name and a random token, so that another
+    /// process given the same name (one configuration on two hosts) is never taken for it.
+    holder: String,
     period: Duration,
     /// CLOCK_BOOTTIME milliseconds of the last successful renewal's sending.
     renewed: AtomicU64,
@@ -141,6 +144,7 @@ impl Ha {
             lease,
             js,
             bucket: config.bucket.clone(),
+            holder: format!("{name}#{:016x}", fastrand::u64(..)),
             name,
             period: config.lease,
             renewed: AtomicU64::new(0),
@@ -154,7 +158,11 @@ impl Ha {
         let mut logged = false;
         loop {
             let sent = now();
-            match self.lease.create("leader", self.name.clone().into()).await {
+            match self
+                .lease
+                .create("leader", self.holder.clone().into())
+                .await
+            {
                 Ok(revision) => {
                     self.renewed.store(sent, Ordering::SeqCst);
                     self.revision.store(revision, Ordering::SeqCst);
@@ -192,7 +200,7 @@ impl Ha {
             let sent = now();
             let error = match self
                 .lease
-                .update("leader", self.name.clone().into(), revision)
+                .update("leader", self.holder.clone().into(), revision)
                 .await
             {
                 Ok(next) => {
@@ -206,7 +214,7 @@ impl Ha {
             match self.lease.entry("leader").await {
                 // Our own write, whose answer was lost: the key is ours and fresh.
                 Ok(Some(entry))
-                    if entry.value.as_ref() == self.name.as_bytes()
+                    if entry.value.as_ref() == self.holder.as_bytes()
                         && entry.revision > revision
                         && entry.operation == kv::Operation::Put =>
                 {
@@ -216,7 +224,7 @@ impl Ha {
                     self.renewed.store(sent, Ordering::SeqCst);
                 }
                 Ok(Some(entry))
-                    if entry.value.as_ref() != self.name.as_bytes()
+                    if entry.value.as_ref() != self.holder.as_bytes()
                         && entry.operation == kv::Operation::Put =>
                 {
                     self.active.store(false, Ordering::SeqCst);
@@ -262,13 +270,28 @@ impl Ha {
         self.active.load(Ordering::SeqCst) && since < (self.period * 2 / 3).as_millis() as u64
     }
 
-    /// The state in the buckets, fenced by the state stream's sequence.
-    pub fn state(&self) -> KvState {
+    /// The state in the buckets, fenced by the state stream's sequence, and written only
+    /// while this instance's lease is fresh (checked before every key).
+    pub fn state(self: &Arc<Self>) -> KvState {
+        let ha = self.clone();
         KvState::new(
             self.state.clone(),
             self.seen.clone(),
             self.js.clone(),
             self.bucket.clone(),
+            Some(Arc::new(move || ha.may_act())),
+        )
+    }
+
+    /// The state without the lease check: the fence alone (tests).
+    #[cfg(test)]
+    fn state_without_lease(&self) -> KvState {
+        KvState::new(
+            self.state.clone(),
+            self.seen.clone(),
+            self.js.clone(),
+            self.bucket.clone(),
+            None,
         )
     }
 }

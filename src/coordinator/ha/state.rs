@@ -35,7 +35,12 @@ pub struct KvState {
     bucket: String,
     /// The state stream's last sequence as this instance knows it: every write expects it.
     last: Mutex<u64>,
+    /// Whether this instance may write now (its lease is fresh); `None`: always.
+    gate: Option<Gate>,
 }
+
+/// Whether this instance holds a fresh lease.
+pub type Gate = std::sync::Arc<dyn Fn() -> bool + Send + Sync>;
 
 fn hex(text: &str) -> String {
     text.bytes().map(|b| format!("{b:02x}")).collect()
@@ -82,7 +87,13 @@ async fn entries(store: &kv::Store, messages: u64) -> Result<Vec<(String, Vec<u8
         .await
         .map_err(|e| e.to_string())?;
     let mut entries = Vec::new();
-    while let Some(entry) = watch.next().await {
+    // A read that stalls (keys expiring under it, a server that stops answering) fails,
+    // rather than holding the lease without deciding.
+    let read_one = std::time::Duration::from_secs(30);
+    while let Some(entry) = tokio::time::timeout(read_one, watch.next())
+        .await
+        .map_err(|_| format!("no answer from the KV bucket for {read_one:?} while reading it"))?
+    {
         let entry = entry.map_err(|e| e.to_string())?;
         if entry.operation == kv::Operation::Put {
             entries.push((entry.key, entry.value.to_vec()));
@@ -100,6 +111,7 @@ impl KvState {
         seen: kv::Store,
         js: jetstream::Context,
         bucket: String,
+        gate: Option<Gate>,
     ) -> KvState {
         KvState {
             store,
@@ -107,6 +119,7 @@ impl KvState {
             js,
             bucket,
             last: Mutex::new(0),
+            gate,
         }
     }
 
@@ -159,17 +172,42 @@ impl KvState {
     /// at a time, so the fence is read, used and moved without holding a lock across the
     /// wait.
     async fn put(&self, key: &str, value: Option<Vec<u8>>) -> Result<(), String> {
+        // The lease may have gone stale in the middle of a round of writes (a stall):
+        // nothing more is written then, whether or not a standby has written yet.
+        if self.gate.as_ref().is_some_and(|may_act| !may_act()) {
+            return Err(format!(
+                "{FENCED}: this coordinator's lease is not fresh; another may be active"
+            ));
+        }
         let expected = *self.last.lock().unwrap_or_else(|e| e.into_inner());
+        let deleted = value.is_none();
         let message = match value {
             Some(value) => PublishMessage::build().payload(value.into()),
             None => PublishMessage::build().header("KV-Operation", "DEL"),
         }
         .expected_last_sequence(expected);
         let subject = format!("$KV.{}.{key}", self.bucket);
+        let subject_for_purge = subject.clone();
         let ack = async { self.js.send_publish(subject, message).await?.await }.await;
         match ack {
             Ok(ack) => {
                 *self.last.lock().unwrap_or_else(|e| e.into_inner()) = ack.sequence;
+                if deleted {
+                    // A delete marker would stay for ever (one per forgotten key) and every
+                    // takeover would read it: remove the key's messages, the marker too.
+                    // Best effort: the key is deleted either way. Only up to the marker, so
+                    // that a write made since (by a coordinator that took over while this
+                    // one stalled here) is never removed.
+                    if let Ok(stream) = self.js.get_stream(format!("KV_{}", self.bucket)).await
+                        && let Err(error) = stream
+                            .purge()
+                            .filter(&subject_for_purge)
+                            .sequence(ack.sequence + 1)
+                            .await
+                    {
+                        tracing::debug!(error = %error, key, "Cannot purge a deleted key's marker");
+                    }
+                }
                 Ok(())
             }
             Err(error) if error.kind() == PublishErrorKind::WrongLastSequence => Err(format!(

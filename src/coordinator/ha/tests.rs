@@ -63,7 +63,7 @@ async fn a_stalled_instance_woken_after_a_takeover_cannot_overwrite_the_active_o
     let b = Ha::connect(&config(&bucket, "b"), Duration::from_secs(3600))
         .await
         .unwrap();
-    let (old, new): (KvState, KvState) = (a.state(), b.state());
+    let (old, new): (KvState, KvState) = (a.state_without_lease(), b.state_without_lease());
     old.load().unwrap();
     old.write(&event("E1")).unwrap();
     // `old` stalls; `new` takes over, reads everything and decides.
@@ -74,11 +74,11 @@ async fn a_stalled_instance_woken_after_a_takeover_cannot_overwrite_the_active_o
     assert!(refused.starts_with(FENCED), "{refused}");
     // A write of the stalled one that lands after the new one read the state makes the
     // new one's next write fail instead: it reads again, and knows it.
-    let again = b.state();
+    let again = b.state_without_lease();
     let loaded = again.load().unwrap();
     assert!(loaded.events.contains_key("E1") && loaded.events.contains_key("E2"));
     assert!(!loaded.events.contains_key("E3"));
-    let late = a.state();
+    let late = a.state_without_lease();
     late.load().unwrap();
     late.write(&event("E4")).unwrap();
     assert!(again.write(&event("E5")).unwrap_err().starts_with(FENCED));
@@ -86,6 +86,13 @@ async fn a_stalled_instance_woken_after_a_takeover_cannot_overwrite_the_active_o
     assert!(reloaded.events.contains_key("E4"));
     again.write(&event("E5")).unwrap();
     assert!(late.write(&event("E6")).unwrap_err().starts_with(FENCED));
+    // With the lease check, an instance whose lease is not fresh writes nothing at all.
+    let gated = a.state();
+    gated.load().unwrap();
+    assert!(!a.may_act());
+    assert!(gated.write(&event("E7")).unwrap_err().starts_with(FENCED));
+    a.acquire().await;
+    gated.write(&event("E7")).unwrap();
     delete_buckets(&bucket).await;
 }
 
@@ -98,6 +105,10 @@ async fn a_release_deletes_only_the_lease_this_instance_wrote() {
     let a = Ha::connect(&config(&bucket, "a"), Duration::from_secs(3600))
         .await
         .unwrap();
+    // Its own lease, released at a planned stop: gone at once.
+    a.acquire().await;
+    a.release().await;
+    assert_eq!(a.lease.get("leader").await.unwrap(), None);
     a.acquire().await;
     // Someone else holds the key now (a takeover this instance did not see).
     a.lease.put("leader", "b".into()).await.unwrap();
@@ -119,17 +130,54 @@ async fn a_renewal_whose_answer_was_lost_is_recognised_and_the_instance_stays_ac
     let revision = a.acquire().await;
     // The server wrote a renewal of ours whose answer never came back: the key is ours,
     // at a revision this instance does not know.
-    a.lease.put("leader", "a".into()).await.unwrap();
+    a.lease
+        .put("leader", a.holder.clone().into())
+        .await
+        .unwrap();
     let keeper = tokio::spawn(a.clone().keep(revision));
     tokio::time::sleep(Duration::from_secs(4)).await;
     assert!(!keeper.is_finished(), "the instance stopped");
     assert!(a.may_act());
-    // Another instance's key ends it.
-    a.lease.put("leader", "b".into()).await.unwrap();
+    // Another process's key ends it, even one configured with the same name.
+    a.lease
+        .put("leader", "a#0000000000000001".into())
+        .await
+        .unwrap();
     let why = tokio::time::timeout(Duration::from_secs(5), keeper)
         .await
         .unwrap()
         .unwrap();
-    assert!(why.contains("held by b"), "{why}");
+    assert!(why.contains("held by a#0000000000000001"), "{why}");
+    delete_buckets(&bucket).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forgotten_event_leaves_nothing_in_the_state_stream_for_a_takeover_to_read() {
+    if !broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
+        return;
+    }
+    let bucket = unique("forget");
+    let a = Ha::connect(&config(&bucket, "a"), Duration::from_secs(3600))
+        .await
+        .unwrap();
+    let state = a.state_without_lease();
+    state.load().unwrap();
+    state.write(&event("E1")).unwrap();
+    state.write(&event("E2")).unwrap();
+    state
+        .write(&Changes {
+            events: vec![("E1".to_owned(), None)],
+            ..Changes::default()
+        })
+        .unwrap();
+    let mut stream = a.js.get_stream(format!("KV_{bucket}")).await.unwrap();
+    let info = stream.info().await.unwrap();
+    // E2 alone: E1's value and its delete marker are gone.
+    assert_eq!(info.state.messages, 1, "{:?}", info.state);
+    // The fence still holds its place: the next write expects the last sequence.
+    state.write(&event("E3")).unwrap();
+    let loaded = a.state_without_lease().load().unwrap();
+    assert!(!loaded.events.contains_key("E1"));
+    assert!(loaded.events.contains_key("E2") && loaded.events.contains_key("E3"));
     delete_buckets(&bucket).await;
 }

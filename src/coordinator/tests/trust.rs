@@ -103,3 +103,50 @@ async fn a_message_whose_subject_names_another_vm_than_it_speaks_for_is_refused(
         Stage::Completed
     );
 }
+
+#[test]
+fn a_report_that_lists_fewer_vms_does_not_stop_the_others_counting_as_down() {
+    let mut fleet = Fleet::default();
+    let both: &[&str] = &["web-1", "web-2"];
+    let d1 = document(1, &[("H1", "Redeploy", "Scheduled", both, 900, -1)]);
+    feed(&mut fleet, &published("web-2", None, &d1));
+    feed(&mut fleet, &published("web-1", None, &d1));
+    let policy = super::policy(vec![], super::Budget::Count(5));
+    let decisions = super::decide(&fleet, &policy, t0() + chrono::Duration::seconds(10));
+    super::approve(&mut fleet, &decisions.steps);
+    let down = |fleet: &Fleet| super::usage(fleet, &policy, t0()).groups[0].down.clone();
+    assert_eq!(down(&fleet).len(), 2);
+    // web-1's agent (or whoever holds its credentials) now says H1 lists web-1 alone.
+    let d2 = document(2, &[("H1", "Redeploy", "Scheduled", &["web-1"], 900, -1)]);
+    let update = published("web-1", Some(&d1), &d2);
+    assert!(!update.is_empty());
+    feed(&mut fleet, &update);
+    assert_eq!(fleet.events["H1"].reports["web-1"].incarnation, 2);
+    assert!(down(&fleet).contains("web-2"), "{:?}", down(&fleet));
+}
+
+#[test]
+fn only_the_agent_of_a_vm_an_event_concerns_can_say_someone_else_approved_it() {
+    let mut fleet = Fleet::default();
+    let d = document(1, &[("E1", "Reboot", "Scheduled", &["web-1"], 900, -1)]);
+    feed(&mut fleet, &published("web-1", None, &d));
+    feed(&mut fleet, &published("db-1", None, &document(1, &[])));
+    let outcome = |vm: &str| {
+        json!({"specversion": "1.0", "type": "com.azure.scheduledevents.approval.accepted",
+            "source": format!("/subscriptions/s/resourceGroups/rg-{}/providers/Microsoft.Compute/virtualMachines/{vm}",
+                vm.split('-').next().unwrap()),
+            "id": format!("other-{vm}:accepted"), "vmname": vm, "requestid": format!("other-{vm}"),
+            "subject": "E1", "data": {"eventIds": ["E1"], "reason": "imds_accepted"}})
+    };
+    // db-1 has nothing to do with E1: its word would hold web-1's place.
+    assert_eq!(
+        fleet.apply(read(&outcome("db-1")).unwrap(), t0()),
+        Applied::Foreign
+    );
+    assert!(!fleet.events["E1"].approved_elsewhere);
+    // web-1's own agent accepted someone else's approval: E1 is starting.
+    assert_eq!(
+        fleet.apply(read(&outcome("web-1")).unwrap(), t0()),
+        Applied::ApprovedElsewhere(vec!["E1".into()])
+    );
+}
