@@ -12,16 +12,18 @@ use std::collections::{BTreeMap, HashMap};
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 
 mod actions;
 mod inventory;
 mod read;
+mod said;
 
 pub use actions::{Approval, Drain, Outcome, Sent};
 use inventory::agent;
 pub use inventory::{Back, Heartbeat, Pause, Vm};
-pub use read::{Incoming, read, read_at};
+pub use read::{Incoming, MAX_RESOURCES, read, read_at};
+pub use said::Said;
+use said::{fields, said, together};
 
 /// Where one VM's report of an event stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -59,6 +61,12 @@ pub struct Report {
     /// The event lists this VM in Resources.
     pub affects: bool,
     pub at: DateTime<Utc>,
+    /// What this VM's document said of the event when it was last live (Resources,
+    /// NotBefore, DurationInSeconds): each VM's word is kept apart, so that one VM's
+    /// report can add to what the others say but never take from it. `None` in records
+    /// written before these were kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub said: Option<Said>,
 }
 
 /// One Azure event, as the fleet's agents reported it.
@@ -93,6 +101,10 @@ pub struct Maintenance {
     /// Held past `max_hold` without evidence that its VMs are back: alerted once.
     #[serde(default)]
     pub overdue: bool,
+    /// Agents reported it with different EventTypes: which one is true is unknown, so the
+    /// coordinator never approves it (Azure starts it at NotBefore) and says why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub type_conflict: Option<String>,
 }
 
 impl Maintenance {
@@ -272,12 +284,17 @@ impl Fleet {
                         started_at: None,
                         back: BTreeMap::new(),
                         overdue: false,
+                        type_conflict: None,
                     });
                 let event_type = event["EventType"].as_str().unwrap_or_default();
-                if !entry.event_type.is_empty()
-                    && !entry.event_type.eq_ignore_ascii_case(event_type)
-                {
-                    return Applied::Conflict(format!(
+                // Two EventTypes for one EventId: one of the agents is wrong (or forged),
+                // and which is unknown. Refusing the later report would let whoever spoke
+                // first decide the type and silence the others (their Started would never
+                // count): every report is kept, and the event is never approved.
+                let conflicting = !entry.event_type.is_empty()
+                    && !entry.event_type.eq_ignore_ascii_case(event_type);
+                if conflicting && entry.type_conflict.is_none() {
+                    entry.type_conflict = Some(format!(
                         "{vm} reports {event_id} as a {event_type:?}, known as a {:?}",
                         entry.event_type
                     ));
@@ -295,6 +312,11 @@ impl Fleet {
                         return Applied::Stale;
                     }
                 }
+                // An event that is over keeps what the VM said while it was live.
+                let said = match entry.reports.get(&vm) {
+                    Some(report) if stage.is_over() && report.said.is_some() => report.said.clone(),
+                    _ => Some(said(&event)),
+                };
                 entry.reports.insert(
                     vm.clone(),
                     Report {
@@ -303,6 +325,7 @@ impl Fleet {
                         epoch,
                         affects,
                         at: now,
+                        said,
                     },
                 );
                 entry.last_report = now;
@@ -320,11 +343,17 @@ impl Fleet {
                         .entry(vm.clone())
                         .or_insert_with(|| Back::new(by, now));
                 }
-                // The fields of the newest report of a VM the event affects win (another
-                // VM's document may lag behind), except that an event that is over keeps the
-                // fields it had while it was live.
-                if entry.event_type.is_empty() || (affects && !stage.is_over()) {
+                // The type and source of the newest report of a VM the event affects win,
+                // except that an event that is over keeps those it had while it was live;
+                // Resources, NotBefore and the duration are what every VM said, together.
+                if !conflicting && (entry.event_type.is_empty() || (affects && !stage.is_over())) {
                     fields(entry, &event);
+                }
+                together(entry);
+                if conflicting {
+                    let why = entry.type_conflict.clone().unwrap_or_default();
+                    self.note_conflict(&vm, &why);
+                    return Applied::Conflict(why);
                 }
                 Applied::Changed(key)
             }
@@ -394,7 +423,7 @@ impl Fleet {
                         if let Some(entry) = self
                             .events
                             .get_mut(&key_of(event_id))
-                            .filter(|m| m.lists(&vm) || m.reports.contains_key(&vm))
+                            .filter(|m| m.lists(&vm))
                         {
                             entry.approved_elsewhere = true;
                             changed.push(key_of(event_id));
@@ -449,34 +478,6 @@ impl Fleet {
     pub fn note_conflict(&mut self, vm: &str, why: &str) {
         if self.conflicts.len() < MAX_CONFLICTS || self.conflicts.contains_key(vm) {
             self.conflicts.insert(vm.to_owned(), why.to_owned());
-        }
-    }
-}
-
-/// Copies the Azure event's fields (as received) into the record. A NotBefore is kept when
-/// a later report carries none (a Started event's is empty): the time it was scheduled for
-/// is what `max_hold` counts from.
-fn fields(entry: &mut Maintenance, event: &Value) {
-    if let Some(ty) = event["EventType"].as_str() {
-        entry.event_type = ty.to_owned();
-    }
-    entry.event_source = event["EventSource"].as_str().map(str::to_owned);
-    entry.duration_seconds = event["DurationInSeconds"].as_i64();
-    if let Some(not_before) = event["NotBefore"]
-        .as_str()
-        .filter(|t| !t.is_empty())
-        .and_then(|t| DateTime::parse_from_rfc2822(t).ok())
-    {
-        entry.not_before = Some(not_before.with_timezone(&Utc));
-    }
-    // Resources only grow: one agent's document (a lagging one, or a forged one) that lists
-    // fewer VMs must not make the others stop counting as down. A VM really taken off the
-    // event frees its place as every VM does, by its own agent's report that it is over.
-    if let Some(resources) = event["Resources"].as_array() {
-        for vm in resources.iter().filter_map(Value::as_str) {
-            if !entry.resources.iter().any(|r| r == vm) {
-                entry.resources.push(vm.to_owned());
-            }
         }
     }
 }

@@ -85,6 +85,10 @@ impl Incoming {
 /// The most events a heartbeat may list.
 pub const MAX_HEARTBEAT_EVENTS: usize = 256;
 
+/// The most VMs an event's Resources may list (Azure lists those of one host or update
+/// domain; an availability set holds at most 200).
+pub const MAX_RESOURCES: usize = 1000;
+
 /// The longest `id`, `source`, `vmname`, `subject` or `requestid` accepted (an Azure
 /// resource id is under 300 bytes).
 pub const MAX_ATTRIBUTE_BYTES: usize = 512;
@@ -204,6 +208,29 @@ pub fn read(event: &Value) -> Result<Incoming, String> {
             ));
         }
     }
+    // The VMs an event holds, kept with the state: names like a vmname, a bounded list.
+    match azure.get("Resources") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(list)) if list.len() > MAX_RESOURCES => {
+            return Err(format!(
+                "data.event.Resources lists {} VMs, more than {MAX_RESOURCES}",
+                list.len()
+            ));
+        }
+        Some(Value::Array(list)) => {
+            if let Some(bad) = list.iter().find(|r| !r.as_str().is_some_and(valid_vm_name)) {
+                return Err(format!(
+                    "data.event.Resources has {}, which is not an Azure VM name (letters, digits, '_', '.' and '-', at most 64)",
+                    crate::watch::printable(&bad.to_string())
+                ));
+            }
+        }
+        Some(other) => {
+            return Err(format!(
+                "data.event.Resources is {other}, expected a list of VM names"
+            ));
+        }
+    }
     let affects = match event.get("affectsvm") {
         Some(Value::Bool(b)) => *b,
         Some(Value::String(s)) => s == "true",
@@ -238,15 +265,22 @@ fn resource_id(event: &Value) -> Option<String> {
 /// The `vmname` attribute, checked against Azure's rules for VM names (letters, digits,
 /// `_`, `.` and `-`, at most 64, starting with a letter, a digit or `_`, not ending with
 /// `.` or `-`): it becomes part of subjects, routing keys and drain commands' arguments.
-fn vm_name(event: &Value) -> Result<String, String> {
-    let name = attribute(event, "vmname")?;
+/// An Azure VM name (or a scale set instance's): letters, digits, `_`, `.` and `-`, at most
+/// 64, not starting with `.` or `-` nor ending with either (the 2017-03-01 api-version's
+/// leading `_` is allowed).
+pub fn valid_vm_name(name: &str) -> bool {
     let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-');
     let first = name
         .chars()
         .next()
         .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_');
     let last = !name.ends_with(['.', '-']);
-    if name.len() <= 64 && name.chars().all(allowed) && first && last {
+    name.len() <= 64 && name.chars().all(allowed) && first && last
+}
+
+fn vm_name(event: &Value) -> Result<String, String> {
+    let name = attribute(event, "vmname")?;
+    if valid_vm_name(&name) {
         Ok(name)
     } else {
         Err(format!(

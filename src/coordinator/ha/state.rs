@@ -205,7 +205,7 @@ impl KvState {
                             .sequence(ack.sequence + 1)
                             .await
                     {
-                        tracing::debug!(error = %error, key, "Cannot purge a deleted key's marker");
+                        tracing::warn!(error = %error, key, "Cannot purge a deleted key's marker (takeovers read it; does the coordinator's NATS user have $JS.API.STREAM.PURGE?)");
                     }
                 }
                 Ok(())

@@ -209,6 +209,11 @@ fn one(
     candidate: &Candidate,
     now: DateTime<Utc>,
 ) -> Result<Action, Wait> {
+    if let Some(why) = &m.type_conflict {
+        return Err(Wait::Never(format!(
+            "its agents disagree on its EventType ({why}): left to Azure"
+        )));
+    }
     let affected = m.affected();
     let groups: BTreeSet<usize> = affected
         .iter()

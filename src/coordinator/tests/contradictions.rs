@@ -13,7 +13,7 @@ const RG_WEB_1: &str =
     "/subscriptions/s/resourceGroups/rg-web/providers/Microsoft.Compute/virtualMachines/web-1";
 
 #[test]
-fn a_report_that_contradicts_the_known_type_or_identity_is_not_applied() {
+fn a_report_of_another_type_leaves_the_event_to_azure_and_one_of_another_identity_is_not_applied() {
     let mut fleet = Fleet::default();
     let terminate = document(1, &[("T1", "Terminate", "Scheduled", &["web-1"], 900, -1)]);
     feed(&mut fleet, &published("web-1", None, &terminate));
@@ -26,6 +26,17 @@ fn a_report_that_contradicts_the_known_type_or_identity_is_not_applied() {
     );
     assert_eq!(fleet.events["T1"].event_type, "Terminate");
     assert_eq!(fleet.events["T1"].duration_seconds, Some(-1));
+    // Which of the two is right is unknown: both reports are kept (web-2's Started would
+    // count), and the event is never approved.
+    assert!(fleet.events["T1"].reports.contains_key("web-2"));
+    let decisions = decide(&fleet, &policy(vec![], Budget::Count(5)), t0());
+    assert!(decisions.steps.is_empty());
+    assert!(
+        decisions.waits.iter().any(|(key, wait)| key == "T1"
+            && matches!(wait, crate::coordinator::policy::Wait::Never(why) if why.contains("disagree"))),
+        "{:?}",
+        decisions.waits
+    );
     // A second VM by the same name with another resource id: refused.
     let mut other = published("web-1", Some(&terminate), &document(2, &[]))[0].clone();
     other["source"] = json!(

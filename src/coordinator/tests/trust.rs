@@ -150,3 +150,51 @@ fn only_the_agent_of_a_vm_an_event_concerns_can_say_someone_else_approved_it() {
         Applied::ApprovedElsewhere(vec!["E1".into()])
     );
 }
+
+#[test]
+fn one_vm_saying_an_event_starts_later_or_lasts_less_moves_nothing_but_all_of_them_do() {
+    let mut fleet = Fleet::default();
+    let both: &[&str] = &["web-1", "web-2"];
+    let d1 = document(1, &[("F1", "Freeze", "Scheduled", both, 900, 30)]);
+    feed(&mut fleet, &published("web-2", None, &d1));
+    feed(&mut fleet, &published("web-1", None, &d1));
+    let at = |seconds: i64| Some(t0() + chrono::Duration::seconds(seconds));
+    // web-1 says F1 is an hour later and lasts 5 s: web-2 still says otherwise.
+    let d2 = document(2, &[("F1", "Freeze", "Scheduled", both, 3600, 5)]);
+    let update = published("web-1", Some(&d1), &d2);
+    assert!(!update.is_empty());
+    feed(&mut fleet, &update);
+    assert_eq!(fleet.events["F1"].not_before, at(900));
+    assert_eq!(fleet.events["F1"].duration_seconds, Some(30));
+    // Earlier, or longer, from one VM is taken at once.
+    let d3 = document(3, &[("F1", "Freeze", "Scheduled", both, 600, 60)]);
+    feed(&mut fleet, &published("web-1", Some(&d2), &d3));
+    assert_eq!(fleet.events["F1"].not_before, at(600));
+    assert_eq!(fleet.events["F1"].duration_seconds, Some(60));
+    // Azure postponed it: once every VM says so, it moves.
+    let d4 = document(4, &[("F1", "Freeze", "Scheduled", both, 3600, 5)]);
+    feed(&mut fleet, &published("web-2", Some(&d1), &d2));
+    feed(&mut fleet, &published("web-1", Some(&d3), &d4));
+    assert_eq!(fleet.events["F1"].not_before, at(3600));
+    assert_eq!(fleet.events["F1"].duration_seconds, Some(5));
+}
+
+#[test]
+fn resources_that_are_not_vm_names_or_too_many_are_refused_before_they_reach_the_state() {
+    let d = document(1, &[("E1", "Reboot", "Scheduled", &["web-1"], 900, -1)]);
+    let good = published("web-1", None, &d).remove(0);
+    assert!(read(&good).is_ok());
+    let mut bad = good.clone();
+    bad["data"]["event"]["Resources"] = json!(["web-1", "$(reboot)"]);
+    assert!(
+        read(&bad).unwrap_err().contains("not an Azure VM name"),
+        "{bad}"
+    );
+    let many: Vec<String> = (0..=crate::coordinator::fleet::MAX_RESOURCES)
+        .map(|n| format!("vm-{n}"))
+        .collect();
+    bad["data"]["event"]["Resources"] = json!(many);
+    assert!(read(&bad).unwrap_err().contains("more than"));
+    bad["data"]["event"]["Resources"] = json!("web-1");
+    assert!(read(&bad).unwrap_err().contains("expected a list"));
+}
