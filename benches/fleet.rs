@@ -28,7 +28,11 @@
 //! queue, approvals to each agent's own queue); either is restarted half-way. Private, so
 //! that restarting it touches nothing else on the machine.
 //!
-//!   cargo bench --features nats,amqp --bench fleet -- [--vms N] [--broker nats|amqp]
+//! With `--ha` (NATS), two coordinators share their state in NATS KV, and instead of the
+//! SIGKILL the active one is stopped (SIGSTOP) as soon as a drain starts, woken only once the
+//! standby has taken over and approved that event: it must write nothing and exit.
+//!
+//!   cargo bench --features nats,amqp --bench fleet -- [--vms N] [--broker nats|amqp] [--ha]
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -247,6 +251,14 @@ enum Bus {
 }
 
 impl Bus {
+    /// The broker's URL.
+    fn url(&self) -> String {
+        match self {
+            Bus::Nats(nats) => nats.url(),
+            Bus::Rabbit(rabbit) => rabbit.url(),
+        }
+    }
+
     /// The agents' sink and approval source, the coordinator's `[input]` and `[approvals]`.
     fn configs(&self) -> (String, String, String) {
         match self {
@@ -334,6 +346,10 @@ fn main() {
         .position(|a| a == "--broker")
         .and_then(|i| args.get(i + 1))
         .map_or("nats", String::as_str);
+    // Two coordinators sharing their state in NATS KV; the active one is stopped (SIGSTOP) in
+    // the middle of a drain instead of killed, and woken once the standby took over.
+    let ha = args.iter().any(|a| a == "--ha");
+    assert!(!ha || broker == "nats", "--ha needs --broker nats");
     let dir = tempfile::tempdir().unwrap();
     let mut bus = match broker {
         "nats" => {
@@ -389,7 +405,12 @@ fn main() {
     }
     eprintln!("fleet started in {:?}", started.elapsed());
     let drain = dir.path().join("drain.sh");
-    std::fs::write(&drain, "sleep 0.2\n").unwrap();
+    let drains = dir.path().join("drains.log");
+    std::fs::write(
+        &drain,
+        format!("echo \"$1 $2\" >> {}\nsleep 0.5\n", drains.display()),
+    )
+    .unwrap();
     let port = free_port();
     let mut groups = String::new();
     for g in 0..GROUPS {
@@ -405,9 +426,14 @@ fn main() {
              [input]\n{input}\n\n\
              [approvals]\n{output}\n\n\
              [signing]\nkey_file = \"{key}\"\nkey_id = \"coordinator\"\n\n\
-             [drain]\ncommand = [\"sh\", \"{drain}\"]\nmargin = \"30s\"\n\n\
+             [drain]\ncommand = [\"sh\", \"{drain}\", \"{{vmname}}\", \"{{eventid}}\"]\nmargin = \"30s\"\n\n\
              [defaults]\nmax_down = 1\n[defaults.actions]\nReboot = \"drain_then_approve\"\nRedeploy = \"drain_then_approve\"\nPreempt = \"drain_then_approve\"\nFreeze = {{ action = \"approve\", max_duration = \"10s\" }}\nTerminate = \"never\"\n\
-             [defaults.outage]\nReboot = \"{outage}s\"\nRedeploy = \"{outage}s\"\n{groups}",
+             [defaults.outage]\nReboot = \"{outage}s\"\nRedeploy = \"{outage}s\"\n{groups}\n{ha_section}",
+            ha_section = if ha {
+                format!("[ha]\nurl = \"{}\"\nbucket = \"fleet-ha\"\nlease = \"5s\"\n", bus.url())
+            } else {
+                String::new()
+            },
             state = dir.path().join("state").display(),
             key = key_file.display(),
             drain = drain.display(),
@@ -418,8 +444,23 @@ fn main() {
     // The quiet fleet: every first document has left the stream (40 s) when it starts.
     std::thread::sleep(Duration::from_secs(45).saturating_sub(origin.elapsed()));
     let before: Vec<(u64, u64, u64)> = agents.iter().map(|a| footprint(a.pid())).collect();
-    let mut coordinator = Coordinator::start(config, dir.path().join("coordinator.log"), port);
+    let mut coordinator =
+        Coordinator::start(config.clone(), dir.path().join("coordinator.log"), port);
     let coordinator_cpu_before = footprint(coordinator.pid().unwrap()).0;
+    // The standby: the same file, another listener and name.
+    let mut standby = ha.then(|| {
+        let port = free_port();
+        let second = dir.path().join("second.toml");
+        std::fs::write(
+            &second,
+            std::fs::read_to_string(&config).unwrap().replace(
+                &format!("127.0.0.1:{}", coordinator.port),
+                &format!("127.0.0.1:{port}"),
+            ),
+        )
+        .unwrap();
+        Coordinator::start(second, dir.path().join("second.log"), port)
+    });
 
     // VMs the test deletes when their event starts (the scale-in's Terminates) or whose agent
     // dies then (the Reboot that never comes back), watched while waiting.
@@ -467,12 +508,50 @@ fn main() {
     bus.restart(Duration::from_secs(2));
     eprintln!("{broker} restarted");
     wait_until(at(55), &mut agents);
-    let coordinator_cpu_first = footprint(coordinator.pid().unwrap()).0 - coordinator_cpu_before;
-    coordinator.kill9();
-    std::thread::sleep(Duration::from_secs(2));
-    coordinator.spawn();
+    // With a standby, the broker's restart can outlast the active one's lease: it exits and
+    // the standby takes over. Whoever exited is started again (as the standby), and the
+    // active one is the one stalled next.
+    let mut lease_lost = 0;
+    if let Some(second) = standby.as_mut() {
+        for c in [&mut coordinator, &mut *second] {
+            if c.wait_exit(Duration::from_millis(100)).is_some() {
+                lease_lost += 1;
+                c.spawn();
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while role(&coordinator) != "active" && role(second) != "active" {
+            assert!(Instant::now() < deadline, "no active coordinator");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if role(second) == "active" {
+            std::mem::swap(&mut coordinator, second);
+        }
+    }
+    let coordinator_cpu_first = footprint(coordinator.pid().unwrap())
+        .0
+        .saturating_sub(coordinator_cpu_before);
+    let mut failover = None;
+    match standby.take() {
+        None => {
+            coordinator.kill9();
+            std::thread::sleep(Duration::from_secs(2));
+            coordinator.spawn();
+            eprintln!("coordinator killed and restarted");
+        }
+        Some(standby) => {
+            failover = Some(stall_in_a_drain(
+                &mut coordinator,
+                &standby,
+                &drains,
+                &names,
+                &sims,
+            ));
+            coordinator = standby;
+            eprintln!("the active coordinator stalled in a drain; the standby took over");
+        }
+    }
     let coordinator_cpu_second = footprint(coordinator.pid().unwrap()).0;
-    eprintln!("coordinator killed and restarted");
 
     // Until every event has had its NotBefore and its end.
     wait_until(
@@ -666,14 +745,27 @@ fn main() {
     let p99 = quantile(&metrics, "sched_relay_coordinator_decision_seconds", 0.99);
     let ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("<= {:.1} ms", v * 1000.0));
 
+    if let Some(f) = failover.as_mut() {
+        f.requests = kv_requests(&bus, &f.event);
+        f.posts = names
+            .iter()
+            .zip(&sims)
+            .flat_map(|(_, sim)| posts(sim))
+            .filter(|(body, _, status)| body.contains(&f.event) && *status == 200)
+            .count();
+    }
+    let ha_flag = if ha { " --ha" } else { "" };
     let broker_name = if broker == "amqp" {
         "RabbitMQ"
     } else {
         "NATS JetStream"
     };
-    println!("## Fleet coordinator: a simulated fleet of {vms} VMs, through {broker_name}\n");
     println!(
-        "`scripts/fleet --vms {vms} --broker {broker}` (`cargo bench --features nats,amqp --bench fleet -- --vms {vms} --broker {broker}`), on {} CPU(s); the wave and its faults are described in `benches/fleet.rs`. Figures from the simulators' own records.\n",
+        "## Fleet coordinator: a simulated fleet of {vms} VMs, through {broker_name}{}\n",
+        if ha { ", with a standby" } else { "" }
+    );
+    println!(
+        "`scripts/fleet --vms {vms} --broker {broker}{ha_flag}` (`cargo bench --features nats,amqp --bench fleet -- --vms {vms} --broker {broker}{ha_flag}`), on {} CPU(s); the wave and its faults are described in `benches/fleet.rs`. Figures from the simulators' own records.\n",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     println!("| measure | result | goal |\n|---|---|---|");
@@ -739,10 +831,26 @@ fn main() {
         coordinator_rss as f64 / 1024.0,
         coordinator_pss as f64 / 1024.0
     );
+    let coordinator_fault = match &failover {
+        None => "coordinator SIGKILLed and restarted".to_owned(),
+        Some(f) => format!(
+            "the active coordinator stopped (SIGSTOP) while draining {} for {}, woken after the standby took over ({:.1} s) and approved it",
+            f.vm, f.event, f.took_over
+        ),
+    };
     println!(
-        "| faults | {} agents SIGKILLed and restarted; the {broker_name} server restarted (down 2 s); coordinator SIGKILLed and restarted | |",
+        "| faults | {} agents SIGKILLed and restarted; the {broker_name} server restarted (down 2 s); {coordinator_fault} | |",
         killed.len()
     );
+    if let Some(f) = &failover {
+        println!(
+            "| failover: POSTs for the event drained at the stall / requests in its KV record / the woken instance exited / acted after waking | {} / {} / {} / {} | 1 / 1 / true / false |",
+            f.posts, f.requests, f.exited, f.acted
+        );
+        println!(
+            "| coordinators that lost the lease to the broker's restart (exited, started again as the standby) | {lease_lost} | (a 2 s outage against a 5 s lease) |"
+        );
+    }
     for violation in &violations {
         println!("\n{violation}");
     }
@@ -757,4 +865,105 @@ fn main() {
         .find(|l| l.starts_with("sched_relay_coordinator_approvals_abandoned_total"))
         .unwrap_or("sched_relay_coordinator_approvals_abandoned_total 0");
     println!("\n`{abandoned}`");
+}
+
+/// What a coordinator's /healthz says it is: `active` or `standby`.
+fn role(c: &Coordinator) -> String {
+    common::blocking_get(&format!("http://127.0.0.1:{}/healthz", c.port), &[])
+        .1
+        .trim()
+        .to_owned()
+}
+
+/// What became of the failover of an `--ha` run.
+struct Failover {
+    vm: String,
+    event: String,
+    took_over: f64,
+    exited: bool,
+    acted: bool,
+    posts: usize,
+    requests: usize,
+}
+
+/// Stops the active coordinator (SIGSTOP) as soon as a drain starts, waits until the standby
+/// is active and has approved that event, then wakes the old one and waits for it to exit.
+fn stall_in_a_drain(
+    active: &mut Coordinator,
+    standby: &Coordinator,
+    drains: &std::path::Path,
+    names: &[String],
+    sims: &[SimProcess],
+) -> Failover {
+    let lines = || {
+        std::fs::read_to_string(drains)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    let before = lines().len();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while lines().len() == before && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    active.signal("STOP");
+    let stopped = Instant::now();
+    let line = lines().get(before).cloned().unwrap_or_default();
+    let mut words = line.split(' ');
+    let vm = words.next().unwrap_or_default().to_owned();
+    let event = words.next().unwrap_or_default().to_owned();
+    while role(standby) != "active" && stopped.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let took_over = stopped.elapsed().as_secs_f64();
+    let sim = names.iter().position(|n| *n == vm).map(|i| &sims[i]);
+    while sim.is_some_and(|sim| !posts(sim).iter().any(|(body, _, _)| body.contains(&event)))
+        && stopped.elapsed() < Duration::from_secs(120)
+    {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let said = active.log().len();
+    active.signal("CONT");
+    let exited = active.wait_exit(Duration::from_secs(15)).is_some();
+    let after = active.log()[said..].to_owned();
+    let acted = [
+        "Approving",
+        "Draining before approval",
+        "Running a drain again",
+    ]
+    .iter()
+    .any(|act| after.contains(act));
+    Failover {
+        vm,
+        event,
+        took_over,
+        exited,
+        acted,
+        posts: 0,
+        requests: 0,
+    }
+}
+
+/// The requests the event's record in the coordinators' KV state holds.
+fn kv_requests(bus: &Bus, event: &str) -> usize {
+    let Bus::Nats(nats) = bus else { return 0 };
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(async {
+            let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+            let store = js.get_key_value("fleet-ha").await.unwrap();
+            let key: String = event
+                .to_ascii_uppercase()
+                .bytes()
+                .map(|b| format!("{b:02x}"))
+                .collect();
+            let value = store.get(format!("e.{key}")).await.ok().flatten();
+            value
+                .and_then(|v| serde_json::from_slice::<serde_json::Value>(&v).ok())
+                .and_then(|m| m["approval"]["sent"].as_array().map(Vec::len))
+                .unwrap_or(0)
+        })
 }
