@@ -17,6 +17,7 @@ pub mod imds;
 pub mod logging;
 pub mod orphans;
 pub mod retry;
+pub mod signals;
 pub mod simulator;
 pub mod sinks;
 pub mod store;

@@ -65,10 +65,30 @@ pub fn dropped_lines() -> usize {
     DROPPED.get().map(|c| c.dropped_lines()).unwrap_or(0)
 }
 
+/// The log writer's guard: dropping it flushes what the writer thread still holds. Kept
+/// here rather than on the stack of `main`, so that an exit that skips the stack's drops (a
+/// second signal's) can flush the log first.
+static WRITER: std::sync::Mutex<Option<tracing_appender::non_blocking::WorkerGuard>> =
+    std::sync::Mutex::new(None);
+
 /// Flushes the log writer when dropped, waiting at most a second for a stalled stderr; hold
 /// it until the program ends.
 #[must_use = "dropping the guard stops the log writer"]
-pub struct LogGuard(#[allow(dead_code)] tracing_appender::non_blocking::WorkerGuard);
+pub struct LogGuard(());
+
+impl Drop for LogGuard {
+    fn drop(&mut self) {
+        flush();
+    }
+}
+
+/// Writes out every log line the writer thread still holds (waiting at most a second for a
+/// stalled stderr) and stops it: for an exit that skips the drops, as `std::process::exit`
+/// does. Later lines are not written.
+pub fn flush() {
+    let guard = WRITER.lock().unwrap_or_else(|p| p.into_inner()).take();
+    drop(guard);
+}
 
 /// Sets up `tracing` on stderr: `filter` unless `RUST_LOG` is set, colour only for a person
 /// at a terminal (journald and log files get plain text). Every line passes through
@@ -94,7 +114,8 @@ pub fn init(filter: &str, format: LogFormat) -> LogGuard {
         LogFormat::Json => builder.json().flatten_event(true).init(),
         LogFormat::Pretty => builder.init(),
     }
-    LogGuard(guard)
+    *WRITER.lock().unwrap_or_else(|p| p.into_inner()) = Some(guard);
+    LogGuard(())
 }
 
 /// The log writer, with the credentials of every URL masked: each log event is formatted

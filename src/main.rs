@@ -11,6 +11,7 @@ use sched_relay::imds::ImdsClient;
 use sched_relay::logging::{self, LogFormat};
 use sched_relay::orphans::OutboxCommand;
 use sched_relay::simulator::{Scenario, Simulator};
+use sched_relay::store::StoreError;
 
 #[derive(Parser)]
 #[command(
@@ -83,6 +84,10 @@ enum Command {
         once: bool,
         #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
         settle: std::time::Duration,
+        /// The agents' `[events] type_prefix`: events of other types on the stream are
+        /// passed over.
+        #[arg(long, default_value = sched_relay_core::event::DEFAULT_TYPE_PREFIX)]
+        type_prefix: String,
     },
     /// Run simulator + agent + stdout/file sinks on this machine, no broker needed.
     Demo {
@@ -165,26 +170,6 @@ enum OutboxAction {
     Move { from: String, to: String },
 }
 
-/// Completes on the first SIGINT or SIGTERM; a second one exits at once.
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut terminate = signal(SignalKind::terminate()).expect("SIGTERM handler");
-    let mut interrupt = signal(SignalKind::interrupt()).expect("SIGINT handler");
-    tokio::select! {
-        _ = terminate.recv() => {}
-        _ = interrupt.recv() => {}
-    }
-    tracing::info!("Signal received, stopping (a second signal exits at once)");
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = terminate.recv() => {}
-            _ = interrupt.recv() => {}
-        }
-        eprintln!("Second signal: exiting now");
-        std::process::exit(130);
-    });
-}
-
 fn load_config(path: Option<&std::path::Path>) -> Result<Config, ExitCode> {
     Config::load(path).map_err(|errors| {
         for problem in &errors.0 {
@@ -252,8 +237,17 @@ async fn run_command() -> ExitCode {
                 dry_run,
                 disk_faults: None,
             };
-            match sched_relay::run(config, options, shutdown_signal()).await {
+            match sched_relay::run(config, options, sched_relay::signals::shutdown()).await {
                 Ok(()) => ExitCode::SUCCESS,
+                // Another process holds the state directory: nothing was started or moved.
+                Err(
+                    error @ sched_relay::AgentError::Store(
+                        StoreError::Locked { .. } | StoreError::InUse { .. },
+                    ),
+                ) => {
+                    tracing::error!(error = %error, "Agent not started");
+                    ExitCode::from(2)
+                }
                 Err(error) => {
                     tracing::error!(error = %error, "Agent failed");
                     ExitCode::FAILURE
@@ -288,8 +282,8 @@ async fn run_command() -> ExitCode {
                     ExitCode::SUCCESS
                 }
                 Err(error) => {
-                    eprintln!("error: {error}");
-                    ExitCode::FAILURE
+                    eprintln!("error: {}", error.message);
+                    ExitCode::from(if error.in_use { 2 } else { 1 })
                 }
             }
         }
@@ -334,15 +328,21 @@ async fn run_command() -> ExitCode {
             for simulator in &simulators {
                 println!("sched-relay simulator listening on {}", simulator.url());
             }
-            shutdown_signal().await;
+            sched_relay::signals::shutdown().await;
             for simulator in simulators {
                 simulator.stop().await;
             }
             ExitCode::SUCCESS
         }
-        Command::Watch { from, once, settle } => {
+        Command::Watch {
+            from,
+            once,
+            settle,
+            type_prefix,
+        } => {
             let _log = logging::init("warn", format);
-            match sched_relay::watch::run(from, once, settle, &mut std::io::stdout()).await {
+            let mut out = std::io::stdout();
+            match sched_relay::watch::run(from, &type_prefix, once, settle, &mut out).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(error) => {
                     eprintln!("error: {error}");
@@ -390,7 +390,13 @@ async fn run_command() -> ExitCode {
                 check,
                 action,
             };
-            sched_relay::coordinator::command(&config, options, format, shutdown_signal()).await
+            sched_relay::coordinator::command(
+                &config,
+                options,
+                format,
+                sched_relay::signals::shutdown(),
+            )
+            .await
         }
         Command::SignApproval {
             key,
@@ -461,27 +467,8 @@ async fn sign_approval(
 }
 
 fn gen_approval_key(out: &std::path::Path) -> ExitCode {
-    use sched_relay_core::approval::SigningKey;
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let written = SigningKey::generate_ed25519().and_then(|text| {
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(out)
-            .map_err(|e| {
-                format!(
-                    "cannot create {} (it must not exist yet): {e}",
-                    out.display()
-                )
-            })?;
-        writeln!(file, "{text}").map_err(|e| e.to_string())?;
-        SigningKey::parse(&text)
-    });
-    match written {
-        Ok(key) => {
-            let public = key.public_key().expect("an Ed25519 key has a public key");
+    match sched_relay::approval::keys::write_new(out) {
+        Ok(public) => {
             println!(
                 "Private key written to {} (keep it on the orchestrator only).",
                 out.display()

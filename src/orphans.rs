@@ -37,6 +37,23 @@ pub enum OutboxCommand {
     Move { from: String, to: String },
 }
 
+/// Why an `outbox` command did nothing.
+#[derive(Debug)]
+pub struct OutboxError {
+    pub message: String,
+    /// Another process (the agent) holds the state directory: `sched-relay outbox` exits 2.
+    pub in_use: bool,
+}
+
+impl From<String> for OutboxError {
+    fn from(message: String) -> Self {
+        OutboxError {
+            message,
+            in_use: false,
+        }
+    }
+}
+
 /// Dead-lettered this many events at a time: each batch is written and fsync'd before it
 /// leaves the store, so an interruption repeats at most one batch in the file.
 const DEAD_LETTER_BATCH: usize = 500;
@@ -49,18 +66,22 @@ pub fn run(
     capacity: usize,
     configured: &[String],
     command: &OutboxCommand,
-) -> Result<String, String> {
+) -> Result<String, OutboxError> {
     let path = dir.join(crate::store::FILE_NAME);
     if !path.exists() {
         return Err(format!(
             "no state store at {} (state.dir = {:?}): nothing is stored",
             path.display(),
             dir.display().to_string()
-        ));
+        )
+        .into());
     }
     let outbox = Outbox::open(dir, capacity, false).map_err(|e| match e {
-        StoreError::InUse { .. } => format!("{e}: stop the agent first"),
-        other => other.to_string(),
+        StoreError::InUse { .. } | StoreError::Locked { .. } => OutboxError {
+            message: format!("{e}: stop the agent first"),
+            in_use: true,
+        },
+        other => other.to_string().into(),
     })?;
     match command {
         OutboxCommand::List => {
@@ -79,20 +100,20 @@ pub fn run(
             }
             Ok(out)
         }
-        OutboxCommand::DeadLetter { sink } => dead_letter(&outbox, dir, sink),
+        OutboxCommand::DeadLetter { sink } => Ok(dead_letter(&outbox, dir, sink)?),
         OutboxCommand::Move { from, to } => {
             if from == to {
-                return Err(format!("cannot move sink {from:?} to itself"));
+                return Err(format!("cannot move sink {from:?} to itself").into());
             }
             if !configured.contains(to) {
                 return Err(format!(
                     "sink {to:?} is not configured (configured: {}); its events would be orphaned again",
                     configured.join(", ")
-                ));
+                ).into());
             }
             let moved = outbox.move_sink(from, to).map_err(|e| e.to_string())?;
             if moved == 0 {
-                return Err(format!("sink {from:?} has no events stored"));
+                return Err(format!("sink {from:?} has no events stored").into());
             }
             Ok(format!(
                 "moved {moved} event(s) from {from} to the end of {to}'s queue; they are delivered at the next start\n"

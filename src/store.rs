@@ -58,6 +58,7 @@
 mod config;
 mod error;
 mod faults;
+mod lock;
 mod queue;
 mod recovery;
 mod requests;
@@ -66,6 +67,7 @@ mod sinks;
 pub use config::{StateConfig, check_state_dir};
 pub use error::StoreError;
 pub use faults::DiskFaults;
+pub use lock::{LOCK_FILE, StateLock};
 use queue::Counter;
 pub use queue::Placement;
 use recovery::open_database_with;
@@ -138,6 +140,9 @@ pub struct Outbox {
     /// The last processed document this process stored or found (JSON, epoch): what a file
     /// made anew after a removal starts with (`recovery`).
     processed: std::sync::Mutex<Option<(Vec<u8>, [u8; 8])>>,
+    /// The state directory's lock, held as long as the store is open: declared last, so that
+    /// it is released after the database is closed.
+    _lock: StateLock,
 }
 
 /// What an operation does to the file, for the writability record.
@@ -178,6 +183,9 @@ impl Outbox {
         fresh: bool,
         faults: Option<Arc<DiskFaults>>,
     ) -> Result<Outbox, StoreError> {
+        // Before anything in the directory is moved or opened: a second agent on the same
+        // directory (`--fresh-state` while one runs, say) is refused here.
+        let lock = StateLock::take(dir)?;
         let path = dir.join(FILE_NAME);
         let shown = path.display().to_string();
         if fresh && path.exists() {
@@ -237,6 +245,7 @@ impl Outbox {
             generation: Default::default(),
             issued: Default::default(),
             processed: Default::default(),
+            _lock: lock,
         };
         // Create the tables, and read what a restart needs, so damage shows at start.
         outbox.with_db(Access::Upkeep, |db| {

@@ -18,6 +18,7 @@ use tokio::sync::{mpsc, watch};
 
 use sched_relay_core::EventKind;
 use sched_relay_core::approval::PREFIXES;
+use sched_relay_core::event::DEFAULT_TYPE_PREFIX;
 
 /// One row: what is known about one event of one VM.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -30,19 +31,40 @@ pub struct Row {
     pub seen: Option<DateTime<Utc>>,
 }
 
-/// The table: (VM, EventId) -> row.
-#[derive(Debug, Default)]
+/// The table: (VM, EventId) -> row, of the events whose `type` is `<prefix>.<kind>`.
+#[derive(Debug)]
 pub struct Fleet {
     pub rows: BTreeMap<(String, String), Row>,
+    prefix: String,
+}
+
+impl Default for Fleet {
+    fn default() -> Self {
+        Fleet::new(DEFAULT_TYPE_PREFIX)
+    }
 }
 
 impl Fleet {
-    /// Applies one CloudEvent (structured JSON form) to the table.
+    /// A table of the agents' events whose `type` begins with `prefix` (the agents'
+    /// `[events] type_prefix`).
+    pub fn new(prefix: &str) -> Fleet {
+        Fleet {
+            rows: BTreeMap::new(),
+            prefix: prefix.to_owned(),
+        }
+    }
+
+    /// Applies one CloudEvent (structured JSON form) to the table; another producer's event
+    /// on the same stream (a `type` without the agents' prefix) is passed over.
     pub fn apply(&mut self, event: &Value) {
         let text = |name: &str| event.get(name).and_then(Value::as_str).unwrap_or_default();
-        let Some(kind) = EventKind::from_type(text("type")).suffix() else {
+        let ty = text("type");
+        let Some(kind) = EventKind::from_type(ty).suffix() else {
             return;
         };
+        if ty.strip_suffix(kind).and_then(|p| p.strip_suffix('.')) != Some(self.prefix.as_str()) {
+            return;
+        }
         let vm = text("vmname").to_owned();
         let event_id = text("subject").to_owned();
         // A document or a heartbeat is the VM's, not one event's: no row.
@@ -229,6 +251,7 @@ impl std::str::FromStr for Feed {
 /// a broker for `settle`), printing to `out`.
 pub async fn run(
     from: Feed,
+    prefix: &str,
     once: bool,
     settle: Duration,
     out: &mut (impl Write + Send),
@@ -239,7 +262,7 @@ pub async fn run(
     let (tx, mut rx) = mpsc::channel::<Delivery>(256);
     let (stop, stop_rx) = watch::channel(false);
     let reader = start(from, tx, stop_rx)?;
-    let mut fleet = Fleet::default();
+    let mut fleet = Fleet::new(prefix);
     let tty = std::io::IsTerminal::is_terminal(&std::io::stdout()) && !once;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let deadline = Instant::now() + settle;

@@ -509,7 +509,7 @@ fn the_state_store_never_hangs_while_a_real_disk_fills_and_frees_under_concurren
         spawn(
             "approvals",
             Box::new(move |round| {
-                let _ = outbox.begin_request(&format!("r{round}"), i64::MAX, 0);
+                let _ = outbox.begin_request(&format!("r{round}"), "content", i64::MAX, 0);
                 let _ = outbox.set_meta("imds_answered", &serde_json::json!(round));
                 let _ = outbox.meta("identity");
                 std::thread::sleep(Duration::from_millis(5));

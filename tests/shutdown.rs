@@ -116,3 +116,105 @@ fn sigterm_ends_the_agent_at_once_while_a_poll_hangs() {
         agent.log()
     );
 }
+
+/// A "broker" that accepts every connection and never says a word: each client waits for
+/// a greeting (NATS's INFO, AMQP's Connection.Start) that never comes. Not a real broker:
+/// none can be made to hold a connection open in silence.
+fn silent_broker() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming().flatten() {
+            held.push(stream);
+        }
+    });
+    port
+}
+
+/// An approval source whose broker accepts the connection and never answers: SIGTERM still
+/// ends the agent within `delivery.shutdown_timeout`, and the file sink's events are there.
+#[cfg(all(feature = "nats", feature = "amqp"))]
+#[test]
+fn sigterm_ends_the_agent_within_the_shutdown_timeout_while_an_approval_source_hangs() {
+    let dir = tempfile::tempdir().unwrap();
+    let sim = SimProcess::start(&common::scenario_file(dir.path(), HANGING_GET), 1.0);
+    let nats = silent_broker();
+    let amqp = silent_broker();
+    let mut agent = AgentProcess::start_on_defaults(
+        &sim.url,
+        &format!(
+            r#"[[sinks]]
+name = "bus"
+kind = "nats"
+url = "nats://127.0.0.1:{nats}"
+[[sinks]]
+name = "rabbit"
+kind = "amqp"
+url = "amqp://guest:guest@127.0.0.1:{amqp}/%2f"
+[approvals.nats]
+sink = "bus"
+[approvals.amqp]
+sink = "rabbit"
+[[approvals.keys]]
+id = "k"
+algorithm = "hmac-sha256"
+secret = "shutdown-test-secret-0001"
+"#
+        ),
+    );
+    agent.wait_for_id(
+        "f0000000-0000-4000-8000-0000000000bb:scheduled",
+        Duration::from_secs(15),
+    );
+    // Long enough for the sources to be inside their first connection attempt.
+    std::thread::sleep(Duration::from_secs(3));
+    let stopping = Instant::now();
+    agent.signal("TERM");
+    let status = agent.wait(Duration::from_secs(90));
+    let took = stopping.elapsed();
+    assert!(
+        took <= Duration::from_secs(13),
+        "shutdown took {took:?}, past delivery.shutdown_timeout (10 s):\n{}",
+        agent.log()
+    );
+    assert!(status.success(), "exit {status}:\n{}", agent.log());
+}
+
+/// A second SIGTERM while the sinks drain exits at once (130), and the log says so: the
+/// lines still queued for stderr are written before the exit.
+#[cfg(feature = "webhook")]
+#[test]
+fn a_second_sigterm_exits_at_once_and_its_log_lines_are_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let sim = SimProcess::start(&common::scenario_file(dir.path(), HANGING_GET), 1.0);
+    let receiver = silent_broker();
+    let mut agent = AgentProcess::start_on_defaults(
+        &sim.url,
+        &format!(
+            "[[sinks]]\nname = \"hook\"\nkind = \"webhook\"\nurl = \"http://127.0.0.1:{receiver}/events\"\n"
+        ),
+    );
+    agent.wait_for_id(
+        "f0000000-0000-4000-8000-0000000000bb:scheduled",
+        Duration::from_secs(15),
+    );
+    agent.signal("TERM");
+    // The webhook never answers: the sinks drain until the shutdown deadline (10 s).
+    std::thread::sleep(Duration::from_secs(2));
+    let stopping = Instant::now();
+    agent.signal("TERM");
+    let status = agent.wait(Duration::from_secs(30));
+    assert!(
+        stopping.elapsed() < Duration::from_secs(3),
+        "the second signal did not end the agent at once:\n{}",
+        agent.log()
+    );
+    assert_eq!(status.code(), Some(130), "{}", agent.log());
+    let log = agent.log();
+    let last = log.lines().last().unwrap_or_default();
+    assert!(
+        last.contains("WARN") && last.contains("Second signal: exiting now"),
+        "the last log line is not the second signal's:\n{log}"
+    );
+}

@@ -20,9 +20,9 @@ struct Fresh {
     /// Handled before without an outcome (the agent stopped after the POST, or the POST
     /// failed): an event that has Started since counts as approved.
     resumed: bool,
-    /// Handled before, and the metadata service accepted its POST: the outcome is
-    /// `accepted`, whatever the event's state now.
-    posted: bool,
+    /// Handled before, and the metadata service accepted its POST of these EventIds: the
+    /// outcome is `accepted`, whatever the event's state now.
+    posted: Option<Vec<String>>,
 }
 
 /// How long a handled request's record outlives its freshness window: a redelivery after a
@@ -40,8 +40,9 @@ enum Stop {
     Fail(&'static str, String),
     /// The request was handled before, with this outcome (a redelivery, or a replay).
     Answered(StoredOutcome),
-    /// The request was forwarded and accepted before a restart, its outcome never published.
-    Posted,
+    /// The request was forwarded and accepted before, its outcome never published: the
+    /// EventIds its POST named.
+    Posted(Vec<String>),
 }
 
 impl From<Rejection> for Stop {
@@ -102,7 +103,14 @@ impl Approver {
             Err(Stop::Reject(rejection)) => Verdict::Reject(rejection),
             Err(Stop::Fail(reason, detail)) => Verdict::Fail(reason, detail),
             Err(Stop::Answered(stored)) => Verdict::Answered(stored),
-            Err(Stop::Posted) => Verdict::Posted,
+            Err(Stop::Posted(posted)) => {
+                // The outcome names what was approved, not what this copy says (an earlier
+                // version's record kept no EventIds).
+                if !posted.is_empty() {
+                    event_ids = posted;
+                }
+                Verdict::Posted
+            }
         };
         (request_id, event_ids, verdict, recorded)
     }
@@ -118,8 +126,8 @@ impl Approver {
         self.authenticity(request)?;
         let fresh = self.freshness(request).await?;
         *recorded = fresh.recorded;
-        if fresh.posted {
-            return Err(Stop::Posted);
+        if let Some(posted) = fresh.posted {
+            return Err(Stop::Posted(posted));
         }
         self.targeting(request)?;
         let document = match document {
@@ -191,9 +199,18 @@ impl Approver {
             return Ok(Fresh {
                 recorded: false,
                 resumed: false,
-                posted: false,
+                posted: None,
             });
         };
+        // What the request says, signed or not: its record keeps it, and a request that
+        // reuses the id with other content is not answered from that record.
+        let content = canonical(
+            &attributes.id,
+            &attributes.source,
+            attributes.time.timestamp(),
+            attributes.vm_name.as_deref(),
+            &request.event_ids,
+        );
         let store_error = |error: String| {
             // Without a durable record a replay could not be recognised later, so nothing is
             // sent; but the request was not replayed: it fails, and may be sent again.
@@ -211,7 +228,8 @@ impl Approver {
         let outbox = self.outbox.clone();
         let id = attributes.id.clone();
         let at = Utc::now().timestamp();
-        let known = tokio::task::spawn_blocking(move || outbox.peek_request(&id, at))
+        let said = content.clone();
+        let known = tokio::task::spawn_blocking(move || outbox.peek_request(&id, &said, at))
             .await
             .map_err(|e| e.to_string())
             .and_then(|result| result.map_err(|e| e.to_string()))
@@ -256,37 +274,56 @@ impl Approver {
         let outbox = self.outbox.clone();
         let id = attributes.id.clone();
         let now = now.timestamp();
-        let seen = tokio::task::spawn_blocking(move || outbox.begin_request(&id, keep_until, now))
-            .await
-            .map_err(|e| e.to_string())
-            .and_then(|result| result.map_err(|e| e.to_string()))
-            .map_err(store_error)?;
+        let seen = tokio::task::spawn_blocking(move || {
+            outbox.begin_request(&id, &content, keep_until, now)
+        })
+        .await
+        .map_err(|e| e.to_string())
+        .and_then(|result| result.map_err(|e| e.to_string()))
+        .map_err(store_error)?;
+        // A POST this process saw accepted, whose mark did not reach the disk (a disk fault):
+        // still answered accepted, not refused once its event is over.
+        let seen = match seen {
+            Seen::InFlight => match self.posted.get(&attributes.id) {
+                Some(event_ids) => Seen::Posted { event_ids },
+                None => Seen::InFlight,
+            },
+            seen => seen,
+        };
         match seen {
             Seen::New => Ok(Fresh {
                 recorded: true,
                 resumed: false,
-                posted: false,
+                posted: None,
             }),
-            Seen::InFlight { posted: true } => {
-                tracing::info!(request_id = %attributes.id, "A request the metadata service accepted before a restart, its outcome never published: answering accepted, nothing sent again");
+            Seen::Posted { event_ids } => {
+                tracing::info!(request_id = %attributes.id, "A request the metadata service accepted before, its outcome never published: answering accepted, nothing sent again");
                 Ok(Fresh {
                     recorded: true,
                     resumed: true,
-                    posted: true,
+                    posted: Some(event_ids),
                 })
             }
-            Seen::InFlight { posted: false } => {
+            Seen::InFlight => {
                 tracing::info!(request_id = %attributes.id, "A request handled before without a recorded outcome (a restart, or a failed POST); checking and forwarding it again");
                 Ok(Fresh {
                     recorded: true,
                     resumed: true,
-                    posted: false,
+                    posted: None,
                 })
             }
             Seen::Finished(stored) => Err(Stop::Answered(stored)),
             Seen::Replayed => Err(Rejection::new(
                 Reason::Replayed,
                 format!("request id {:?} was already handled", attributes.id),
+            )
+            .into()),
+            Seen::Altered => Err(Rejection::new(
+                Reason::Replayed,
+                format!(
+                    "request id {:?} was handled before with other content (another VM, EventIds, source or time): an id is used once",
+                    attributes.id
+                ),
             )
             .into()),
         }

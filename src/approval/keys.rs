@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use sched_relay_core::approval::Key;
+use sched_relay_core::approval::{Key, SigningKey};
 use sched_relay_transport::secret;
 
 use super::config::{ApprovalsConfig, KeyAlgorithm, KeyConfig};
@@ -54,6 +54,28 @@ pub fn load_all(config: &ApprovalsConfig) -> Result<HashMap<String, Key>, String
         .iter()
         .map(|key| Ok((key.id.clone(), load(key)?)))
         .collect()
+}
+
+/// Writes a new Ed25519 signing key to `out` (which must not exist yet; mode 0600) and
+/// returns its public key, for the agents' `[[approvals.keys]]`.
+pub fn write_new(out: &std::path::Path) -> Result<String, String> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let text = SigningKey::generate_ed25519()?;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(out)
+        .map_err(|e| {
+            format!(
+                "cannot create {} (it must not exist yet): {e}",
+                out.display()
+            )
+        })?;
+    writeln!(file, "{text}").map_err(|e| e.to_string())?;
+    let key = SigningKey::parse(&text)?;
+    Ok(key.public_key().expect("an Ed25519 key has a public key"))
 }
 
 #[cfg(test)]

@@ -16,11 +16,14 @@ mod checks;
 pub mod config;
 pub mod fault;
 pub mod keys;
+mod posted;
 mod publish;
 pub mod sources;
 mod validate;
 
 pub use publish::publish_to;
+
+use posted::PostedHere;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -85,6 +88,8 @@ pub struct Approver {
     poll_interval: Duration,
     outbox: Arc<Outbox>,
     publisher: Publisher,
+    /// Requests this process saw accepted, kept beside their records' `posted` mark.
+    posted: PostedHere,
 }
 
 impl Approver {
@@ -116,6 +121,7 @@ impl Approver {
             poll_interval,
             outbox: publisher.outbox().clone(),
             publisher,
+            posted: PostedHere::default(),
         })
     }
 
@@ -384,13 +390,17 @@ impl Approver {
         // them. If that fails, a redelivery is checked and forwarded again (harmless: the
         // outcome event keeps its id, and consumers de-duplicate).
         let outbox = self.outbox.clone();
+        let ids: Vec<String> = finished.iter().map(|(id, _)| id.clone()).collect();
         let recorded =
             match tokio::task::spawn_blocking(move || outbox.finish_requests(&finished)).await {
                 Ok(result) => result.map_err(|e| e.to_string()),
                 Err(error) => Err(error.to_string()),
             };
-        if let Err(error) = recorded {
-            tracing::warn!(error = %error, "Cannot record approval outcomes; a redelivery will be checked and forwarded again");
+        match recorded {
+            Ok(()) => self.posted.forget(ids.into_iter()),
+            Err(error) => {
+                tracing::warn!(error = %error, "Cannot record approval outcomes; a redelivery will be checked and forwarded again (or answered accepted, when this process saw its POST accepted)");
+            }
         }
         fault::abort_if(fault::Point::AfterOutcome);
         for (handled, reply) in replies {
@@ -405,11 +415,14 @@ impl Approver {
     /// has run and left the document. The crash fault point `AfterPost` is just before.
     async fn mark_posted(&self, accepted: &[&Pending]) {
         fault::abort_if(fault::Point::AfterPost);
-        let posted: Vec<String> = accepted
+        let posted: Vec<(String, Vec<String>)> = accepted
             .iter()
             .filter(|p| p.recorded)
-            .map(|p| p.request_id.clone())
+            .map(|p| (p.request_id.clone(), p.event_ids.clone()))
             .collect();
+        for (request_id, event_ids) in &posted {
+            self.posted.insert(request_id, event_ids);
+        }
         let outbox = self.outbox.clone();
         let marked = tokio::task::spawn_blocking(move || outbox.mark_posted(&posted))
             .await
@@ -466,3 +479,5 @@ pub fn log_outcome(outcome: &Outcome) {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_records;

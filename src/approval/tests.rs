@@ -12,15 +12,15 @@ use super::*;
 use crate::fanout::{DeliveryConfig, Fanout};
 use crate::store::DiskFaults;
 
-const EVENT: &str = "C7061BAC-AFDC-4513-B24B-AA5F13A16123";
+pub(super) const EVENT: &str = "C7061BAC-AFDC-4513-B24B-AA5F13A16123";
 
-fn approver(dir: &std::path::Path, faults: Arc<DiskFaults>) -> (Approver, Fanout) {
+pub(super) fn approver(dir: &std::path::Path, faults: Arc<DiskFaults>) -> (Approver, Fanout) {
     approver_seeing(dir, faults, Some(true))
 }
 
 /// An approver whose poller has a document (`Some(with_event)`: with or without the Freeze)
 /// or none yet (`None`), and whose metadata service is unreachable.
-fn approver_seeing(
+pub(super) fn approver_seeing(
     dir: &std::path::Path,
     faults: Arc<DiskFaults>,
     document: Option<bool>,
@@ -91,7 +91,7 @@ fn approver_configured(
     (approver, fanout)
 }
 
-fn request() -> Inbound {
+pub(super) fn request() -> Inbound {
     let draft = Draft::new(
         "urn:orchestrator:test",
         Some("WestNO_0"),
@@ -180,7 +180,7 @@ async fn requests_with_an_empty_id_over_each_transport_get_distinct_unidentified
 }
 
 /// Runs one request through the approver as a source would; returns the answer.
-async fn handle(approver: &Approver, message: &Inbound) -> Answer {
+pub(super) async fn handle(approver: &Approver, message: &Inbound) -> Answer {
     let (handled, answer) = tokio::sync::oneshot::channel();
     approver
         .handle(vec![Delivery {
@@ -191,7 +191,7 @@ async fn handle(approver: &Approver, message: &Inbound) -> Answer {
     answer.await.unwrap()
 }
 
-fn outcome(answer: &Answer) -> &'static str {
+pub(super) fn outcome(answer: &Answer) -> &'static str {
     match answer {
         Answer::Handled(reply) => reply.outcome,
         Answer::NotHandled(_) => "not handled",
@@ -228,7 +228,7 @@ async fn a_request_accepted_before_a_crash_is_answered_accepted_after_its_event_
     // The metadata service accepted the POST, then the agent was killed before the outcome.
     before
         .outbox
-        .mark_posted(std::slice::from_ref(&request_id))
+        .mark_posted(&[(request_id.clone(), vec![EVENT.to_owned()])])
         .unwrap();
     drop(before);
     fanout.shutdown(Duration::from_secs(1)).await;
@@ -265,7 +265,7 @@ async fn a_request_not_yet_posted_before_a_crash_is_refused_once_its_event_is_ov
 async fn a_handled_request_redelivered_after_max_age_gets_its_stored_outcome_not_a_second_one() {
     let dir = tempfile::tempdir().unwrap();
     // Handled with a final outcome (here: refused, its event being over).
-    let (approver, _fanout) = approver_seeing(dir.path(), DiskFaults::new(), Some(false));
+    let (mut approver, _fanout) = approver_seeing(dir.path(), DiskFaults::new(), Some(false));
     let message = request();
     let first = handle(&approver, &message).await;
     let Answer::Handled(first) = first else {
@@ -273,22 +273,17 @@ async fn a_handled_request_redelivered_after_max_age_gets_its_stored_outcome_not
     };
     assert_eq!(first.outcome, "rejected");
     // Killed before the ack; the VM (rebooting for the approved event) is back after
-    // approvals.max_age (5 minutes): the broker delivers the same message, now too old.
-    let mut body: serde_json::Value = serde_json::from_slice(&message.body).unwrap();
-    body["time"] = (chrono::Utc::now() - chrono::Duration::minutes(6))
-        .to_rfc3339()
-        .into();
-    let late = Inbound {
-        body: serde_json::to_vec(&body).unwrap(),
-        ..message.clone()
-    };
-    let (_, _, verdict, _) = approver.check(&late, &mut None).await;
+    // approvals.max_age: the broker delivers the same message, now too old. (max_age is made
+    // 1 s here, not waited for on its default 5 minutes.)
+    approver.config.max_age = Duration::from_secs(1);
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    let (_, _, verdict, _) = approver.check(&message, &mut None).await;
     let Verdict::Answered(stored) = verdict else {
         panic!("a redelivery after max_age got a new verdict: {verdict:?}")
     };
     assert_eq!(stored.body, first.body);
     // A request never seen that old is still refused.
-    let mut other = body.clone();
+    let mut other: serde_json::Value = serde_json::from_slice(&message.body).unwrap();
     other["id"] = "never-seen-before".into();
     let old = Inbound {
         body: serde_json::to_vec(&other).unwrap(),
@@ -368,17 +363,17 @@ fn a_record_past_its_time_counts_as_forgotten_even_before_it_is_pruned() {
     let dir = tempfile::tempdir().unwrap();
     let outbox = Outbox::open(dir.path(), 100, false).unwrap();
     assert_eq!(
-        outbox.begin_request("r", 1_000, 500).unwrap(),
+        outbox.begin_request("r", "c", 1_000, 500).unwrap(),
         crate::store::Seen::New
     );
     assert_eq!(
-        outbox.peek_request("r", 900).unwrap(),
-        Some(crate::store::Seen::InFlight { posted: false })
+        outbox.peek_request("r", "c", 900).unwrap(),
+        Some(crate::store::Seen::InFlight)
     );
     // A quiet VM: nothing has pruned it, but its time is over.
-    assert_eq!(outbox.peek_request("r", 1_001).unwrap(), None);
+    assert_eq!(outbox.peek_request("r", "c", 1_001).unwrap(), None);
     assert_eq!(
-        outbox.begin_request("r", 5_000, 1_001).unwrap(),
+        outbox.begin_request("r", "c", 5_000, 1_001).unwrap(),
         crate::store::Seen::New
     );
 }

@@ -16,6 +16,11 @@ pub enum StoreError {
     Convert { path: String, reason: String },
     #[error("the state store {path} is in use by another process (is the agent running?)")]
     InUse { path: String },
+    #[error(
+        "the state directory {dir} is in use by {holder}: one process at a time writes it \
+         (a second agent would poll, approve and deliver beside the first); stop that one first"
+    )]
+    Locked { dir: String, holder: String },
     #[error("the state store {path} failed: {reason} (is the disk full or read-only?)")]
     Io { path: String, reason: String },
     #[error(

@@ -14,7 +14,11 @@
 //!   that has Started meanwhile counts as approved (this request may have started it);
 //! - a redelivery of a finished id is answered with its stored outcome (the same outcome
 //!   event id, so consumers de-duplicate), never forwarded again: replay protection;
-//! - an id recorded by an older version in `seen_requests` (no outcome kept) is a replay.
+//! - an id recorded by an older version in `seen_requests` (no outcome kept) is a replay;
+//! - every record keeps what its request says (the signed content, EventIds included) and
+//!   the EventIds its accepted POST named: a request that reuses a known id with other
+//!   content is a replay, never answered with the record's outcome, and an answer from a
+//!   record names the record's EventIds, not the arriving message's.
 //!
 //! A failed outcome (`imds_error`) leaves the record in flight: the same request may be sent
 //! again. Records are kept a day past the point where their request is too old to pass the
@@ -50,6 +54,35 @@ struct Record {
     /// The metadata service accepted this request's StartRequests POST.
     #[serde(default)]
     posted: bool,
+    /// What the request says (its signed content: id, source, time, VM, EventIds); a
+    /// request with this id and other content is not this one. None in records written
+    /// before the content was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    content: Option<String>,
+    /// The EventIds the accepted POST named (the document's spelling).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    posted_event_ids: Vec<String>,
+}
+
+impl Record {
+    /// Whether this record is of a request with `content` (a record without one cannot say,
+    /// and is taken to be).
+    fn holds(&self, content: &str) -> bool {
+        self.content.as_deref().is_none_or(|known| known == content)
+    }
+
+    fn seen(self, content: &str) -> Seen {
+        if !self.holds(content) {
+            return Seen::Altered;
+        }
+        match (self.outcome, self.posted) {
+            (Some(outcome), _) => Seen::Finished(outcome),
+            (None, true) => Seen::Posted {
+                event_ids: self.posted_event_ids,
+            },
+            (None, false) => Seen::InFlight,
+        }
+    }
 }
 
 /// What the store knew of a request id when it was recorded.
@@ -58,13 +91,18 @@ pub enum Seen {
     /// Never seen: now recorded in flight.
     New,
     /// In flight already: handled before, but its outcome was never recorded (a crash, or
-    /// a failed POST). With `posted`, the metadata service accepted it: answer `accepted`;
-    /// else check and forward it again.
-    InFlight { posted: bool },
+    /// a failed POST): check and forward it again.
+    InFlight,
+    /// In flight, and the metadata service accepted its POST of these EventIds (empty in an
+    /// earlier version's record): answer `accepted`, send nothing.
+    Posted { event_ids: Vec<String> },
     /// Handled, with this outcome: answer with it, send nothing.
     Finished(StoredOutcome),
     /// Recorded by an older version, without its outcome: a replay.
     Replayed,
+    /// Known with other content: another request reusing this one's id, never answered with
+    /// this one's outcome (a replay).
+    Altered,
 }
 
 impl Outbox {
@@ -72,7 +110,14 @@ impl Outbox {
     /// is known; says what was known. Records whose time has passed are forgotten in the same
     /// transaction. An error means nothing could be recorded: the request must fail
     /// (retriably), not be called a replay.
-    pub fn begin_request(&self, id: &str, keep_until: i64, now: i64) -> Result<Seen, StoreError> {
+    /// `content` is what the request says (compared with the record's).
+    pub fn begin_request(
+        &self,
+        id: &str,
+        content: &str,
+        keep_until: i64,
+        now: i64,
+    ) -> Result<Seen, StoreError> {
         self.reopen_if_due();
         self.with_db(Access::Upkeep, |db| {
             let txn = self.write(db)?;
@@ -86,13 +131,7 @@ impl Outbox {
                     .map(|bytes| serde_json::from_slice::<Record>(bytes.value()))
                     .filter(|record| !matches!(record, Ok(r) if r.keep_until < now));
                 let seen = match known {
-                    Some(Ok(Record {
-                        outcome: Some(outcome),
-                        ..
-                    })) => Seen::Finished(outcome),
-                    Some(Ok(record)) => Seen::InFlight {
-                        posted: record.posted,
-                    },
+                    Some(Ok(record)) => record.seen(content),
                     // Unreadable: safest is to treat it as handled without an answer.
                     Some(Err(_)) => Seen::Replayed,
                     None if legacy.get(id).map_err(|e| self.io(e))?.is_some() => Seen::Replayed,
@@ -101,6 +140,8 @@ impl Outbox {
                             keep_until,
                             outcome: None,
                             posted: false,
+                            content: Some(content.to_owned()),
+                            posted_event_ids: Vec::new(),
                         };
                         let bytes = serde_json::to_vec(&record).map_err(|e| self.io(e))?;
                         table.insert(id, bytes.as_slice()).map_err(|e| self.io(e))?;
@@ -157,9 +198,14 @@ impl Outbox {
         })
     }
 
-    /// What the store knows of request `id` at `now` (Unix seconds), without recording
-    /// anything: None when nothing, or only a record past its time.
-    pub fn peek_request(&self, id: &str, now: i64) -> Result<Option<Seen>, StoreError> {
+    /// What the store knows of request `id` with `content` at `now` (Unix seconds), without
+    /// recording anything: None when nothing, or only a record past its time.
+    pub fn peek_request(
+        &self,
+        id: &str,
+        content: &str,
+        now: i64,
+    ) -> Result<Option<Seen>, StoreError> {
         self.reopen_if_due();
         self.with_db(Access::Read, |db| {
             let txn = db.begin_read().map_err(|e| self.io(e))?;
@@ -174,23 +220,17 @@ impl Outbox {
                 .map(|bytes| serde_json::from_slice::<Record>(bytes.value()))
                 .filter(|record| !matches!(record, Ok(r) if r.keep_until < now));
             Ok(match known {
-                Some(Ok(Record {
-                    outcome: Some(outcome),
-                    ..
-                })) => Some(Seen::Finished(outcome)),
-                Some(Ok(record)) => Some(Seen::InFlight {
-                    posted: record.posted,
-                }),
+                Some(Ok(record)) => Some(record.seen(content)),
                 Some(Err(_)) => Some(Seen::Replayed),
                 None => None,
             })
         })
     }
 
-    /// Marks in-flight records as posted (the metadata service accepted them), durably,
-    /// before their outcome is published.
-    pub fn mark_posted(&self, ids: &[String]) -> Result<(), StoreError> {
-        if ids.is_empty() {
+    /// Marks in-flight records as posted (the metadata service accepted them), each with
+    /// the EventIds its POST named, durably, before their outcome is published.
+    pub fn mark_posted(&self, posted: &[(String, Vec<String>)]) -> Result<(), StoreError> {
+        if posted.is_empty() {
             return Ok(());
         }
         self.reopen_if_due();
@@ -198,7 +238,7 @@ impl Outbox {
             let txn = self.write(db)?;
             {
                 let mut table = txn.open_table(APPROVAL_REQUESTS).map_err(|e| self.io(e))?;
-                for id in ids {
+                for (id, event_ids) in posted {
                     let known = table
                         .get(id.as_str())
                         .map_err(|e| self.io(e))?
@@ -206,6 +246,7 @@ impl Outbox {
                     let Some(known) = known else { continue };
                     let record = Record {
                         posted: true,
+                        posted_event_ids: event_ids.clone(),
                         ..known
                     };
                     let bytes = serde_json::to_vec(&record).map_err(|e| self.io(e))?;
@@ -226,6 +267,6 @@ impl Outbox {
         keep_until: i64,
         now: i64,
     ) -> Result<bool, StoreError> {
-        Ok(self.begin_request(id, keep_until, now)? == Seen::New)
+        Ok(self.begin_request(id, "", keep_until, now)? == Seen::New)
     }
 }

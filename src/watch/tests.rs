@@ -137,3 +137,50 @@ fn heartbeats_and_documents_make_no_rows() {
     fleet.apply(&event("document", "vm1", "3", json!({"incarnation": 3})));
     assert!(fleet.rows.is_empty(), "{:?}", fleet.rows);
 }
+
+#[test]
+fn another_producers_events_on_the_same_stream_stay_out_of_the_table() {
+    let mut fleet = Fleet::default();
+    let mut foreign = event(
+        "scheduled",
+        "vm1",
+        "E1",
+        json!({"eventtype": "Reboot", "eventstatus": "Scheduled"}),
+    );
+    for ty in [
+        "com.example.backup.scheduled",
+        "com.azure.scheduledevents.extra.scheduled",
+        "xcom.azure.scheduledevents.scheduled",
+        "scheduled",
+    ] {
+        foreign["type"] = json!(ty);
+        fleet.apply(&foreign);
+    }
+    assert!(fleet.rows.is_empty(), "{:?}", fleet.rows);
+    fleet.apply(&event(
+        "scheduled",
+        "vm1",
+        "E1",
+        json!({"eventtype": "Reboot", "eventstatus": "Scheduled"}),
+    ));
+    assert_eq!(fleet.rows.len(), 1);
+}
+
+#[test]
+fn the_table_reads_the_agents_own_type_prefix() {
+    let mut fleet = Fleet::new("org.example.maintenance");
+    let mut ours = event(
+        "scheduled",
+        "vm1",
+        "E1",
+        json!({"eventtype": "Reboot", "eventstatus": "Scheduled"}),
+    );
+    fleet.apply(&ours);
+    assert!(
+        fleet.rows.is_empty(),
+        "the default prefix is not this fleet's"
+    );
+    ours["type"] = json!("org.example.maintenance.scheduled");
+    fleet.apply(&ours);
+    assert_eq!(fleet.rows.len(), 1);
+}

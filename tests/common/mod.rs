@@ -159,7 +159,7 @@ pub struct AgentProcess {
     pub dir: tempfile::TempDir,
     pub events_file: PathBuf,
     stderr_file: PathBuf,
-    config_path: PathBuf,
+    pub config_path: PathBuf,
     env: Vec<(String, String)>,
 }
 
