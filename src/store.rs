@@ -52,12 +52,17 @@
 //! `a_state_dir_removed_while_the_agent_runs_comes_back_with_the_last_document`,
 //! `a_file_made_anew_numbers_above_every_event_a_sink_has_passed`,
 //! `a_replaced_state_file_numbers_above_every_event_a_sink_has_passed`,
-//! `an_emptied_state_file_is_made_anew_at_the_next_reopen`. A replacement that is a valid
-//! store with its tables is otherwise taken as it is.
+//! `an_emptied_state_file_is_made_anew_at_the_next_reopen`. A replacement that is another
+//! store's file (each file carries a random store id; [`lineage`]) has its events numbered
+//! again above every number a sink's task may stand at, in order
+//! (`another_stores_events_put_back_while_the_agent_runs_are_delivered_after_what_it_passed`);
+//! a copy of this very store keeps its numbers, every one below a task's position having
+//! been delivered (`a_backup_of_this_store_put_back_keeps_its_numbers`).
 
 mod config;
 mod error;
 mod faults;
+mod lineage;
 mod lock;
 mod queue;
 mod recovery;
@@ -140,6 +145,9 @@ pub struct Outbox {
     /// The last processed document this process stored or found (JSON, epoch): what a file
     /// made anew after a removal starts with (`recovery`).
     processed: std::sync::Mutex<Option<(Vec<u8>, [u8; 8])>>,
+    /// Which store this is (`lineage`): a file found at the path with another id is taken
+    /// in with its events numbered again.
+    store_id: [u8; 16],
     /// The state directory's lock, held as long as the store is open: declared last, so that
     /// it is released after the database is closed.
     _lock: StateLock,
@@ -235,6 +243,10 @@ impl Outbox {
             }
             db = opened(redb::Builder::new())?;
         }
+        let store_id = lineage::store_id(&db).map_err(|e| StoreError::Open {
+            path: shown.clone(),
+            reason: e.to_string(),
+        })?;
         let outbox = Outbox {
             db: RwLock::new(Some(db)),
             path,
@@ -245,6 +257,7 @@ impl Outbox {
             generation: Default::default(),
             issued: Default::default(),
             processed: Default::default(),
+            store_id,
             _lock: lock,
         };
         // Create the tables, and read what a restart needs, so damage shows at start.
@@ -357,3 +370,5 @@ impl Outbox {
 mod tests;
 #[cfg(test)]
 mod tests_copies;
+#[cfg(test)]
+mod tests_lineage;

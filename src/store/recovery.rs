@@ -15,7 +15,7 @@ use std::sync::atomic::Ordering;
 use redb::{Database, ReadableDatabase, ReadableTable};
 
 use super::payloads::{HOLDERS, PAYLOADS, QUEUE, convert_legacy_events};
-use super::{DiskFaults, EPOCH, LAST_DOCUMENT, META, Outbox, SEEN_REQUESTS, requests};
+use super::{DiskFaults, EPOCH, LAST_DOCUMENT, META, Outbox, SEEN_REQUESTS, lineage, requests};
 use crate::retry::Backoff;
 
 /// Waits between attempts to reopen: the first at once, then 250 ms doubling to 1 s, so space
@@ -219,6 +219,9 @@ impl Outbox {
         // a file takes no space; its header's write fails), which redb never opens again.
         let db =
             open_database(&self.path, self.faults.as_ref(), false).map_err(|e| e.to_string())?;
+        // Asked before its tables are made (which would mark it this store's).
+        let ours = lineage::is_ours(&db, self.store_id)
+            .map_err(|e| format!("cannot read which store it is: {e}"))?;
         let missing = (|| -> Result<bool, redb::Error> {
             let txn = db.begin_read()?;
             let exists = |result: Result<(), redb::TableError>| match result {
@@ -237,9 +240,21 @@ impl Outbox {
             self.create_tables(&db)
                 .map_err(|e| format!("cannot make its tables again: {e}"))?;
         }
-        // A file of an earlier version put in place (or one whose conversion an I/O error
-        // cut short): numbered above every number a sink's task may stand at.
+        // Every number a sink's task may stand at is below this.
         let floor = self.issued.load(Ordering::SeqCst);
+        // Another store's file (a backup of another one put back): its numbers are not
+        // this store's, which the sinks' tasks stand in, so they are made again above them.
+        let renumbered = if ours {
+            0
+        } else {
+            lineage::take_in(&db, floor, self.store_id)
+                .map_err(|e| format!("cannot number the events it holds again: {e}"))?
+        };
+        if renumbered > 0 {
+            tracing::warn!(path = %self.path.display(), events = renumbered, "The state store file was replaced while the agent ran by another store's; its events are delivered after everything delivered before");
+        }
+        // A file of an earlier version put in place (or one whose conversion an I/O error
+        // cut short): its events go after those, above the floor too.
         let converted = convert_legacy_events(&db, floor)
             .map_err(|e| format!("cannot convert the events it holds: {e}"))?;
         if converted > 0 {
@@ -302,6 +317,10 @@ impl Outbox {
         txn.open_table(HOLDERS)?;
         {
             let mut meta = txn.open_table(META)?;
+            // Set by `Outbox::open` from the file itself; here, a file made anew is this store.
+            if meta.get(lineage::STORE_ID)?.is_none() {
+                meta.insert(lineage::STORE_ID, self.store_id.as_slice())?;
+            }
             let processed = self.processed.lock().unwrap_or_else(|p| p.into_inner());
             if let Some((document, epoch)) = processed.as_ref()
                 && meta.get(LAST_DOCUMENT)?.is_none()

@@ -32,7 +32,7 @@ pub(super) fn event(id: &str) -> Event {
         .into()
 }
 
-fn ids(stored: &[Stored]) -> Vec<String> {
+pub(super) fn ids(stored: &[Stored]) -> Vec<String> {
     stored
         .iter()
         .map(|s| s.event.as_ref().unwrap().id().to_owned())
@@ -43,7 +43,7 @@ fn processed(document: &Value) -> Processed<'_> {
     Processed { document, epoch: 0 }
 }
 
-fn sinks(names: &[&str]) -> Vec<String> {
+pub(super) fn sinks(names: &[&str]) -> Vec<String> {
     names.iter().map(|n| n.to_string()).collect()
 }
 
