@@ -17,12 +17,15 @@ use subtle::ConstantTimeEq;
 
 use crate::telemetry::Telemetry;
 
+mod credentials;
+pub use credentials::{BearerToken, ListenerTls, tls_acceptor};
+
 /// What `POST /approvals` needs.
 #[derive(Clone)]
 pub struct ApprovalEndpoint {
     pub deliveries: Deliveries,
     /// `Authorization: Bearer <token>` is required when set.
-    pub token: Option<String>,
+    pub token: Option<Arc<BearerToken>>,
 }
 
 /// How much of the agent a client may hold (`[telemetry] max_connections`, `request_timeout`):
@@ -35,7 +38,7 @@ pub struct Limits {
     /// complete a TLS handshake).
     pub request_timeout: Duration,
     /// HTTPS, when `telemetry.tls_cert_file` is set.
-    pub tls: Option<tokio_rustls::TlsAcceptor>,
+    pub tls: Option<Arc<ListenerTls>>,
 }
 
 impl Default for Limits {
@@ -45,100 +48,17 @@ impl Default for Limits {
 }
 
 impl From<&crate::telemetry::TelemetryConfig> for Limits {
-    /// The configuration's limits; TLS as [`tls_acceptor`] builds it (a configuration that
-    /// passed validation has loadable files; should they have changed since, the error is
-    /// logged and the listener serves nothing rather than plain HTTP).
+    /// The configuration's limits; TLS as [`ListenerTls::load`] makes it (a configuration
+    /// that passed validation has loadable files; should they have changed since, the error
+    /// is logged and the listener serves nothing rather than plain HTTP).
     fn from(config: &crate::telemetry::TelemetryConfig) -> Self {
-        let tls = match tls_acceptor(config) {
-            Ok(tls) => tls,
-            Err(error) => {
-                tracing::error!(error = %error, "Cannot load the listener's TLS certificate; it refuses every connection");
-                Some(tokio_rustls::TlsAcceptor::from(Arc::new(refuse_everyone())))
-            }
-        };
+        let tls = ListenerTls::load(config);
         Limits {
             max_connections: config.max_connections,
             request_timeout: config.request_timeout,
             tls,
         }
     }
-}
-
-/// A TLS configuration with no certificate: every handshake fails.
-fn refuse_everyone() -> rustls::ServerConfig {
-    #[derive(Debug)]
-    struct NoCertificate;
-    impl rustls::server::ResolvesServerCert for NoCertificate {
-        fn resolve(
-            &self,
-            _: rustls::server::ClientHello<'_>,
-        ) -> Option<Arc<rustls::sign::CertifiedKey>> {
-            None
-        }
-    }
-    rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .expect("ring supports the default TLS versions")
-        .with_no_client_auth()
-        .with_cert_resolver(Arc::new(NoCertificate))
-}
-
-/// The listener's TLS from `telemetry.tls_cert_file` and `tls_key_file` (PEM; rustls with
-/// ring, the one TLS stack): None when neither is set; an error that says which file and
-/// what is wrong with it.
-pub fn tls_acceptor(
-    config: &crate::telemetry::TelemetryConfig,
-) -> Result<Option<tokio_rustls::TlsAcceptor>, String> {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let (cert_file, key_file) = match (&config.tls_cert_file, &config.tls_key_file) {
-        (None, None) => return Ok(None),
-        (Some(cert), Some(key)) => (cert, key),
-        _ => {
-            return Err(
-                "set both telemetry.tls_cert_file and telemetry.tls_key_file, or neither".into(),
-            );
-        }
-    };
-    let pem = std::fs::read(cert_file)
-        .map_err(|e| format!("tls_cert_file {}: {e}", cert_file.display()))?;
-    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&pem)
-        .collect::<Result<_, _>>()
-        .map_err(|e| {
-            format!(
-                "tls_cert_file {}: not PEM certificates: {e}",
-                cert_file.display()
-            )
-        })?;
-    if chain.is_empty() {
-        return Err(format!(
-            "tls_cert_file {}: holds no PEM certificate (expected -----BEGIN CERTIFICATE-----)",
-            cert_file.display()
-        ));
-    }
-    let pem =
-        std::fs::read(key_file).map_err(|e| format!("tls_key_file {}: {e}", key_file.display()))?;
-    let key = PrivateKeyDer::from_pem_slice(&pem).map_err(|e| {
-        format!(
-            "tls_key_file {}: no PEM private key (PKCS#8, PKCS#1 or SEC1): {e}",
-            key_file.display()
-        )
-    })?;
-    let server = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .map_err(|e| format!("TLS: {e}"))?
-    .with_no_client_auth()
-    .with_single_cert(chain, key)
-    .map_err(|e| {
-        format!(
-            "tls_cert_file {} and tls_key_file {} do not make a usable pair: {e}",
-            cert_file.display(),
-            key_file.display()
-        )
-    })?;
-    Ok(Some(tokio_rustls::TlsAcceptor::from(Arc::new(server))))
 }
 
 /// Connections beyond the limit that are read (for `GET /healthz`) and answered at once; past
@@ -210,7 +130,7 @@ async fn accept(
                 let service = hyper_util::service::TowerToHyperService::new(router.clone());
                 let stopping = stopping.clone();
                 let timeout = limits.request_timeout;
-                let tls = limits.tls.clone();
+                let tls = limits.tls.as_ref().map(|tls| tls.acceptor());
                 connections.spawn(async move {
                     let _permit = permit;
                     match tls {
@@ -343,6 +263,7 @@ async fn approve(
     body: axum::body::Body,
 ) -> Response {
     if let Some(token) = &endpoint.token {
+        let token = token.current();
         let given = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())

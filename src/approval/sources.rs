@@ -120,7 +120,12 @@ pub async fn start_listener_and_sources(
                 .map_err(StartError::Approvals)?;
                 Some(crate::http::ApprovalEndpoint {
                     deliveries: deliveries.clone(),
-                    token,
+                    token: token.map(|token| {
+                        Arc::new(crate::http::BearerToken::new(
+                            token,
+                            http.token_file.clone(),
+                        ))
+                    }),
                 })
             }
             _ => None,

@@ -102,6 +102,21 @@ fn default_timeout() -> Duration {
 }
 
 impl AmqpSinkConfig {
+    /// The files a connection reads its password and certificates from: a connection made
+    /// before one of them changed is made again ([`sched_relay_transport::files`]).
+    pub fn watched_files(&self) -> Vec<&std::path::Path> {
+        [
+            &self.password_file,
+            &self.ca_file,
+            &self.client_cert_file,
+            &self.client_key_file,
+        ]
+        .into_iter()
+        .flatten()
+        .map(PathBuf::as_path)
+        .collect()
+    }
+
     /// Problems, as (key, message), without touching the network.
     pub fn validate(&self) -> Vec<(&'static str, String)> {
         let mut problems = Vec::new();

@@ -11,16 +11,18 @@ use lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
 };
 use sched_relay_transport::binding::{self, expand_template};
+use sched_relay_transport::files::Stamp;
 use sched_relay_transport::{DeliveryError, Event, Sink, SinkError};
 use tokio::sync::Mutex;
 
 use crate::{AmqpSinkConfig, HeaderStyle};
 
 /// Publishes CloudEvents to an AMQP 0-9-1 exchange with publisher confirms. Connects on first
-/// use and again after any connection or channel failure.
+/// use and again after any connection or channel failure, and once a password or
+/// certificate file has changed (read anew then).
 pub struct AmqpSink {
     config: AmqpSinkConfig,
-    connection: Mutex<Option<(Connection, Channel)>>,
+    connection: Mutex<Option<(Connection, Channel, Stamp)>>,
 }
 
 impl AmqpSink {
@@ -32,12 +34,11 @@ impl AmqpSink {
     }
 
     fn uri(&self) -> Result<String, SinkError> {
-        let password = sched_relay_transport::secret::resolve(
+        let password = sched_relay_transport::secret::resolve_for_connection(
             self.config.password.as_ref(),
             self.config.password_file.as_deref(),
             "password",
-        )
-        .map_err(SinkError::Permanent)?;
+        )?;
         let Some(password) = password else {
             return Ok(self.config.url.clone());
         };
@@ -46,6 +47,11 @@ impl AmqpSink {
         url.set_password(Some(&password))
             .map_err(|_| SinkError::Permanent("url: cannot carry a password".into()))?;
         Ok(url.to_string())
+    }
+
+    /// The stamp of the password and certificate files (see [`Stamp`]).
+    pub fn files(&self) -> Stamp {
+        Stamp::of(self.config.watched_files())
     }
 
     /// A host:port/vhost description of the broker without credentials, for messages.
@@ -64,18 +70,23 @@ impl AmqpSink {
 
     async fn channel(&self) -> Result<Channel, SinkError> {
         let mut slot = self.connection.lock().await;
-        if let Some((connection, channel)) = slot.as_ref()
+        if let Some((connection, channel, files)) = slot.as_ref()
             && connection.status().connected()
             && channel.status().connected()
         {
-            return Ok(channel.clone());
+            if self.files() == *files {
+                return Ok(channel.clone());
+            }
+            tracing::info!(broker = %self.broker(), "AMQP sink: a password or certificate file changed; connecting again");
+            let _ = connection.close(200, "credentials rotated".into()).await;
         }
         *slot = None;
+        let files = self.files();
         let (connection, channel) = self.open(true).await?;
         if self.config.declare {
             self.declare(&channel).await?;
         }
-        *slot = Some((connection, channel.clone()));
+        *slot = Some((connection, channel.clone(), files));
         Ok(channel)
     }
 

@@ -40,6 +40,10 @@ pub struct AmqpSourceSpec {
 /// Consumes until `stop` turns true. Broker problems are logged and retried. `progress`
 /// hears how far the source is through the messages its queue held when it first
 /// connected.
+/// How often a connected source checks its password and certificate files: a rotation is
+/// taken up within this (and the source's retry pause), not at the next restart.
+const WATCH_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
 pub async fn run(
     spec: AmqpSourceSpec,
     deliveries: Deliveries,
@@ -141,7 +145,11 @@ async fn consume(
     stop: &mut watch::Receiver<bool>,
 ) -> Result<(), String> {
     let sink = AmqpSink::new(spec.connection.clone());
+    // Stamped before the files are read: a change while connecting shows as a change.
+    let files = sink.files();
     let (connection, channel) = sink.open(false).await.map_err(|e| e.to_string())?;
+    let mut watch = tokio::time::interval(WATCH_EVERY);
+    watch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     if spec.declare {
         backlog.found(declare(spec, &connection, &channel, &sink).await?.into());
     } else if backlog.watched() {
@@ -188,7 +196,16 @@ async fn consume(
     loop {
         let delivery = tokio::select! {
             _ = stop.wait_for(|stop| *stop) => return Ok(()),
-            delivery = consumer.next() => delivery,
+            _ = watch.tick() => None,
+            delivery = consumer.next() => Some(delivery),
+        };
+        let Some(delivery) = delivery else {
+            if sink.files() != files {
+                // Unacknowledged deliveries go back to the queue with the connection.
+                let _ = connection.close(200, "credentials rotated".into()).await;
+                return Err("a password or certificate file changed; connecting again".into());
+            }
+            continue;
         };
         let delivery = delivery
             .ok_or("the consumer was cancelled")?

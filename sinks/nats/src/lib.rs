@@ -18,7 +18,7 @@ mod sink;
 pub mod source;
 pub mod stream;
 #[cfg(feature = "client")]
-pub use sink::{NatsSink, connect, connect_error};
+pub use sink::{Connected, NatsSink, connect, connect_error, connect_watched};
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -86,6 +86,23 @@ fn default_timeout() -> Duration {
 }
 
 impl NatsSinkConfig {
+    /// The files a connection reads its credentials and certificates from: a connection
+    /// made before one of them changed is made again ([`sched_relay_transport::files`]).
+    pub fn watched_files(&self) -> Vec<&std::path::Path> {
+        [
+            &self.credentials_file,
+            &self.token_file,
+            &self.password_file,
+            &self.ca_file,
+            &self.client_cert_file,
+            &self.client_key_file,
+        ]
+        .into_iter()
+        .flatten()
+        .map(PathBuf::as_path)
+        .collect()
+    }
+
     /// Problems, as (key, message), without touching the network.
     pub fn validate(&self) -> Vec<(&'static str, String)> {
         let mut problems = Vec::new();

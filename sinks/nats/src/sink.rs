@@ -2,7 +2,11 @@
 
 use async_nats::jetstream;
 use async_trait::async_trait;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use sched_relay_transport::binding::{self, expand_template};
+use sched_relay_transport::files::Stamp;
 use sched_relay_transport::{DeliveryError, Event, Sink, SinkError};
 use tokio::sync::Mutex;
 
@@ -10,9 +14,11 @@ use crate::NatsSinkConfig;
 
 /// Publishes CloudEvents to NATS. Connects on first use; after that the client reconnects
 /// by itself, and publishes made while disconnected time out and are retried by the fan-out.
+/// Once a credentials or certificate file has changed, or the server refused the client's
+/// login, the next use connects again, reading the files anew.
 pub struct NatsSink {
     config: NatsSinkConfig,
-    client: Mutex<Option<async_nats::Client>>,
+    client: Mutex<Option<Connected>>,
 }
 
 impl NatsSink {
@@ -25,11 +31,19 @@ impl NatsSink {
 
     async fn client(&self) -> Result<async_nats::Client, SinkError> {
         let mut slot = self.client.lock().await;
-        if let Some(client) = slot.as_ref() {
-            return Ok(client.clone());
+        if let Some(connected) = slot.as_ref() {
+            match connected.outdated(&self.config) {
+                None => return Ok(connected.client.clone()),
+                Some(why) => {
+                    tracing::info!(url = %sched_relay_transport::redact::text(&self.config.url), "NATS sink: {why}; connecting again");
+                    // The last handle goes: async-nats closes that connection.
+                    *slot = None;
+                }
+            }
         }
-        let client = connect(&self.config).await?;
-        *slot = Some(client.clone());
+        let connected = connect_watched(&self.config).await?;
+        let client = connected.client.clone();
+        *slot = Some(connected);
         Ok(client)
     }
 
@@ -205,37 +219,77 @@ fn create_hint(subject: &str) -> String {
     format!("create one, e.g. nats stream add --subjects '{root}.>'")
 }
 
-/// Connects with the sink's URL, credentials and TLS settings (also used by the approval
-/// source). See [`connect_error`] for what retrying can fix.
+/// A client, and what it was made with: the stamp of its credentials and certificate files,
+/// and whether the server has refused its login since (on a reconnect: credentials revoked
+/// or rotated on the server).
+pub struct Connected {
+    pub client: async_nats::Client,
+    files: Stamp,
+    refused: Arc<AtomicBool>,
+}
+
+impl Connected {
+    /// Why this client should be replaced by a new connection (files read anew), if it
+    /// should: a credentials or certificate file of `config` changed, or the server refused
+    /// the client's login.
+    pub fn outdated(&self, config: &NatsSinkConfig) -> Option<&'static str> {
+        if self.refused.load(Ordering::SeqCst) {
+            Some("the server refused the login; reading the credentials anew")
+        } else if Stamp::of(config.watched_files()) != self.files {
+            Some("a credentials or certificate file changed")
+        } else {
+            None
+        }
+    }
+}
+
+/// Connects with the sink's URL, credentials and TLS settings. See [`connect_error`] for what
+/// retrying can fix.
 pub async fn connect(config: &NatsSinkConfig) -> Result<async_nats::Client, SinkError> {
+    Ok(connect_watched(config).await?.client)
+}
+
+/// As [`connect`], with what tells when the client is [`Connected::outdated`] (the sink and
+/// the approval source).
+pub async fn connect_watched(config: &NatsSinkConfig) -> Result<Connected, SinkError> {
+    // Stamped before reading: a file changed while being read shows as changed later.
+    let files = Stamp::of(config.watched_files());
+    let refused = Arc::new(AtomicBool::new(false));
+    let noted = refused.clone();
     let mut options = async_nats::ConnectOptions::new()
         .name("sched-relay")
         .connection_timeout(config.timeout)
         .request_timeout(Some(config.timeout))
-        .max_reconnects(None);
+        .max_reconnects(None)
+        .event_callback(move |event| {
+            let noted = noted.clone();
+            async move {
+                if refuses_login(&event) {
+                    noted.store(true, Ordering::SeqCst);
+                }
+            }
+        });
     if let Some(path) = &config.credentials_file {
+        // Unreadable now (a rotation replacing it): retried, never dead-lettered.
         options = options.credentials_file(path).await.map_err(|e| {
-            SinkError::Permanent(format!(
+            SinkError::Retriable(format!(
                 "cannot read credentials_file {}: {e}",
                 path.display()
             ))
         })?;
     }
-    if let Some(token) = sched_relay_transport::secret::resolve(
+    if let Some(token) = sched_relay_transport::secret::resolve_for_connection(
         config.token.as_ref(),
         config.token_file.as_deref(),
         "token",
-    )
-    .map_err(SinkError::Permanent)?
-    {
+    )? {
         options = options.token(token);
     }
-    let password = sched_relay_transport::secret::resolve(
+    let password = sched_relay_transport::secret::resolve_for_connection(
         config.password.as_ref(),
         config.password_file.as_deref(),
         "password",
-    )
-    .map_err(SinkError::Permanent)?;
+    )?;
     if let Some(user) = &config.user {
         options = options.user_and_password(user.clone(), password.unwrap_or_default());
     }
@@ -254,7 +308,7 @@ pub async fn connect(config: &NatsSinkConfig) -> Result<async_nats::Client, Sink
         options = options.add_client_certificate(cert.clone(), key.clone());
     }
     let servers: Vec<String> = config.url.split(',').map(|s| s.trim().to_owned()).collect();
-    options.connect(servers).await.map_err(|error| {
+    let client = options.connect(servers).await.map_err(|error| {
         // async-nats reports most handshake failures as I/O errors: found by their type.
         let tls = sched_relay_transport::tls::failure(&error);
         let message = sched_relay_transport::redact::text(&format!(
@@ -267,7 +321,27 @@ pub async fn connect(config: &NatsSinkConfig) -> Result<async_nats::Client, Sink
             Some(_) => SinkError::Authentication(message),
             None => connect_error(error.kind(), message),
         }
+    })?;
+    Ok(Connected {
+        client,
+        files,
+        refused,
     })
+}
+
+/// Whether async-nats reports that the server refused the client's login or its TLS (on a
+/// reconnect, which async-nats then keeps trying with what it was given at the start).
+fn refuses_login(event: &async_nats::Event) -> bool {
+    match event {
+        async_nats::Event::ServerError(async_nats::ServerError::AuthorizationViolation) => true,
+        async_nats::Event::ClientError(async_nats::ClientError::Other(error)) => {
+            let error = error.to_ascii_lowercase();
+            ["authorization", "authentication", "tls", "certificate"]
+                .iter()
+                .any(|word| error.contains(word))
+        }
+        _ => false,
+    }
 }
 
 /// Classifies a failed connection by async-nats's error kind. A refused login or a failed

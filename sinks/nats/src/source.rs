@@ -17,7 +17,21 @@ use sched_relay_transport::inbound::{
 use tokio::sync::watch;
 
 use crate::NatsSinkConfig;
-use crate::sink::connect;
+use crate::sink::{Connected, connect_watched};
+
+/// How often a connected source checks its credentials and certificate files, and whether
+/// the server refused its login: a rotation is taken up within this (and the source's
+/// retry pause), not at the next restart.
+const WATCH_EVERY: Duration = Duration::from_secs(5);
+
+/// Ends a connection made with files that have changed since (or a login the server
+/// refused), so the source connects again with what the files hold now.
+fn check(connected: &Connected, config: &NatsSinkConfig) -> Result<(), String> {
+    match connected.outdated(config) {
+        Some(why) => Err(format!("{why}; connecting again")),
+        None => Ok(()),
+    }
+}
 
 /// What to consume.
 #[derive(Debug, Clone)]
@@ -102,7 +116,12 @@ async fn consume(
     backlog: &Backlog,
     stop: &mut watch::Receiver<bool>,
 ) -> Result<(), String> {
-    let client = connect(&spec.connection).await.map_err(|e| e.to_string())?;
+    let connected = connect_watched(&spec.connection)
+        .await
+        .map_err(|e| e.to_string())?;
+    let client = connected.client.clone();
+    let mut watch = tokio::time::interval(WATCH_EVERY);
+    watch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let is_shared = |subject: &str| spec.fleet_subject.as_deref() == Some(subject);
     match &spec.jetstream {
         None => {
@@ -128,6 +147,10 @@ async fn consume(
             loop {
                 let message = tokio::select! {
                     _ = stop.wait_for(|stop| *stop) => return Ok(()),
+                    _ = watch.tick() => {
+                        check(&connected, &spec.connection)?;
+                        continue;
+                    }
                     message = messages.next() => message,
                 };
                 let Some(message) = message else { break };
@@ -213,6 +236,10 @@ async fn consume(
             loop {
                 let message = tokio::select! {
                     _ = stop.wait_for(|stop| *stop) => return Ok(()),
+                    _ = watch.tick() => {
+                        check(&connected, &spec.connection)?;
+                        continue;
+                    }
                     _ = position.tick(), if backlog.waiting() => None,
                     message = messages.next() => Some(message),
                 };

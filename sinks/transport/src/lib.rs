@@ -9,6 +9,7 @@
 //! Retry policy lives in one place (the agent's fan-out), so a sink never retries on its own:
 //! it reports each failure once, classified, and the fan-out decides.
 
+pub mod files;
 pub mod inbound;
 pub mod redact;
 pub mod secret;

@@ -63,6 +63,21 @@ pub fn resolve(
     }
 }
 
+/// As [`resolve`], when a connection is about to be made with the secret: a file that cannot
+/// be read now (a rotation replacing it, a volume not mounted yet) fails the connection
+/// retriably, naming the file, so the events wait in the outbox rather than being
+/// dead-lettered; only a configuration that cannot work is permanent.
+pub fn resolve_for_connection(
+    inline: Option<&Secret>,
+    file: Option<&Path>,
+    what: &str,
+) -> Result<Option<String>, crate::SinkError> {
+    resolve(inline, file, what).map_err(|error| match (inline, file) {
+        (None, Some(_)) => crate::SinkError::Retriable(error),
+        _ => crate::SinkError::Permanent(error),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

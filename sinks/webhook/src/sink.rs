@@ -7,6 +7,7 @@ use reqwest::header::{
 };
 use reqwest::{StatusCode, redirect};
 use sched_relay_transport::binding::{self, BATCH_CONTENT_TYPE};
+use sched_relay_transport::files::Stamp;
 use sched_relay_transport::{DeliveryError, Event, Sink, SinkError, parse_retry_after};
 use sha2::Sha256;
 
@@ -15,9 +16,21 @@ use crate::WebhookSinkConfig;
 /// The longest part of an error answer quoted in logs and dead letters.
 const BODY_EXCERPT: usize = 300;
 
-/// POSTs CloudEvents to one URL.
+/// POSTs CloudEvents to one URL. Its client, headers and keys are built from the
+/// configuration's files, and built anew before the next request once one of the files has
+/// changed, or the receiver refused the credentials (401, 403, 407) or the TLS handshake:
+/// a rotated token or certificate is taken up without a restart.
 pub struct WebhookSink {
     config: WebhookSinkConfig,
+    built: std::sync::RwLock<std::sync::Arc<Built>>,
+    /// The receiver refused what the last request carried: build anew before the next one.
+    refused: std::sync::atomic::AtomicBool,
+}
+
+/// What the sink sends with, as built from the configuration and its files.
+struct Built {
+    /// The stamp of the files it was built from, taken before they were read.
+    files: Stamp,
     client: reqwest::Client,
     /// The TLS settings deliveries use, for the health check's handshake: "ready" means the
     /// same trust (the platform's roots plus `ca_file`) that a delivery will need.
@@ -70,12 +83,42 @@ impl WebhookSink {
     pub fn new(config: WebhookSinkConfig) -> Self {
         // One process-wide provider (ring) for every rustls user; a second install is a no-op.
         let _ = rustls::crypto::ring::default_provider().install_default();
+        let built = Built::new(&config);
+        WebhookSink {
+            config,
+            built: std::sync::RwLock::new(std::sync::Arc::new(built)),
+            refused: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// What to send with now: built anew when a file changed or the receiver refused the
+    /// last request's credentials.
+    fn current(&self) -> std::sync::Arc<Built> {
+        let built = self.built.read().unwrap_or_else(|p| p.into_inner()).clone();
+        let refused = self
+            .refused
+            .swap(false, std::sync::atomic::Ordering::SeqCst);
+        let changed = Stamp::of(self.config.watched_files()) != built.files;
+        if !refused && !changed {
+            return built;
+        }
+        // (Not logged here: this crate has no logger. The refusal was logged as the
+        // delivery's error; a new file shows in the next delivery's outcome.)
+        let rebuilt = std::sync::Arc::new(Built::new(&self.config));
+        *self.built.write().unwrap_or_else(|p| p.into_inner()) = rebuilt.clone();
+        rebuilt
+    }
+}
+
+impl Built {
+    fn new(config: &WebhookSinkConfig) -> Built {
+        let files = Stamp::of(config.watched_files());
         let mut broken = None;
         let mut builder = reqwest::Client::builder()
             .redirect(redirect::Policy::none())
             .timeout(config.timeout)
             .user_agent(concat!("sched-relay/", env!("CARGO_PKG_VERSION")));
-        let tls = match crate::tls::client_config(&config) {
+        let tls = match crate::tls::client_config(config) {
             Ok(tls) => {
                 builder = builder.use_preconfigured_tls((*tls).clone());
                 Some(tls)
@@ -138,8 +181,8 @@ impl WebhookSink {
                 (None, None)
             }
         };
-        WebhookSink {
-            config,
+        Built {
+            files,
             client,
             tls,
             common,
@@ -148,17 +191,40 @@ impl WebhookSink {
             broken,
         }
     }
+}
 
-    async fn post(&self, headers: HeaderMap, body: Vec<u8>, what: &str) -> Result<(), SinkError> {
-        let mut request = self
+impl WebhookSink {
+    async fn post(
+        &self,
+        built: &Built,
+        headers: HeaderMap,
+        body: Vec<u8>,
+        what: &str,
+    ) -> Result<(), SinkError> {
+        let sent = self.send(built, headers, body, what).await;
+        if matches!(sent, Err(SinkError::Authentication(_))) {
+            self.refused
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+        sent
+    }
+
+    async fn send(
+        &self,
+        built: &Built,
+        headers: HeaderMap,
+        body: Vec<u8>,
+        what: &str,
+    ) -> Result<(), SinkError> {
+        let mut request = built
             .client
             .post(&self.config.url)
-            .headers(self.common.clone())
+            .headers(built.common.clone())
             .headers(headers);
-        if let Some(key) = &self.hmac_key {
+        if let Some(key) = &built.hmac_key {
             request = request.header(self.config.hmac_header.as_str(), signature(key, &body));
         }
-        if let Some(key) = &self.standard_key {
+        if let Some(key) = &built.standard_key {
             // Signed at each attempt: a retry carries a fresh timestamp.
             let timestamp = chrono::Utc::now().timestamp();
             request = request
@@ -288,12 +354,13 @@ fn header_map(pairs: &[(String, String)], content_type: &str) -> Result<HeaderMa
 #[async_trait]
 impl Sink for WebhookSink {
     async fn deliver(&self, batch: &[Event]) -> Result<(), DeliveryError> {
-        // A sink that could not be set up (a token file missing at start, a header it cannot
-        // send) is the sink's state, not any event's: the events wait in the outbox, and
-        // /readyz and the health check say why, until the agent is restarted with it fixed.
-        if let Some(problem) = &self.broken {
+        // A sink that could not be set up (a token file missing or being replaced, a header
+        // it cannot send) is the sink's state, not any event's: the events wait in the
+        // outbox, and /readyz and the health check say why, until a file it reads changes.
+        let built = self.current();
+        if let Some(problem) = &built.broken {
             return Err(SinkError::Retriable(format!(
-                "{problem} (events wait in the outbox; fix it and restart the agent)"
+                "{problem} (events wait in the outbox; the files are read again when they change)"
             ))
             .into());
         }
@@ -307,14 +374,15 @@ impl Sink for WebhookSink {
                 None => "batch:empty".to_owned(),
             };
             return Ok(self
-                .post(header_map(&[], BATCH_CONTENT_TYPE)?, body, &what)
+                .post(&built, header_map(&[], BATCH_CONTENT_TYPE)?, body, &what)
                 .await?);
         }
         for (index, event) in batch.iter().enumerate() {
             let post = async {
                 let encoded = binding::encode(event, self.config.content_mode(), binding::HTTP)?;
                 let headers = header_map(&encoded.headers, &encoded.content_type)?;
-                self.post(headers, encoded.body, &event.message_id()).await
+                self.post(&built, headers, encoded.body, &event.message_id())
+                    .await
             };
             post.await.map_err(|e| DeliveryError::at(index, e))?;
         }
@@ -322,8 +390,9 @@ impl Sink for WebhookSink {
     }
 
     async fn health_check(&self) -> Result<(), SinkError> {
-        if let Some(problem) = &self.broken {
-            return Err(SinkError::Permanent(problem.clone()));
+        let built = self.current();
+        if let Some(problem) = &built.broken {
+            return Err(SinkError::Retriable(problem.clone()));
         }
         // A webhook has no side-effect-free probe; check that the host accepts a connection
         // and, over HTTPS, completes a TLS handshake that a delivery would accept.
@@ -373,7 +442,7 @@ impl Sink for WebhookSink {
         if url.scheme() != "https" || proxy.is_some() {
             return Ok(());
         }
-        let (Some(tls), Some(url_host)) = (&self.tls, url.host()) else {
+        let (Some(tls), Some(url_host)) = (&built.tls, url.host()) else {
             return Ok(());
         };
         let name = match url_host {
