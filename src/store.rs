@@ -55,9 +55,11 @@
 //! `an_emptied_state_file_is_made_anew_at_the_next_reopen`. A replacement that is another
 //! store's file (each file carries a random store id; [`lineage`]) has its events numbered
 //! again above every number a sink's task may stand at, in order
-//! (`another_stores_events_put_back_while_the_agent_runs_are_delivered_after_what_it_passed`);
-//! a copy of this very store keeps its numbers, every one below a task's position having
-//! been delivered (`a_backup_of_this_store_put_back_keeps_its_numbers`).
+//! (`another_stores_events_put_back_while_the_agent_runs_are_delivered_after_what_it_passed`,
+//! `a_backup_from_before_the_file_was_made_anew_is_numbered_again`); a copy of this very
+//! store keeps its numbers, every one below a task's position having been delivered
+//! (`a_backup_of_this_store_put_back_keeps_its_numbers`). The state directory's lock is taken
+//! again when it was removed (`the_state_directory_is_locked_again_once_it_is_made_anew`).
 
 mod config;
 mod error;
@@ -146,11 +148,13 @@ pub struct Outbox {
     /// made anew after a removal starts with (`recovery`).
     processed: std::sync::Mutex<Option<(Vec<u8>, [u8; 8])>>,
     /// Which store this is (`lineage`): a file found at the path with another id is taken
-    /// in with its events numbered again.
-    store_id: [u8; 16],
-    /// The state directory's lock, held as long as the store is open: declared last, so that
-    /// it is released after the database is closed.
-    _lock: StateLock,
+    /// in with its events numbered again. A new id whenever the file is made anew or
+    /// another's is taken in: older copies of the store are then another store's too.
+    store_id: std::sync::Mutex<[u8; 16]>,
+    /// The state directory's lock, held as long as the store is open (taken again when the
+    /// directory or the lock file was removed): declared last, so that it is released after
+    /// the database is closed.
+    lock: std::sync::Mutex<StateLock>,
 }
 
 /// What an operation does to the file, for the writability record.
@@ -257,8 +261,8 @@ impl Outbox {
             generation: Default::default(),
             issued: Default::default(),
             processed: Default::default(),
-            store_id,
-            _lock: lock,
+            store_id: std::sync::Mutex::new(store_id),
+            lock: std::sync::Mutex::new(lock),
         };
         // Create the tables, and read what a restart needs, so damage shows at start.
         outbox.with_db(Access::Upkeep, |db| {
@@ -273,6 +277,11 @@ impl Outbox {
             }
         }
         Ok(outbox)
+    }
+
+    /// This store's id now (see [`lineage`]).
+    fn store_id(&self) -> [u8; 16] {
+        *self.store_id.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn io(&self, error: impl std::fmt::Display) -> StoreError {

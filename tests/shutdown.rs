@@ -132,8 +132,9 @@ fn silent_broker() -> u16 {
     port
 }
 
-/// An approval source whose broker accepts the connection and never answers: SIGTERM still
-/// ends the agent within `delivery.shutdown_timeout`, and the file sink's events are there.
+/// An approval source whose broker accepts the connection and never answers (for a minute:
+/// its connection timeout, past the shutdown deadline): SIGTERM still ends the agent within
+/// `delivery.shutdown_timeout`.
 #[cfg(all(feature = "nats", feature = "amqp"))]
 #[test]
 fn sigterm_ends_the_agent_within_the_shutdown_timeout_while_an_approval_source_hangs() {
@@ -148,10 +149,12 @@ fn sigterm_ends_the_agent_within_the_shutdown_timeout_while_an_approval_source_h
 name = "bus"
 kind = "nats"
 url = "nats://127.0.0.1:{nats}"
+timeout = "60s"
 [[sinks]]
 name = "rabbit"
 kind = "amqp"
 url = "amqp://guest:guest@127.0.0.1:{amqp}/%2f"
+timeout = "60s"
 [approvals.nats]
 sink = "bus"
 [approvals.amqp]

@@ -57,11 +57,24 @@ impl Approver {
     /// document case-insensitively (a GUID that went through .NET `Guid` comes back
     /// lower-cased); a valid request's EventIds are returned in the document's spelling, which
     /// is what the StartRequests POST and the outcome event carry.
+    #[cfg(test)]
     pub(super) async fn check(
         &self,
         message: &Inbound,
         document: &mut Option<Arc<Document>>,
     ) -> (String, Vec<String>, Verdict, bool) {
+        let (request_id, event_ids, verdict, recorded, _) =
+            self.check_with_content(message, document).await;
+        (request_id, event_ids, verdict, recorded)
+    }
+
+    /// As [`Approver::check`], with what the request says ([`content_of`]; None for a bare
+    /// body or a message that could not be read).
+    pub(super) async fn check_with_content(
+        &self,
+        message: &Inbound,
+        document: &mut Option<Arc<Document>>,
+    ) -> (String, Vec<String>, Verdict, bool, Option<String>) {
         let made_up = || {
             format!(
                 "unidentified:{}:{:016x}",
@@ -77,11 +90,13 @@ impl Approver {
                     Vec::new(),
                     Verdict::Reject(rejection),
                     false,
+                    None,
                 );
             }
         };
         let request_id = request.id().map(str::to_owned).unwrap_or_else(made_up);
         let mut event_ids = request.event_ids.clone();
+        let content = content_of(&request);
         if message.shared
             && let Some(target) = request.vm_name()
             && target != FLEET_TARGET
@@ -92,6 +107,7 @@ impl Approver {
                 event_ids,
                 Verdict::Skip(format!("addressed to {target}")),
                 false,
+                content,
             );
         }
         let mut recorded = false;
@@ -112,7 +128,7 @@ impl Approver {
                 Verdict::Posted
             }
         };
-        (request_id, event_ids, verdict, recorded)
+        (request_id, event_ids, verdict, recorded, content)
     }
 
     /// The checks in order; when all pass, the EventIds as the document spells them.
@@ -204,13 +220,21 @@ impl Approver {
         };
         // What the request says, signed or not: its record keeps it, and a request that
         // reuses the id with other content is not answered from that record.
-        let content = canonical(
-            &attributes.id,
-            &attributes.source,
-            attributes.time.timestamp(),
-            attributes.vm_name.as_deref(),
-            &request.event_ids,
-        );
+        let content = content_of(request).unwrap_or_default();
+        // A POST this process saw accepted is answered accepted whatever the store holds
+        // now: its durable mark (or the whole record) may have been lost to a disk fault,
+        // and the event may be over; checked before the age, as a stored record is.
+        if let Some((said, event_ids)) = self.posted.get(&attributes.id) {
+            if said != content {
+                return Err(altered(&attributes.id).into());
+            }
+            tracing::info!(request_id = %attributes.id, "A request the metadata service accepted in this run, its outcome not recorded: answering accepted, nothing sent again");
+            return Ok(Fresh {
+                recorded: true,
+                resumed: true,
+                posted: Some(event_ids),
+            });
+        }
         let store_error = |error: String| {
             // Without a durable record a replay could not be recognised later, so nothing is
             // sent; but the request was not replayed: it fails, and may be sent again.
@@ -281,15 +305,6 @@ impl Approver {
         .map_err(|e| e.to_string())
         .and_then(|result| result.map_err(|e| e.to_string()))
         .map_err(store_error)?;
-        // A POST this process saw accepted, whose mark did not reach the disk (a disk fault):
-        // still answered accepted, not refused once its event is over.
-        let seen = match seen {
-            Seen::InFlight => match self.posted.get(&attributes.id) {
-                Some(event_ids) => Seen::Posted { event_ids },
-                None => Seen::InFlight,
-            },
-            seen => seen,
-        };
         match seen {
             Seen::New => Ok(Fresh {
                 recorded: true,
@@ -318,14 +333,7 @@ impl Approver {
                 format!("request id {:?} was already handled", attributes.id),
             )
             .into()),
-            Seen::Altered => Err(Rejection::new(
-                Reason::Replayed,
-                format!(
-                    "request id {:?} was handled before with other content (another VM, EventIds, source or time): an id is used once",
-                    attributes.id
-                ),
-            )
-            .into()),
+            Seen::Altered => Err(altered(&attributes.id).into()),
         }
     }
 
@@ -427,4 +435,28 @@ impl Approver {
             },
         }
     }
+}
+
+/// What a request says (its id, source, time, VM and EventIds, as signed), to tell a second
+/// copy of it from another request reusing its id; None for a bare body (no id).
+pub(super) fn content_of(request: &Request) -> Option<String> {
+    request.cloud_event.as_ref().map(|attributes| {
+        canonical(
+            &attributes.id,
+            &attributes.source,
+            attributes.time.timestamp(),
+            attributes.vm_name.as_deref(),
+            &request.event_ids,
+        )
+    })
+}
+
+/// The refusal of a request that reuses a handled request's id with other content.
+fn altered(id: &str) -> Rejection {
+    Rejection::new(
+        Reason::Replayed,
+        format!(
+            "request id {id:?} was handled before with other content (another VM, EventIds, source or time): an id is used once"
+        ),
+    )
 }

@@ -74,6 +74,8 @@ struct Pending {
     verdict: Verdict,
     /// The id is recorded in flight: finish the record with the outcome.
     recorded: bool,
+    /// What the request says (`checks::content_of`), for the posted requests kept in memory.
+    content: Option<String>,
 }
 
 /// Checks requests and forwards the valid ones. One task runs it; sources feed it.
@@ -154,8 +156,9 @@ impl Approver {
         let mut document = None;
         let mut pending = Vec::with_capacity(batch.len());
         for delivery in batch {
-            let (request_id, event_ids, mut verdict, recorded) =
-                self.check(&delivery.message, &mut document).await;
+            let (request_id, event_ids, mut verdict, recorded, content) = self
+                .check_with_content(&delivery.message, &mut document)
+                .await;
             // The same request twice in one batch: the second is answered as the first.
             if recorded
                 && let Some(first) = pending
@@ -170,6 +173,7 @@ impl Approver {
                 event_ids,
                 verdict,
                 recorded,
+                content,
             });
         }
         let valid: Vec<String> = pending
@@ -420,8 +424,10 @@ impl Approver {
             .filter(|p| p.recorded)
             .map(|p| (p.request_id.clone(), p.event_ids.clone()))
             .collect();
-        for (request_id, event_ids) in &posted {
-            self.posted.insert(request_id, event_ids);
+        for p in accepted.iter().filter(|p| p.recorded) {
+            if let Some(content) = &p.content {
+                self.posted.insert(&p.request_id, content, &p.event_ids);
+            }
         }
         let outbox = self.outbox.clone();
         let marked = tokio::task::spawn_blocking(move || outbox.mark_posted(&posted))

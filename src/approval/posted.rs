@@ -10,30 +10,38 @@ use std::collections::HashMap;
 #[derive(Default)]
 pub(super) struct PostedHere(std::sync::Mutex<Posted>);
 
-/// How many were inserted, and per request id: its insertion's number and its EventIds.
-type Posted = (u64, HashMap<String, (u64, Vec<String>)>);
+/// How many were inserted, and per request id: its insertion's number, what the request
+/// said, and the EventIds its POST named.
+type Posted = (u64, HashMap<String, (u64, String, Vec<String>)>);
 
 impl PostedHere {
     const MAX: usize = 10_000;
 
-    pub(super) fn insert(&self, request_id: &str, event_ids: &[String]) {
+    pub(super) fn insert(&self, request_id: &str, content: &str, event_ids: &[String]) {
         let mut guard = self.0.lock().unwrap_or_else(|p| p.into_inner());
         let (counter, posted) = &mut *guard;
         *counter += 1;
-        posted.insert(request_id.to_owned(), (*counter, event_ids.to_vec()));
+        posted.insert(
+            request_id.to_owned(),
+            (*counter, content.to_owned(), event_ids.to_vec()),
+        );
         if posted.len() > Self::MAX
             && let Some(oldest) = posted
                 .iter()
-                .min_by_key(|(_, (order, _))| *order)
+                .min_by_key(|(_, (order, _, _))| *order)
                 .map(|(id, _)| id.clone())
         {
             posted.remove(&oldest);
         }
     }
 
-    pub(super) fn get(&self, request_id: &str) -> Option<Vec<String>> {
+    /// What the request said and the EventIds its POST named.
+    pub(super) fn get(&self, request_id: &str) -> Option<(String, Vec<String>)> {
         let guard = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        guard.1.get(request_id).map(|(_, ids)| ids.clone())
+        guard
+            .1
+            .get(request_id)
+            .map(|(_, content, ids)| (content.clone(), ids.clone()))
     }
 
     /// Their outcomes are recorded: the records answer from now on.

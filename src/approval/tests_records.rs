@@ -121,15 +121,16 @@ async fn a_posted_request_is_answered_with_the_event_ids_its_post_named() {
     assert_eq!(body(&answer)["reason"], "replayed");
 }
 
-#[tokio::test]
-async fn a_post_whose_mark_a_full_disk_refused_is_still_answered_accepted_after_its_event() {
+/// The metadata service accepted a request's POST, and the disk refused its mark (and,
+/// with `file_lost`, the state file was lost with it and made anew); then its event ran and
+/// left the document, and the requester, unanswered, sends it again.
+async fn posted_then_disk_fault(file_lost: bool) -> Verdict {
     let dir = tempfile::tempdir().unwrap();
     let faults = DiskFaults::new();
     let (mut approver, _fanout) = approver(dir.path(), faults.clone());
     let message = request();
     let (request_id, event_ids, verdict, recorded) = approver.check(&message, &mut None).await;
     assert!(matches!(verdict, Verdict::Valid) && recorded, "{verdict:?}");
-    // The metadata service accepted the POST; the disk is full when it is marked.
     faults.fill();
     let pending = Pending {
         delivery: Delivery {
@@ -140,13 +141,18 @@ async fn a_post_whose_mark_a_full_disk_refused_is_still_answered_accepted_after_
         event_ids,
         verdict,
         recorded,
+        content: super::checks::content_of(
+            &sched_relay_core::approval::parse(&message, &approver.limits).unwrap(),
+        ),
     };
     approver.mark_posted(&[&pending]).await;
+    if file_lost {
+        std::fs::remove_file(dir.path().join(crate::store::FILE_NAME)).unwrap();
+    }
     faults.free();
-    // The Freeze runs and leaves the document; the requester, unanswered, sends it again.
     event_over(&mut approver);
     let deadline = Instant::now() + Duration::from_secs(10);
-    let verdict = loop {
+    loop {
         let (_, _, verdict, _) = approver.check(&message, &mut None).await;
         match verdict {
             Verdict::Fail(..) if Instant::now() < deadline => {
@@ -154,9 +160,23 @@ async fn a_post_whose_mark_a_full_disk_refused_is_still_answered_accepted_after_
             }
             verdict => break verdict,
         }
-    };
+    }
+}
+
+#[tokio::test]
+async fn a_post_whose_mark_a_full_disk_refused_is_still_answered_accepted_after_its_event() {
+    let verdict = posted_then_disk_fault(false).await;
     assert!(
         matches!(verdict, Verdict::Posted),
         "an approval the metadata service accepted is refused once its mark failed: {verdict:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_post_whose_record_was_lost_with_the_state_file_is_still_answered_accepted() {
+    let verdict = posted_then_disk_fault(true).await;
+    assert!(
+        matches!(verdict, Verdict::Posted),
+        "an approval the metadata service accepted is checked again once its record was lost: {verdict:?}"
     );
 }

@@ -77,9 +77,11 @@ pub struct BearerToken {
 }
 
 impl BearerToken {
-    /// The token given inline (`file` None) or read from `file` now.
+    /// The token given inline (`file` None) or read from `file` at start. With a file, the
+    /// first request reads it again (what the stamp would say about the read at start is not
+    /// known: a rotation just after it must not go unseen).
     pub fn new(token: String, file: Option<std::path::PathBuf>) -> BearerToken {
-        let stamp = Stamp::of(file.as_deref());
+        let stamp = Stamp::default();
         BearerToken {
             file,
             current: std::sync::Mutex::new((stamp, token)),

@@ -1,12 +1,14 @@
 //! Which store a file is: each store file carries a random id (`store_id` in META), made when
 //! the file is and kept by every copy of it. When the agent reopens its path while it runs
 //! (after an I/O error) and finds another store's file there (a backup of another VM's
-//! state, of a state moved aside, or of a version before ids were kept), that file's
-//! numbers mean nothing to the sinks' tasks, whose positions are in this store's numbering:
-//! a task past them would skip its events and remove them undelivered. So every event of
-//! such a file is numbered again, in order, above every number a task may stand at, as the
-//! conversion of an earlier version's file is. A copy of this very store (a backup of it,
-//! put back) keeps its numbers: every number below a task's position was delivered.
+//! state, of a state moved aside, of a version before ids were kept, or of this store from
+//! before its file was made anew), that file's numbers mean nothing to the sinks' tasks,
+//! whose positions are in this store's numbering: a task past them would skip its events and
+//! remove them undelivered. So every event of such a file is numbered again, in order, above
+//! every number a task may stand at, and the store takes a new id. A file made anew gets a
+//! new id too. A copy of this very store (same id: nothing was made anew or taken in since
+//! it was taken) keeps its numbers: every number below a task's position in it was
+//! delivered.
 
 use redb::{Database, ReadableTable};
 
@@ -16,9 +18,10 @@ use super::payloads::QUEUE;
 /// The META key of the store's id (16 random bytes).
 pub(super) const STORE_ID: &str = "store_id";
 
-/// Events renumbered per transaction: a crash part-way leaves the rest for the next reopen
-/// (and the order intact: the lowest are moved first, each above the sink's highest).
-const RENUMBER_BATCH: usize = if cfg!(test) { 3 } else { 10_000 };
+/// A new store id.
+pub(super) fn new_id() -> [u8; 16] {
+    fastrand::u128(..).to_be_bytes()
+}
 
 /// The file's store id, made and written if it has none.
 pub(super) fn store_id(db: &Database) -> Result<[u8; 16], redb::Error> {
@@ -31,7 +34,7 @@ pub(super) fn store_id(db: &Database) -> Result<[u8; 16], redb::Error> {
         match known {
             Some(id) => id,
             None => {
-                let id = fastrand::u128(..).to_be_bytes();
+                let id = new_id();
                 meta.insert(STORE_ID, id.as_slice())?;
                 id
             }
@@ -66,37 +69,27 @@ pub(super) fn is_ours(db: &Database, ours: [u8; 16]) -> Result<bool, redb::Error
 pub(super) fn take_in(db: &Database, floor: u64, ours: [u8; 16]) -> Result<usize, redb::Error> {
     let mut renumbered = 0;
     for sink in sinks(db)? {
-        // The first new number: every event numbered below it is moved above the highest.
-        let first_new = last_number(db, &sink)?
-            .map_or(0, |last| last + 1)
-            .max(floor);
-        loop {
-            let txn = db.begin_write()?;
-            let moved = {
-                let mut queue = txn.open_table(QUEUE)?;
-                let rows: Vec<(u64, u64)> = queue
-                    .range((sink.as_str(), 0)..(sink.as_str(), first_new))?
-                    .take(RENUMBER_BATCH)
-                    .map(|entry| entry.map(|(key, copy)| (key.value().1, copy.value())))
-                    .collect::<Result<_, _>>()?;
-                let next = queue
-                    .range((sink.as_str(), 0)..=(sink.as_str(), u64::MAX))?
-                    .next_back()
-                    .transpose()?
-                    .map_or(0, |(key, _)| key.value().1 + 1)
-                    .max(first_new);
-                for ((number, copy), new) in rows.iter().zip(next..) {
-                    queue.remove((sink.as_str(), *number))?;
-                    queue.insert((sink.as_str(), new), *copy)?;
-                }
-                rows.len()
-            };
-            txn.commit()?;
-            renumbered += moved;
-            if moved < RENUMBER_BATCH {
-                break;
+        // One transaction per sink: its events move all at once, so a crash part-way never
+        // leaves some of them above the others (the next reopen moves them all again, in
+        // order, since the file does not have this store's id until every sink is done).
+        let txn = db.begin_write()?;
+        {
+            let mut queue = txn.open_table(QUEUE)?;
+            let rows: Vec<(u64, u64)> = queue
+                .range((sink.as_str(), 0)..=(sink.as_str(), u64::MAX))?
+                .map(|entry| entry.map(|(key, copy)| (key.value().1, copy.value())))
+                .collect::<Result<_, _>>()?;
+            // Above the highest of the file and every number a task may stand at.
+            let first_new = rows.last().map_or(0, |(last, _)| last + 1).max(floor);
+            for (number, _) in &rows {
+                queue.remove((sink.as_str(), *number))?;
             }
+            for ((_, copy), new) in rows.iter().zip(first_new..) {
+                queue.insert((sink.as_str(), new), *copy)?;
+            }
+            renumbered += rows.len();
         }
+        txn.commit()?;
     }
     let txn = db.begin_write()?;
     set_store_id(&txn, ours)?;
@@ -121,14 +114,4 @@ fn sinks(db: &Database) -> Result<Vec<String>, redb::Error> {
         }
     }
     Ok(sinks)
-}
-
-fn last_number(db: &Database, sink: &str) -> Result<Option<u64>, redb::Error> {
-    let txn = redb::ReadableDatabase::begin_read(db)?;
-    let queue = txn.open_table(QUEUE)?;
-    Ok(queue
-        .range((sink, 0)..=(sink, u64::MAX))?
-        .next_back()
-        .transpose()?
-        .map(|(key, _)| key.value().1))
 }

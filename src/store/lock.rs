@@ -17,7 +17,7 @@ pub const LOCK_FILE: &str = "lock";
 /// The state directory's lock; released when dropped (or when the process ends).
 #[derive(Debug)]
 pub struct StateLock {
-    _file: File,
+    file: File,
 }
 
 impl StateLock {
@@ -70,6 +70,16 @@ impl StateLock {
             .set_len(0)
             .and_then(|()| file.rewind())
             .and_then(|()| file.write_all(said.as_bytes()));
-        Ok(StateLock { _file: file })
+        Ok(StateLock { file })
+    }
+
+    /// Whether the locked file is still `<dir>/lock` (not removed with its directory, or
+    /// replaced): a lock on a file no longer there keeps nobody out.
+    pub fn still_at(&self, dir: &Path) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        match (self.file.metadata(), std::fs::metadata(dir.join(LOCK_FILE))) {
+            (Ok(held), Ok(there)) => held.dev() == there.dev() && held.ino() == there.ino(),
+            _ => false,
+        }
     }
 }

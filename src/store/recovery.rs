@@ -204,6 +204,32 @@ impl Outbox {
 
     /// Opens the file again; makes it anew if it is gone, and its tables if they are.
     fn reopen_file(&self) -> Result<Database, String> {
+        let reopened = self.reopen_path();
+        self.relock();
+        reopened
+    }
+
+    /// Takes the state directory's lock again when the locked file is gone (the directory
+    /// removed and made anew, say): a lock on a removed file keeps no second agent out.
+    fn relock(&self) {
+        let dir = self.path.parent().unwrap_or(Path::new("."));
+        let mut lock = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        if lock.still_at(dir) {
+            return;
+        }
+        match super::StateLock::take(dir) {
+            Ok(taken) => {
+                *lock = taken;
+                tracing::warn!(dir = %dir.display(), "The state directory's lock file was removed while the agent ran; locked it again");
+            }
+            Err(error) => {
+                tracing::error!(dir = %dir.display(), error = %error, "The state directory's lock file was removed while the agent ran, and cannot be locked again: another process may be using this state directory");
+            }
+        }
+    }
+
+    /// Opens the path again (see [`Outbox::reopen_file`]).
+    fn reopen_path(&self) -> Result<Database, String> {
         match std::fs::symlink_metadata(&self.path) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => self.make_file_anew()?,
             // Emptied (`: > outbox.redb`): nothing in it to keep, and redb opens an empty
@@ -220,7 +246,7 @@ impl Outbox {
         let db =
             open_database(&self.path, self.faults.as_ref(), false).map_err(|e| e.to_string())?;
         // Asked before its tables are made (which would mark it this store's).
-        let ours = lineage::is_ours(&db, self.store_id)
+        let ours = lineage::is_ours(&db, self.store_id())
             .map_err(|e| format!("cannot read which store it is: {e}"))?;
         let missing = (|| -> Result<bool, redb::Error> {
             let txn = db.begin_read()?;
@@ -247,8 +273,13 @@ impl Outbox {
         let renumbered = if ours {
             0
         } else {
-            lineage::take_in(&db, floor, self.store_id)
-                .map_err(|e| format!("cannot number the events it holds again: {e}"))?
+            // A new id: an older copy of this store (from before this file) is another
+            // store's from now on, and numbered again too if it is put back.
+            let renewed = lineage::new_id();
+            let renumbered = lineage::take_in(&db, floor, renewed)
+                .map_err(|e| format!("cannot number the events it holds again: {e}"))?;
+            *self.store_id.lock().unwrap_or_else(|p| p.into_inner()) = renewed;
+            renumbered
         };
         if renumbered > 0 {
             tracing::warn!(path = %self.path.display(), events = renumbered, "The state store file was replaced while the agent ran by another store's; its events are delivered after everything delivered before");
@@ -282,6 +313,9 @@ impl Outbox {
             let _ = std::fs::remove_file(&staged);
             let db =
                 open_database(&staged, self.faults.as_ref(), true).map_err(|e| e.to_string())?;
+            // A new store (its id written by create_tables): a copy of the old file put back
+            // later is another store's, its events numbered again, never skipped.
+            *self.store_id.lock().unwrap_or_else(|p| p.into_inner()) = lineage::new_id();
             self.create_tables(&db).map_err(|e| e.to_string())?;
             drop(db);
             let placed = match std::fs::hard_link(&staged, &self.path) {
@@ -319,7 +353,7 @@ impl Outbox {
             let mut meta = txn.open_table(META)?;
             // Set by `Outbox::open` from the file itself; here, a file made anew is this store.
             if meta.get(lineage::STORE_ID)?.is_none() {
-                meta.insert(lineage::STORE_ID, self.store_id.as_slice())?;
+                meta.insert(lineage::STORE_ID, self.store_id().as_slice())?;
             }
             let processed = self.processed.lock().unwrap_or_else(|p| p.into_inner());
             if let Some((document, epoch)) = processed.as_ref()

@@ -82,3 +82,59 @@ fn a_backup_of_this_store_put_back_keeps_its_numbers() {
     outbox.remove_below("a", 3).unwrap();
     assert!(outbox.pending("a", 10).unwrap().is_empty());
 }
+
+/// The file was lost while the agent ran (made anew, a new store), then last night's backup
+/// of it is put back: its events are numbered again above the task's position, so those it
+/// had not delivered are delivered (those it had, again: at least once), never removed.
+#[test]
+fn a_backup_from_before_the_file_was_made_anew_is_numbered_again() {
+    let backup = tempfile::NamedTempFile::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let faults = DiskFaults::new();
+    let outbox = Outbox::open_with_faults(dir.path(), 100, faults.clone()).unwrap();
+    let path = dir.path().join(FILE_NAME);
+    outbox
+        .commit(&sinks(&["a"]), &[event("1"), event("2"), event("3")], None)
+        .unwrap();
+    outbox.flush().unwrap();
+    std::fs::copy(&path, backup.path()).unwrap();
+    // The task delivers all three (position 3), then the file is lost and made anew.
+    assert_eq!(outbox.pending_between("a", 0, None, 10).unwrap().len(), 3);
+    std::fs::remove_file(&path).unwrap();
+    faults.fill();
+    assert!(outbox.set_meta("probe", &serde_json::json!(1)).is_err());
+    faults.free();
+    eventually(|| outbox.flush());
+    // The backup is put back under the running agent.
+    std::fs::remove_file(&path).unwrap();
+    std::fs::copy(backup.path(), &path).unwrap();
+    faults.fill();
+    assert!(outbox.set_meta("probe", &serde_json::json!(2)).is_err());
+    faults.free();
+    eventually(|| outbox.flush());
+    let next = outbox.pending_between("a", 3, None, 10).unwrap();
+    assert_eq!(ids(&next), ["1", "2", "3"], "delivered again, not removed");
+    outbox.remove_below("a", 3).unwrap();
+    assert_eq!(ids(&outbox.pending("a", 10).unwrap()), ["1", "2", "3"]);
+}
+
+/// `rm -rf` of the state directory while the agent runs takes its lock file with it: the
+/// reopen that makes the directory anew locks it again, so a second agent is still refused.
+#[test]
+fn the_state_directory_is_locked_again_once_it_is_made_anew() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("state");
+    let faults = DiskFaults::new();
+    let outbox = Outbox::open_with_faults(&dir, 100, faults.clone()).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    faults.fill();
+    assert!(outbox.set_meta("probe", &serde_json::json!(1)).is_err());
+    faults.free();
+    eventually(|| outbox.flush());
+    assert!(
+        matches!(StateLock::take(&dir), Err(StoreError::Locked { .. })),
+        "a second process could lock the directory made anew"
+    );
+    drop(outbox);
+    assert!(StateLock::take(&dir).is_ok(), "released with the store");
+}

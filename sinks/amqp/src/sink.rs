@@ -23,6 +23,24 @@ use crate::{AmqpSinkConfig, HeaderStyle};
 pub struct AmqpSink {
     config: AmqpSinkConfig,
     connection: Mutex<Option<(Connection, Channel, Stamp)>>,
+    /// When a connection with changed files was last tried and failed (the old one going on).
+    tried_new_files: std::sync::Mutex<Option<std::time::Instant>>,
+}
+
+/// How long a connection that still works is kept after a new one with changed files failed
+/// (the broker does not take the new password or certificate yet), before trying again.
+pub const RETRY_NEW_FILES: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Closes a connection that is no longer used, without waiting on it (a half-open one would
+/// hold the caller until the broker's timeout).
+pub fn close_in_background(connection: Connection, why: &'static str) {
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            connection.close(200, why.into()),
+        )
+        .await;
+    });
 }
 
 impl AmqpSink {
@@ -30,6 +48,7 @@ impl AmqpSink {
         AmqpSink {
             config,
             connection: Mutex::new(None),
+            tried_new_files: std::sync::Mutex::new(None),
         }
     }
 
@@ -74,20 +93,61 @@ impl AmqpSink {
             && connection.status().connected()
             && channel.status().connected()
         {
-            if self.files() == *files {
+            if self.files() == *files || !self.may_try_new_files() {
                 return Ok(channel.clone());
             }
-            tracing::info!(broker = %self.broker(), "AMQP sink: a password or certificate file changed; connecting again");
-            let _ = connection.close(200, "credentials rotated".into()).await;
+            // A password or certificate file changed: the new connection is made first, and
+            // replaces the old one only once it is in.
+            match self.connect_declared().await {
+                Ok((new_connection, new_channel, new_files)) => {
+                    tracing::info!(broker = %self.broker(), "AMQP sink: connected with the changed password or certificate files; the old connection is closed");
+                    if let Some((old, _, _)) =
+                        slot.replace((new_connection, new_channel.clone(), new_files))
+                    {
+                        close_in_background(old, "credentials rotated");
+                    }
+                    return Ok(new_channel);
+                }
+                Err(error) => {
+                    tracing::warn!(broker = %self.broker(), error = %error, retry_in = ?RETRY_NEW_FILES, "AMQP sink: a connection with the changed password or certificate files failed; the old connection goes on meanwhile");
+                    return Ok(channel.clone());
+                }
+            }
         }
-        *slot = None;
-        let files = self.files();
-        let (connection, channel) = self.open(true).await?;
-        if self.config.declare {
-            self.declare(&channel).await?;
+        if let Some((old, _, _)) = slot.take() {
+            close_in_background(old, "reconnecting");
         }
+        let (connection, channel, files) = self.connect_declared().await?;
         *slot = Some((connection, channel.clone(), files));
         Ok(channel)
+    }
+
+    /// A new connection and confirming channel, the exchange declared when asked, and the
+    /// stamp of the files it was made with.
+    async fn connect_declared(&self) -> Result<(Connection, Channel, Stamp), SinkError> {
+        let files = self.files();
+        let (connection, channel) = self.open(true).await?;
+        if self.config.declare
+            && let Err(error) = self.declare(&channel).await
+        {
+            close_in_background(connection, "declaration failed");
+            return Err(error);
+        }
+        Ok((connection, channel, files))
+    }
+
+    /// Whether a connection with changed files may be tried now (at most every
+    /// [`RETRY_NEW_FILES`] while the old one works); notes the try.
+    pub fn may_try_new_files(&self) -> bool {
+        let mut tried = self
+            .tried_new_files
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let due = tried.is_none_or(|at| at.elapsed() >= RETRY_NEW_FILES);
+        if due {
+            *tried = Some(std::time::Instant::now());
+        }
+        due
     }
 
     /// Connects and opens a channel (with publisher confirms when asked); also used by the

@@ -17,6 +17,7 @@ use sched_relay_transport::inbound::{
 };
 use tokio::sync::watch;
 
+use crate::sink::close_in_background;
 use crate::{AmqpSink, AmqpSinkConfig};
 
 /// What to consume.
@@ -200,10 +201,20 @@ async fn consume(
             delivery = consumer.next() => Some(delivery),
         };
         let Some(delivery) = delivery else {
-            if sink.files() != files {
-                // Unacknowledged deliveries go back to the queue with the connection.
-                let _ = connection.close(200, "credentials rotated".into()).await;
-                return Err("a password or certificate file changed; connecting again".into());
+            // A password or certificate file changed: once a connection with the new files
+            // gets in, this one is closed (its unacknowledged deliveries go back to the
+            // queue) and the source connects again; until then it goes on.
+            if sink.files() != files && sink.may_try_new_files() {
+                match sink.open(false).await {
+                    Ok((probe, _)) => {
+                        close_in_background(probe, "probe");
+                        close_in_background(connection, "credentials rotated");
+                        return Err("the password or certificate files changed and a connection with them gets in; connecting again with them".into());
+                    }
+                    Err(error) => {
+                        tracing::warn!(queue = %spec.queue, error = %error, "A connection with the changed password or certificate files failed; the old connection goes on meanwhile");
+                    }
+                }
             }
             continue;
         };

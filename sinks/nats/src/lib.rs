@@ -18,7 +18,7 @@ mod sink;
 pub mod source;
 pub mod stream;
 #[cfg(feature = "client")]
-pub use sink::{Connected, NatsSink, connect, connect_error, connect_watched};
+pub use sink::{Connected, NatsSink, Outdated, connect, connect_error, connect_watched};
 #[cfg(feature = "testing")]
 pub mod testing;
 

@@ -21,6 +21,10 @@ pub struct NatsSink {
     client: Mutex<Option<Connected>>,
 }
 
+/// How long a connection that still works is kept after a new one with changed files failed
+/// (the server does not take the new credentials yet), before trying them again.
+const RETRY_NEW_FILES: std::time::Duration = std::time::Duration::from_secs(10);
+
 impl NatsSink {
     pub fn new(config: NatsSinkConfig) -> Self {
         NatsSink {
@@ -31,12 +35,29 @@ impl NatsSink {
 
     async fn client(&self) -> Result<async_nats::Client, SinkError> {
         let mut slot = self.client.lock().await;
-        if let Some(connected) = slot.as_ref() {
+        let url = sched_relay_transport::redact::text(&self.config.url).into_owned();
+        if let Some(connected) = slot.as_mut() {
             match connected.outdated(&self.config) {
                 None => return Ok(connected.client.clone()),
+                // Files changed, the old login still works: the new connection is made
+                // first, and replaces the old one only once it is in.
+                Some(Outdated::FilesChanged) if connected.still_works() => {
+                    if !connected.may_try_new_files() {
+                        return Ok(connected.client.clone());
+                    }
+                    match connect_watched(&self.config).await {
+                        Ok(new) => {
+                            tracing::info!(url = %url, "NATS sink: connected with the changed credentials or certificate files; the old connection is closed");
+                            *connected = new;
+                        }
+                        Err(error) => {
+                            tracing::warn!(url = %url, error = %error, retry_in = ?RETRY_NEW_FILES, "NATS sink: a connection with the changed credentials or certificate files failed; the old connection goes on meanwhile");
+                        }
+                    }
+                    return Ok(connected.client.clone());
+                }
                 Some(why) => {
-                    tracing::info!(url = %sched_relay_transport::redact::text(&self.config.url), "NATS sink: {why}; connecting again");
-                    // The last handle goes: async-nats closes that connection.
+                    tracing::info!(url = %url, "NATS sink: {}; connecting again", why.describe());
                     *slot = None;
                 }
             }
@@ -221,32 +242,83 @@ fn create_hint(subject: &str) -> String {
 
 /// A client, and what it was made with: the stamp of its credentials and certificate files,
 /// and whether the server has refused its login since (on a reconnect: credentials revoked
-/// or rotated on the server).
+/// or rotated on the server). Dropped, it retires its client: async-nats never ends a
+/// reconnection loop on its own (`max_reconnects(None)`), so a client replaced while it
+/// reconnects would try its old credentials for ever; retired, it waits a year between
+/// attempts instead, and its connection closes as soon as its last handle goes.
 pub struct Connected {
     pub client: async_nats::Client,
     files: Stamp,
     refused: Arc<AtomicBool>,
+    retired: Arc<AtomicBool>,
+    /// When a connection with changed files was last tried and failed.
+    tried_new_files: Option<std::time::Instant>,
+}
+
+/// Why a [`Connected`] client should give way to a new connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outdated {
+    /// The server refused the client's login or TLS (on a reconnect).
+    Refused,
+    /// A credentials or certificate file changed since the client was made.
+    FilesChanged,
+}
+
+impl Outdated {
+    pub fn describe(self) -> &'static str {
+        match self {
+            Outdated::Refused => "the server refused the login; reading the credentials anew",
+            Outdated::FilesChanged => "a credentials or certificate file changed",
+        }
+    }
 }
 
 impl Connected {
     /// Why this client should be replaced by a new connection (files read anew), if it
-    /// should: a credentials or certificate file of `config` changed, or the server refused
-    /// the client's login.
-    pub fn outdated(&self, config: &NatsSinkConfig) -> Option<&'static str> {
+    /// should: the server refused the client's login, or a credentials or certificate file
+    /// of `config` changed.
+    pub fn outdated(&self, config: &NatsSinkConfig) -> Option<Outdated> {
         if self.refused.load(Ordering::SeqCst) {
-            Some("the server refused the login; reading the credentials anew")
+            Some(Outdated::Refused)
         } else if Stamp::of(config.watched_files()) != self.files {
-            Some("a credentials or certificate file changed")
+            Some(Outdated::FilesChanged)
         } else {
             None
         }
+    }
+
+    /// Whether the client is connected now (a refused one is not).
+    pub fn still_works(&self) -> bool {
+        !self.refused.load(Ordering::SeqCst)
+            && self.client.connection_state() == async_nats::connection::State::Connected
+    }
+
+    /// Whether a connection with changed files may be tried now (at most every
+    /// [`RETRY_NEW_FILES`] while the old one works); notes the try.
+    pub fn may_try_new_files(&mut self) -> bool {
+        let due = self
+            .tried_new_files
+            .is_none_or(|at| at.elapsed() >= RETRY_NEW_FILES);
+        if due {
+            self.tried_new_files = Some(std::time::Instant::now());
+        }
+        due
+    }
+}
+
+impl Drop for Connected {
+    fn drop(&mut self) {
+        self.retired.store(true, Ordering::SeqCst);
     }
 }
 
 /// Connects with the sink's URL, credentials and TLS settings. See [`connect_error`] for what
 /// retrying can fix.
 pub async fn connect(config: &NatsSinkConfig) -> Result<async_nats::Client, SinkError> {
-    Ok(connect_watched(config).await?.client)
+    let mut connected = connect_watched(config).await?;
+    // Never retired: whoever holds this client keeps it reconnecting.
+    connected.retired = Arc::new(AtomicBool::new(false));
+    Ok(connected.client.clone())
 }
 
 /// As [`connect`], with what tells when the client is [`Connected::outdated`] (the sink and
@@ -256,11 +328,26 @@ pub async fn connect_watched(config: &NatsSinkConfig) -> Result<Connected, SinkE
     let files = Stamp::of(config.watched_files());
     let refused = Arc::new(AtomicBool::new(false));
     let noted = refused.clone();
+    let retired = Arc::new(AtomicBool::new(false));
+    let parked = retired.clone();
     let mut options = async_nats::ConnectOptions::new()
         .name("sched-relay")
         .connection_timeout(config.timeout)
         .request_timeout(Some(config.timeout))
         .max_reconnects(None)
+        // async-nats's own schedule (at once, then doubling from 2 ms to 4 s), but a retired
+        // client (replaced, see `Connected`) waits a year: it never logs in again.
+        .reconnect_delay_callback(move |attempts| {
+            if parked.load(Ordering::SeqCst) {
+                std::time::Duration::from_secs(365 * 24 * 3600)
+            } else if attempts <= 1 {
+                std::time::Duration::ZERO
+            } else {
+                let exponent = u32::try_from(attempts - 1).unwrap_or(u32::MAX);
+                std::time::Duration::from_millis(2_u64.saturating_pow(exponent))
+                    .min(std::time::Duration::from_secs(4))
+            }
+        })
         .event_callback(move |event| {
             let noted = noted.clone();
             async move {
@@ -326,6 +413,8 @@ pub async fn connect_watched(config: &NatsSinkConfig) -> Result<Connected, SinkE
         client,
         files,
         refused,
+        retired,
+        tried_new_files: None,
     })
 }
 

@@ -17,20 +17,44 @@ use sched_relay_transport::inbound::{
 use tokio::sync::watch;
 
 use crate::NatsSinkConfig;
-use crate::sink::{Connected, connect_watched};
+use crate::sink::{Connected, Outdated, connect_watched};
 
 /// How often a connected source checks its credentials and certificate files, and whether
 /// the server refused its login: a rotation is taken up within this (and the source's
 /// retry pause), not at the next restart.
 const WATCH_EVERY: Duration = Duration::from_secs(5);
 
-/// Ends a connection made with files that have changed since (or a login the server
-/// refused), so the source connects again with what the files hold now.
-fn check(connected: &Connected, config: &NatsSinkConfig) -> Result<(), String> {
+/// Ends a connection made with files that have changed since (once a connection with the
+/// new files is known to get in: until then the old one goes on), or whose login the server
+/// refused, so the source connects again with what the files hold now.
+async fn recheck(connected: &mut Connected, config: &NatsSinkConfig) -> Result<(), String> {
     match connected.outdated(config) {
-        Some(why) => Err(format!("{why}; connecting again")),
         None => Ok(()),
+        Some(Outdated::FilesChanged) if connected.still_works() => {
+            if !connected.may_try_new_files() {
+                return Ok(());
+            }
+            match connect_watched(config).await {
+                Ok(_probe) => Err(
+                    "the credentials or certificate files changed and a connection with them gets in; connecting again with them".into(),
+                ),
+                Err(error) => {
+                    tracing::warn!(error = %error, "A connection with the changed credentials or certificate files failed; the old connection goes on meanwhile");
+                    Ok(())
+                }
+            }
+        }
+        Some(why) => Err(format!("{}; connecting again", why.describe())),
     }
+}
+
+/// What woke a source's loop.
+enum Woken<T> {
+    Message(T),
+    /// Time to look at the files again.
+    Watch,
+    /// Time to look at the consumer's position again.
+    Position,
 }
 
 /// What to consume.
@@ -116,7 +140,7 @@ async fn consume(
     backlog: &Backlog,
     stop: &mut watch::Receiver<bool>,
 ) -> Result<(), String> {
-    let connected = connect_watched(&spec.connection)
+    let mut connected = connect_watched(&spec.connection)
         .await
         .map_err(|e| e.to_string())?;
     let client = connected.client.clone();
@@ -145,13 +169,17 @@ async fn consume(
             tracing::info!(subject = %spec.subject, fleet_subject = ?spec.fleet_subject, "{} ready (NATS)", spec.role.name());
             let mut messages = futures_util::stream::select_all(subscriptions);
             loop {
-                let message = tokio::select! {
+                let woken = tokio::select! {
                     _ = stop.wait_for(|stop| *stop) => return Ok(()),
-                    _ = watch.tick() => {
-                        check(&connected, &spec.connection)?;
+                    _ = watch.tick() => Woken::Watch,
+                    message = messages.next() => Woken::Message(message),
+                };
+                let message = match woken {
+                    Woken::Message(message) => message,
+                    _ => {
+                        recheck(&mut connected, &spec.connection).await?;
                         continue;
                     }
-                    message = messages.next() => message,
                 };
                 let Some(message) = message else { break };
                 let shared = is_shared(message.subject.as_str());
@@ -234,14 +262,19 @@ async fn consume(
             let mut messages = futures_util::stream::select_all(streams);
             tracing::info!(stream = %stream, durable = %durable, subject = %spec.subject, "{} ready (JetStream)", spec.role.name());
             loop {
-                let message = tokio::select! {
+                let woken = tokio::select! {
                     _ = stop.wait_for(|stop| *stop) => return Ok(()),
-                    _ = watch.tick() => {
-                        check(&connected, &spec.connection)?;
+                    _ = watch.tick() => Woken::Watch,
+                    _ = position.tick(), if backlog.waiting() => Woken::Position,
+                    message = messages.next() => Woken::Message(message),
+                };
+                let message = match woken {
+                    Woken::Message(message) => Some(message),
+                    Woken::Watch => {
+                        recheck(&mut connected, &spec.connection).await?;
                         continue;
                     }
-                    _ = position.tick(), if backlog.waiting() => None,
-                    message = messages.next() => Some(message),
+                    Woken::Position => None,
                 };
                 let Some(message) = message else {
                     let mut at_end = true;

@@ -16,6 +16,7 @@ use sched_relay_transport::secret::Secret;
 use serde::{Deserialize, Serialize};
 
 #[cfg(feature = "client")]
+mod built;
 mod sink;
 #[cfg(feature = "client")]
 mod tls;

@@ -2,16 +2,15 @@
 
 use async_trait::async_trait;
 use hmac::{Hmac, Mac};
-use reqwest::header::{
-    AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER,
-};
-use reqwest::{StatusCode, redirect};
+use reqwest::StatusCode;
+use reqwest::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 use sched_relay_transport::binding::{self, BATCH_CONTENT_TYPE};
 use sched_relay_transport::files::Stamp;
 use sched_relay_transport::{DeliveryError, Event, Sink, SinkError, parse_retry_after};
 use sha2::Sha256;
 
 use crate::WebhookSinkConfig;
+use crate::built::Built;
 
 /// The longest part of an error answer quoted in logs and dead letters.
 const BODY_EXCERPT: usize = 300;
@@ -25,23 +24,6 @@ pub struct WebhookSink {
     built: std::sync::RwLock<std::sync::Arc<Built>>,
     /// The receiver refused what the last request carried: build anew before the next one.
     refused: std::sync::atomic::AtomicBool,
-}
-
-/// What the sink sends with, as built from the configuration and its files.
-struct Built {
-    /// The stamp of the files it was built from, taken before they were read.
-    files: Stamp,
-    client: reqwest::Client,
-    /// The TLS settings deliveries use, for the health check's handshake: "ready" means the
-    /// same trust (the platform's roots plus `ca_file`) that a delivery will need.
-    tls: Option<std::sync::Arc<rustls::ClientConfig>>,
-    /// Headers every request carries (custom headers, bearer token), built once.
-    common: HeaderMap,
-    hmac_key: Option<Vec<u8>>,
-    /// The Standard Webhooks signing key (from `hmac_key`).
-    standard_key: Option<Vec<u8>>,
-    /// A configuration problem found while building; reported on every attempt.
-    broken: Option<String>,
 }
 
 /// The signature header value for `body`: `sha256=<hex HMAC-SHA256(key, body)>`.
@@ -107,89 +89,6 @@ impl WebhookSink {
         let rebuilt = std::sync::Arc::new(Built::new(&self.config));
         *self.built.write().unwrap_or_else(|p| p.into_inner()) = rebuilt.clone();
         rebuilt
-    }
-}
-
-impl Built {
-    fn new(config: &WebhookSinkConfig) -> Built {
-        let files = Stamp::of(config.watched_files());
-        let mut broken = None;
-        let mut builder = reqwest::Client::builder()
-            .redirect(redirect::Policy::none())
-            .timeout(config.timeout)
-            .user_agent(concat!("sched-relay/", env!("CARGO_PKG_VERSION")));
-        let tls = match crate::tls::client_config(config) {
-            Ok(tls) => {
-                builder = builder.use_preconfigured_tls((*tls).clone());
-                Some(tls)
-            }
-            Err(error) => {
-                broken = Some(error);
-                None
-            }
-        };
-        let client = builder.build().unwrap_or_else(|error| {
-            broken = Some(format!("cannot build the HTTP client: {error}"));
-            reqwest::Client::new()
-        });
-        let mut common = HeaderMap::new();
-        for (name, value) in &config.headers {
-            match (
-                HeaderName::try_from(name.as_str()),
-                HeaderValue::try_from(value.as_str()),
-            ) {
-                (Ok(name), Ok(value)) => {
-                    common.insert(name, value);
-                }
-                _ => {
-                    broken = Some(format!(
-                        "headers: {name:?} cannot be sent as an HTTP header"
-                    ))
-                }
-            }
-        }
-        match sched_relay_transport::secret::resolve(
-            config.bearer_token.as_ref(),
-            config.bearer_token_file.as_deref(),
-            "bearer_token",
-        ) {
-            Ok(Some(token)) => match HeaderValue::try_from(format!("Bearer {token}")) {
-                Ok(mut value) => {
-                    value.set_sensitive(true);
-                    common.insert(AUTHORIZATION, value);
-                }
-                Err(_) => broken = Some("bearer_token: not a valid header value".into()),
-            },
-            Ok(None) => {}
-            Err(error) => broken = Some(error),
-        }
-        let (hmac_key, standard_key) = match sched_relay_transport::secret::resolve(
-            config.hmac_key.as_ref(),
-            config.hmac_key_file.as_deref(),
-            "hmac_key",
-        ) {
-            Ok(Some(key)) => match standard_key(&key) {
-                Ok(standard) => (Some(key.into_bytes()), Some(standard)),
-                Err(error) => {
-                    broken = Some(error);
-                    (None, None)
-                }
-            },
-            Ok(None) => (None, None),
-            Err(error) => {
-                broken = Some(error);
-                (None, None)
-            }
-        };
-        Built {
-            files,
-            client,
-            tls,
-            common,
-            hmac_key,
-            standard_key,
-            broken,
-        }
     }
 }
 
