@@ -9,6 +9,7 @@ mod common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::rabbit::Vhost;
 use common::{AgentProcess, SimProcess};
 use lapin::options::{
     BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
@@ -23,97 +24,25 @@ const SCRIPT: &str = concat!(
     "/deploy/rabbitmq/per-vm-permissions.sh"
 );
 
-/// `rabbitmqctl`, or what `RABBITMQCTL` names (a broker in a container, say).
-fn rabbitmqctl(args: &[&str]) -> Result<(), String> {
-    let command = std::env::var("RABBITMQCTL").unwrap_or_else(|_| "rabbitmqctl".into());
-    let mut words = command.split_whitespace();
-    let output = Command::new(words.next().unwrap())
-        .args(words)
-        .args(args)
+/// A user restricted to `vm` by the shipped script; its password is its name.
+fn user_for(broker: &mut Vhost, vm: &str) -> String {
+    let user = format!("{}-{vm}", broker.name);
+    broker.add_user(&user, &user);
+    let script = Command::new("bash")
+        .args([SCRIPT, vm, &user, &broker.name])
         .output()
-        .map_err(|e| format!("{command}: {e}"))?;
-    if output.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "{command} {args:?}: {}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        ))
-    }
-}
-
-/// A vhost and users of this test's own, removed when it ends.
-struct Broker {
-    vhost: String,
-    users: Vec<String>,
-}
-
-impl Broker {
-    /// None (the test skips) without RabbitMQ or rabbitmqctl, unless `CI` is set.
-    fn start() -> Option<Broker> {
-        if !sched_relay_transport::testing::broker_available(
-            "RabbitMQ",
-            "127.0.0.1:5672",
-            "scripts/brokers start",
-        ) {
-            return None;
-        }
-        let vhost = format!("sched-relay-permissions-{}", std::process::id());
-        if let Err(problem) = rabbitmqctl(&["add_vhost", &vhost]) {
-            if std::env::var_os("CI").is_some() {
-                panic!("cannot administer RabbitMQ and CI is set: {problem}");
-            }
-            eprintln!("skipped: cannot administer RabbitMQ ({problem}); set RABBITMQCTL");
-            return None;
-        }
-        let broker = Broker {
-            vhost,
-            users: Vec::new(),
-        };
-        rabbitmqctl(&[
-            "set_permissions",
-            "-p",
-            &broker.vhost,
-            "guest",
-            ".*",
-            ".*",
-            ".*",
-        ])
         .unwrap();
-        Some(broker)
-    }
-
-    /// A user restricted to `vm` by the shipped script; its password is its name.
-    fn user_for(&mut self, vm: &str) -> String {
-        let user = format!("{}-{vm}", self.vhost);
-        rabbitmqctl(&["add_user", &user, &user]).unwrap();
-        self.users.push(user.clone());
-        let script = Command::new("bash")
-            .args([SCRIPT, vm, &user, &self.vhost])
-            .output()
-            .unwrap();
-        assert!(
-            script.status.success(),
-            "{}",
-            String::from_utf8_lossy(&script.stderr)
-        );
-        user
-    }
-
-    fn url(&self, user: &str) -> String {
-        let vhost = self.vhost.replace('/', "%2f");
-        format!("amqp://{user}:{user}@127.0.0.1:5672/{vhost}")
-    }
+    assert!(
+        script.status.success(),
+        "{}",
+        String::from_utf8_lossy(&script.stderr)
+    );
+    user
 }
 
-impl Drop for Broker {
-    fn drop(&mut self) {
-        for user in &self.users {
-            let _ = rabbitmqctl(&["delete_user", user]);
-        }
-        let _ = rabbitmqctl(&["delete_vhost", &self.vhost]);
-    }
+fn url(broker: &Vhost, user: &str) -> String {
+    let vhost = broker.name.replace('/', "%2f");
+    format!("amqp://{user}:{user}@127.0.0.1:5672/{vhost}")
 }
 
 async fn channel(url: &str) -> lapin::Channel {
@@ -154,12 +83,12 @@ async fn publish(url: &str, exchange: &str, key: &str, body: &[u8]) -> Result<()
 
 #[test]
 fn an_agent_restricted_to_its_own_keys_and_queue_works_and_cannot_speak_or_listen_for_another_vm() {
-    let Some(mut broker) = Broker::start() else {
+    let Some(mut broker) = Vhost::start("sched-relay-permissions") else {
         return;
     };
-    let web1 = broker.user_for("web-1");
-    broker.user_for("web-2");
-    let admin_url = broker.url("guest");
+    let web1 = user_for(&mut broker, "web-1");
+    user_for(&mut broker, "web-2");
+    let admin_url = url(&broker, "guest");
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -253,7 +182,7 @@ fn an_agent_restricted_to_its_own_keys_and_queue_works_and_cannot_speak_or_liste
             "[[sinks]]\nname = \"bus\"\nkind = \"amqp\"\nurl = \"{}\"\nexchange = \"scheduledevents\"\n\n\
              [approvals.amqp]\nsink = \"bus\"\n\
              [[approvals.keys]]\nid = \"coordinator\"\nalgorithm = \"ed25519\"\npublic_key = \"{public_key}\"\n",
-            broker.url(&web1)
+            url(&broker, &web1)
         ),
     );
     // Its own events arrive, under its own keys only.
@@ -266,7 +195,7 @@ fn an_agent_restricted_to_its_own_keys_and_queue_works_and_cannot_speak_or_liste
     assert!(keys.iter().all(|k| k.starts_with("web-1.")), "{keys:?}");
 
     // With web-1's credentials, another VM's event cannot be published...
-    let url = broker.url(&web1);
+    let url = url(&broker, &web1);
     runtime.block_on(async {
         let forged = publish(&url, "scheduledevents", "web-2.completed", b"{}").await;
         assert!(forged.is_err(), "web-1 published web-2's event");

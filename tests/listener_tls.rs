@@ -9,7 +9,6 @@ mod tls;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::sync::Arc;
 use std::time::Duration;
 
 use common::{AgentProcess, BINARY, SimProcess};
@@ -24,39 +23,6 @@ type = "Freeze"
 resources = ["WestNO_0"]
 notice = "1h"
 "#;
-
-/// One HTTPS request to 127.0.0.1:`port`, trusting only `ca_pem`: the raw response.
-fn https(port: u16, ca_pem: &str, request: &[u8]) -> Result<String, String> {
-    use rustls::pki_types::CertificateDer;
-    use rustls::pki_types::pem::PemObject;
-    let mut roots = rustls::RootCertStore::empty();
-    for certificate in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
-        roots.add(certificate.unwrap()).unwrap();
-    }
-    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    let connection =
-        rustls::ClientConnection::new(Arc::new(config), "127.0.0.1".try_into().unwrap()).unwrap();
-    let socket = TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
-    socket
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    let mut tls = rustls::StreamOwned::new(connection, socket);
-    tls.write_all(request).map_err(|e| e.to_string())?;
-    let mut response = Vec::new();
-    match tls.read_to_end(&mut response) {
-        Ok(_) => {}
-        // Servers close without close_notify at times: what was read is the answer.
-        Err(error) if !response.is_empty() => eprintln!("after the response: {error}"),
-        Err(error) => return Err(error.to_string()),
-    }
-    Ok(String::from_utf8_lossy(&response).into_owned())
-}
 
 #[test]
 fn approvals_over_https_go_through_and_plain_or_untrusting_clients_get_nothing() {
@@ -77,7 +43,7 @@ fn approvals_over_https_go_through_and_plain_or_untrusting_clients_get_nothing()
     );
     agent.wait_for_id(&format!("{EVENT}:scheduled"), Duration::from_secs(20));
 
-    let health = https(
+    let health = tls::https(
         port,
         &ca,
         b"GET /healthz HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n",
@@ -99,7 +65,7 @@ fn approvals_over_https_go_through_and_plain_or_untrusting_clients_get_nothing()
     )
     .into_bytes();
     request.extend_from_slice(&body);
-    let answer = https(port, &ca, &request).unwrap();
+    let answer = tls::https(port, &ca, &request).unwrap();
     assert!(
         answer.starts_with("HTTP/1.1 200") && answer.contains("accepted"),
         "{answer}\n{}",
@@ -123,7 +89,7 @@ fn approvals_over_https_go_through_and_plain_or_untrusting_clients_get_nothing()
 
     // A client that trusts another CA refuses the listener's certificate.
     let other_ca = std::fs::read_to_string(&pki.other_ca).unwrap();
-    let refused = https(
+    let refused = tls::https(
         port,
         &other_ca,
         b"GET /healthz HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n",

@@ -16,6 +16,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::rabbit::{Vhost, rabbitmqctl};
 use common::{AgentProcess, SimProcess, is_heartbeat};
 use serde_json::Value;
 
@@ -37,6 +38,19 @@ fn flowing(seconds: u32) -> (String, String) {
     }
     let last = format!("f0000000-0000-4000-8000-{:012}:completed", count - 1);
     (scenario, last)
+}
+
+/// A signed request (key `k`, as the agents of these tests trust it) approving the Freeze of
+/// [`flowing`], which waits an hour.
+fn approval_of_the_freeze() -> Vec<u8> {
+    let key =
+        sched_relay_core::approval::SigningKey::parse("hmac-sha256:rotation-secret-0001").unwrap();
+    let draft = sched_relay_core::approval::Draft::new(
+        "urn:test:rotation",
+        Some("WestNO_0"),
+        vec!["f0000000-0000-4000-8000-00000000aaaa".into()],
+    );
+    serde_json::to_vec(&draft.event(Some(("k", &key)))).unwrap()
 }
 
 /// Writes `text` to `path` as rotations do: a new file renamed over the old.
@@ -407,18 +421,11 @@ fn a_rotated_nats_password_is_read_anew_by_the_sink_and_the_approval_source() {
 
     // The approval source reads its subject again with the new password: a request is
     // answered (core NATS request-reply) with its outcome.
-    let key =
-        sched_relay_core::approval::SigningKey::parse("hmac-sha256:rotation-secret-0001").unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
     let answer = runtime.block_on(async {
         let client = connect(admin.clone()).await;
         loop {
-            let draft = sched_relay_core::approval::Draft::new(
-                "urn:test:rotation",
-                Some("WestNO_0"),
-                vec!["f0000000-0000-4000-8000-00000000aaaa".into()],
-            );
-            let body = serde_json::to_vec(&draft.event(Some(("k", &key)))).unwrap();
+            let body = approval_of_the_freeze();
             let asked = tokio::time::timeout(
                 Duration::from_secs(3),
                 client.request("scheduledapprovals.WestNO_0", body.into()),
@@ -521,66 +528,24 @@ fn a_rotated_client_certificate_is_presented_on_the_next_connection() {
     );
 }
 
-/// `rabbitmqctl`, or what `RABBITMQCTL` names (a broker in a container, say).
-fn rabbitmqctl(args: &[&str]) -> Result<String, String> {
-    let command = std::env::var("RABBITMQCTL").unwrap_or_else(|_| "rabbitmqctl".into());
-    let mut words = command.split_whitespace();
-    let output = Command::new(words.next().unwrap())
-        .args(words)
-        .args(args)
-        .output()
-        .map_err(|e| format!("{command}: {e}"))?;
-    if output.status.success() {
-        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
-    } else {
-        Err(format!(
-            "{command} {args:?}: {}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        ))
-    }
-}
-
-/// A vhost and a user of this test's own on the machine's RabbitMQ, removed when it ends.
-struct Vhost {
-    name: String,
-    user: String,
-}
-
-impl Drop for Vhost {
-    fn drop(&mut self) {
-        let _ = rabbitmqctl(&["delete_user", &self.user]);
-        let _ = rabbitmqctl(&["delete_vhost", &self.name]);
-    }
-}
-
 #[cfg(feature = "amqp")]
 #[test]
 fn a_rotated_rabbitmq_password_is_read_anew_and_no_event_is_lost_or_dead_lettered() {
-    if !sched_relay_transport::testing::broker_available(
-        "RabbitMQ",
-        "127.0.0.1:5672",
-        "scripts/brokers start",
-    ) {
+    let Some(mut vhost) = Vhost::start("sched-relay-rotation") else {
         return;
-    }
-    let name = format!("sched-relay-rotation-{}", std::process::id());
-    if let Err(problem) = rabbitmqctl(&["add_vhost", &name]) {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "cannot administer RabbitMQ and CI is set: {problem}"
-        );
-        eprintln!("skipped: cannot administer RabbitMQ ({problem}); set RABBITMQCTL");
-        return;
-    }
-    let vhost = Vhost {
-        user: format!("{name}-agent"),
-        name,
     };
-    rabbitmqctl(&["add_user", &vhost.user, "first-password"]).unwrap();
-    for user in [vhost.user.as_str(), "guest"] {
-        rabbitmqctl(&["set_permissions", "-p", &vhost.name, user, ".*", ".*", ".*"]).unwrap();
-    }
+    let user = format!("{}-agent", vhost.name);
+    vhost.add_user(&user, "first-password");
+    rabbitmqctl(&[
+        "set_permissions",
+        "-p",
+        &vhost.name,
+        &user,
+        ".*",
+        ".*",
+        ".*",
+    ])
+    .unwrap();
     // A queue of the test's own takes every event the agent publishes.
     let guest = format!("amqp://guest:guest@127.0.0.1:5672/{}", vhost.name);
     let runtime = tokio::runtime::Runtime::new().unwrap();
@@ -649,7 +614,7 @@ fn a_rotated_rabbitmq_password_is_read_anew_and_no_event_is_lost_or_dead_lettere
              exchange = \"amq.topic\"\ndeclare = false\ncontent_mode = \"structured\"\npassword_file = {:?}\n\
              [approvals.amqp]\nsink = \"rabbit\"\n\
              [[approvals.keys]]\nid = \"k\"\nalgorithm = \"hmac-sha256\"\nsecret = \"rotation-secret-0001\"\n",
-            vhost.user,
+            user,
             vhost.name,
             password.display().to_string()
         ),
@@ -665,7 +630,7 @@ fn a_rotated_rabbitmq_password_is_read_anew_and_no_event_is_lost_or_dead_lettere
             .filter_map(|line| {
                 let mut fields = line.split_whitespace();
                 match (fields.next(), fields.next()) {
-                    (Some(user), Some(pid)) if user == vhost.user => Some(pid.to_owned()),
+                    (Some(listed), Some(pid)) if listed == user => Some(pid.to_owned()),
                     _ => None,
                 }
             })
@@ -681,7 +646,7 @@ fn a_rotated_rabbitmq_password_is_read_anew_and_no_event_is_lost_or_dead_lettere
     // The agent's file is rotated after, and is gone for a while meanwhile (a rotation
     // that removes before it writes): retried, the old connections going on, never a dead
     // letter. Then both are made again with the new password.
-    rabbitmqctl(&["change_password", &vhost.user, "second-password"]).unwrap();
+    rabbitmqctl(&["change_password", &user, "second-password"]).unwrap();
     std::fs::remove_file(&password).unwrap();
     std::thread::sleep(Duration::from_secs(3));
     rotate(&password, b"second-password\n");
@@ -700,14 +665,7 @@ fn a_rotated_rabbitmq_password_is_read_anew_and_no_event_is_lost_or_dead_lettere
         Duration::from_secs(60),
     );
     // The approval source reads with the new password: a request is answered.
-    let key =
-        sched_relay_core::approval::SigningKey::parse("hmac-sha256:rotation-secret-0001").unwrap();
-    let draft = sched_relay_core::approval::Draft::new(
-        "urn:test:rotation",
-        Some("WestNO_0"),
-        vec!["f0000000-0000-4000-8000-00000000aaaa".into()],
-    );
-    let body = serde_json::to_vec(&draft.event(Some(("k", &key)))).unwrap();
+    let body = approval_of_the_freeze();
     runtime.block_on(async {
         channel
             .basic_publish(
@@ -756,39 +714,9 @@ fn a_renewed_listener_certificate_is_served_to_new_connections_without_a_restart
     );
     // Whether a client trusting only `ca` gets an answer from /healthz.
     let answered = |ca: &Path| {
-        use rustls::pki_types::CertificateDer;
-        use rustls::pki_types::pem::PemObject;
-        use std::io::{Read, Write};
-        let mut roots = rustls::RootCertStore::empty();
-        for certificate in CertificateDer::pem_file_iter(ca).unwrap() {
-            roots.add(certificate.unwrap()).unwrap();
-        }
-        let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-        let Ok(socket) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
-            return false;
-        };
-        socket
-            .set_read_timeout(Some(Duration::from_secs(10)))
-            .unwrap();
-        let connection =
-            rustls::ClientConnection::new(Arc::new(config), "127.0.0.1".try_into().unwrap())
-                .unwrap();
-        let mut tls = rustls::StreamOwned::new(connection, socket);
-        if tls
-            .write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-            .is_err()
-        {
-            return false;
-        }
-        let mut response = Vec::new();
-        let _ = tls.read_to_end(&mut response);
-        String::from_utf8_lossy(&response).starts_with("HTTP/1.1 200")
+        let ca = std::fs::read_to_string(ca).unwrap();
+        let request = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+        tls::https(port, &ca, request).is_ok_and(|response| response.starts_with("HTTP/1.1 200"))
     };
     wait_until(
         "the listener with the first certificate",

@@ -111,7 +111,8 @@ impl Approver {
             );
         }
         let mut recorded = false;
-        let verdict = match self.checks(&request, document, &mut recorded).await {
+        let checked = self.checks(&request, content.as_deref(), document, &mut recorded);
+        let verdict = match checked.await {
             Ok(spelled) => {
                 event_ids = spelled;
                 Verdict::Valid
@@ -132,15 +133,17 @@ impl Approver {
     }
 
     /// The checks in order; when all pass, the EventIds as the document spells them.
-    /// `recorded` turns true once the request id is recorded in flight.
+    /// `content` is what the request says ([`content_of`]). `recorded` turns true once the
+    /// request id is recorded in flight.
     async fn checks(
         &self,
         request: &Request,
+        content: Option<&str>,
         document: &mut Option<Arc<Document>>,
         recorded: &mut bool,
     ) -> Result<Vec<String>, Stop> {
         self.authenticity(request)?;
-        let fresh = self.freshness(request).await?;
+        let fresh = self.freshness(request, content.unwrap_or_default()).await?;
         *recorded = fresh.recorded;
         if let Some(posted) = fresh.posted {
             return Err(Stop::Posted(posted));
@@ -209,7 +212,7 @@ impl Approver {
         }
     }
 
-    async fn freshness(&self, request: &Request) -> Result<Fresh, Stop> {
+    async fn freshness(&self, request: &Request, content: &str) -> Result<Fresh, Stop> {
         // A bare body has neither time nor id: only allow_unsigned lets it this far.
         let Some(attributes) = &request.cloud_event else {
             return Ok(Fresh {
@@ -218,9 +221,8 @@ impl Approver {
                 posted: None,
             });
         };
-        // What the request says, signed or not: its record keeps it, and a request that
-        // reuses the id with other content is not answered from that record.
-        let content = content_of(request).unwrap_or_default();
+        // What the request says, signed or not (`content`): its record keeps it, and a
+        // request that reuses the id with other content is not answered from that record.
         // A POST this process saw accepted is answered accepted whatever the store holds
         // now: its durable mark (or the whole record) may have been lost to a disk fault,
         // and the event may be over; checked before the age, as a stored record is.
@@ -252,7 +254,7 @@ impl Approver {
         let outbox = self.outbox.clone();
         let id = attributes.id.clone();
         let at = Utc::now().timestamp();
-        let said = content.clone();
+        let said = content.to_owned();
         let known = tokio::task::spawn_blocking(move || outbox.peek_request(&id, &said, at))
             .await
             .map_err(|e| e.to_string())
@@ -298,6 +300,7 @@ impl Approver {
         let outbox = self.outbox.clone();
         let id = attributes.id.clone();
         let now = now.timestamp();
+        let content = content.to_owned();
         let seen = tokio::task::spawn_blocking(move || {
             outbox.begin_request(&id, &content, keep_until, now)
         })

@@ -38,12 +38,10 @@ impl ListenerTls {
     }
 
     fn files(config: &crate::telemetry::TelemetryConfig) -> Stamp {
-        Stamp::of(
-            [&config.tls_cert_file, &config.tls_key_file]
-                .into_iter()
-                .flatten()
-                .map(std::path::PathBuf::as_path),
-        )
+        Stamp::of(sched_relay_transport::files::given([
+            &config.tls_cert_file,
+            &config.tls_key_file,
+        ]))
     }
 
     /// The acceptor for the next connection (a `stat` of the two files).

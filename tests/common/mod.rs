@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+pub mod rabbit;
+
 pub mod fleet;
 
 pub const BINARY: &str = env!("CARGO_BIN_EXE_sched-relay");

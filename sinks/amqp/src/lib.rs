@@ -105,16 +105,12 @@ impl AmqpSinkConfig {
     /// The files a connection reads its password and certificates from: a connection made
     /// before one of them changed is made again ([`sched_relay_transport::files`]).
     pub fn watched_files(&self) -> Vec<&std::path::Path> {
-        [
+        sched_relay_transport::files::given([
             &self.password_file,
             &self.ca_file,
             &self.client_cert_file,
             &self.client_key_file,
-        ]
-        .into_iter()
-        .flatten()
-        .map(PathBuf::as_path)
-        .collect()
+        ])
     }
 
     /// Problems, as (key, message), without touching the network.

@@ -89,18 +89,14 @@ impl NatsSinkConfig {
     /// The files a connection reads its credentials and certificates from: a connection
     /// made before one of them changed is made again ([`sched_relay_transport::files`]).
     pub fn watched_files(&self) -> Vec<&std::path::Path> {
-        [
+        sched_relay_transport::files::given([
             &self.credentials_file,
             &self.token_file,
             &self.password_file,
             &self.ca_file,
             &self.client_cert_file,
             &self.client_key_file,
-        ]
-        .into_iter()
-        .flatten()
-        .map(PathBuf::as_path)
-        .collect()
+        ])
     }
 
     /// Problems, as (key, message), without touching the network.

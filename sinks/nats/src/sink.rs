@@ -35,7 +35,6 @@ impl NatsSink {
 
     async fn client(&self) -> Result<async_nats::Client, SinkError> {
         let mut slot = self.client.lock().await;
-        let url = sched_relay_transport::redact::text(&self.config.url).into_owned();
         if let Some(connected) = slot.as_mut() {
             match connected.outdated(&self.config) {
                 None => return Ok(connected.client.clone()),
@@ -45,6 +44,7 @@ impl NatsSink {
                     if !connected.may_try_new_files() {
                         return Ok(connected.client.clone());
                     }
+                    let url = sched_relay_transport::redact::text(&self.config.url);
                     match connect_watched(&self.config).await {
                         Ok(new) => {
                             tracing::info!(url = %url, "NATS sink: connected with the changed credentials or certificate files; the old connection is closed");
@@ -57,6 +57,7 @@ impl NatsSink {
                     return Ok(connected.client.clone());
                 }
                 Some(why) => {
+                    let url = sched_relay_transport::redact::text(&self.config.url);
                     tracing::info!(url = %url, "NATS sink: {}; connecting again", why.describe());
                     *slot = None;
                 }

@@ -6,7 +6,12 @@
 //! fails, or kept failing with what was read at start.
 
 use std::os::unix::fs::MetadataExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// The paths among a configuration's optional `*_file` keys that are set.
+pub fn given<const N: usize>(files: [&Option<PathBuf>; N]) -> Vec<&Path> {
+    files.into_iter().flatten().map(PathBuf::as_path).collect()
+}
 
 /// What a set of files looked like: device, inode, size, modification and change times of
 /// each (following symlinks, so a swapped `..data` link shows), or that it could not be read.

@@ -83,17 +83,13 @@ impl WebhookSinkConfig {
     /// The files the sink reads its token, signing key and certificates from: the sink
     /// builds its client anew once one of them changed ([`sched_relay_transport::files`]).
     pub fn watched_files(&self) -> Vec<&std::path::Path> {
-        [
+        sched_relay_transport::files::given([
             &self.bearer_token_file,
             &self.hmac_key_file,
             &self.ca_file,
             &self.client_cert_file,
             &self.client_key_file,
-        ]
-        .into_iter()
-        .flatten()
-        .map(PathBuf::as_path)
-        .collect()
+        ])
     }
 
     /// The content mode in effect: as configured, else `structured` when requests are
