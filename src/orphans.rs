@@ -77,7 +77,12 @@ pub fn run(
         .into());
     }
     let outbox = Outbox::open(dir, capacity, false).map_err(|e| match e {
-        StoreError::InUse { .. } | StoreError::Locked { .. } => OutboxError {
+        // Its message says to stop the agent already.
+        StoreError::Locked { .. } => OutboxError {
+            message: e.to_string(),
+            in_use: true,
+        },
+        StoreError::InUse { .. } => OutboxError {
             message: format!("{e}: stop the agent first"),
             in_use: true,
         },

@@ -18,7 +18,7 @@ pub enum StoreError {
     InUse { path: String },
     #[error(
         "the state directory {dir} is in use by {holder}: one process at a time writes it \
-         (a second agent would poll, approve and deliver beside the first); stop that one first"
+         (a second agent would poll, approve and deliver beside the first); stop the agent first"
     )]
     Locked { dir: String, holder: String },
     #[error("the state store {path} failed: {reason} (is the disk full or read-only?)")]
