@@ -223,7 +223,7 @@ impl Outbox {
                 },
             })
         };
-        let mut db = opened(redb::Builder::new())?;
+        let mut db = opened(recovery::builder())?;
         let legacy = payloads::has_legacy_events(&db).map_err(|e| StoreError::Open {
             path: shown.clone(),
             reason: e.to_string(),
@@ -245,7 +245,7 @@ impl Outbox {
             if converted > 0 {
                 tracing::info!(path = %shown, events = converted, "Converted the stored events to this version's format (each event stored once for all sinks)");
             }
-            db = opened(redb::Builder::new())?;
+            db = opened(recovery::builder())?;
         }
         let store_id = lineage::store_id(&db).map_err(|e| StoreError::Open {
             path: shown.clone(),

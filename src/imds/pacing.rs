@@ -2,7 +2,8 @@
 //!
 //! Two promises meet here. The service allows about 5 requests per second per VM, so every
 //! request of this process (polls, StartRequests POSTs, identity) goes through one [`Pacer`]
-//! that keeps them [`MIN_REQUEST_SPACING`] apart. And a Spot VM gets 30 s of notice, so an
+//! that keeps at most [`BUDGET`] of them in any [`BUDGET_WINDOW`] (after a 429, also
+//! [`MIN_REQUEST_SPACING`] apart for a while). And a Spot VM gets 30 s of notice, so an
 //! outage must never be followed by a long wait: whatever the number of errors, the poller
 //! retries at most [`MAX_ERROR_BACKOFF`] apart (a new event is seen within the poll interval +
 //! 5 s of recovery). Only a throttled service (429) is given longer, as long as it asks with
@@ -17,9 +18,20 @@ use tokio::time::Instant;
 use super::ImdsError;
 use crate::retry::Backoff;
 
-/// The least time between two requests of this process to the metadata service: a little over
-/// 200 ms, so that no second holds more than 5 even with the endpoints of a window counted.
+/// How many requests of this process may go to the metadata service within [`BUDGET_WINDOW`]:
+/// the service allows 5 a second per VM.
+pub const BUDGET: usize = 5;
+/// The window the budget is counted over: a little over a second (the margin covers a request
+/// that reaches the service later than its turn, a new connection say, and the endpoints of a
+/// window counted by the service).
+pub const BUDGET_WINDOW: Duration = Duration::from_millis(1050);
+/// The least time between two requests for a while after a 429 (and the shortest error wait):
+/// a little over 200 ms, so that no second holds more than 5 whatever limiter the service
+/// uses, even with the endpoints of a window counted.
 pub const MIN_REQUEST_SPACING: Duration = Duration::from_millis(210);
+/// How long after a 429 requests are also kept [`MIN_REQUEST_SPACING`] apart: the service has
+/// shown it counts otherwise than the window, so bursts within the window stop for a while.
+pub const SPACED_AFTER_THROTTLE: Duration = Duration::from_secs(600);
 /// The longest wait between two polls while the service fails (the `imds.max_backoff` bound).
 pub const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(5);
 /// The longest wait a throttled service (429) can impose, however long its `Retry-After`:
@@ -60,23 +72,29 @@ pub fn error_wait(
     .max(MIN_REQUEST_SPACING)
 }
 
-/// Keeps every request of one client at least [`MIN_REQUEST_SPACING`] apart, in about the
-/// order they asked: at most 5 requests in any second, polls, approvals and identity together.
+/// Keeps the requests of one client within the service's budget, in about the order they
+/// asked: at most [`BUDGET`] in any [`BUDGET_WINDOW`] (a sliding window a little over a second),
+/// polls, approvals and identity together. Within the budget a request goes at once: an
+/// approval's GET and POST right after a poll do not wait. Once the service has answered 429
+/// (it counts otherwise than the window does), requests are also kept [`MIN_REQUEST_SPACING`]
+/// apart, which stays within any limiter that averages 5 a second, for
+/// [`SPACED_AFTER_THROTTLE`].
 ///
 /// Nothing is held while a request waits. The poll has a runtime of its own and the approval
 /// POSTs share the main one: a request whose runtime stops driving it (a stalled task, a
 /// runtime shutting down) must not keep the other runtime's requests waiting. Each request
-/// takes a slot a spacing behind the latest slot of those waiting and sleeps until it; when
-/// it wakes it is granted its turn only if its slot (which may have moved) has come, the last
-/// grant is a spacing behind and no 429 holds requests back; else it moves the slots of those
-/// waiting behind that hold, in the order they came, and sleeps until its own: after a 429,
-/// the first waiter to wake puts the queue behind it, newcomers included. A waiter that is no
-/// longer polled (its runtime stalled) delays those after it only until a spacing after its
-/// slot. A wait that is given up leaves the queue; those already queued behind it keep their
-/// slots.
+/// takes the earliest slot the budget allows behind the last grants and the slots of those
+/// waiting ahead of it, and sleeps until it. When it wakes, every waiting slot is worked out
+/// again, in the order they came, from the grants as they are now (a 429's hold, a grant
+/// nobody expected): a slot only ever moves later, and the request is granted its turn once
+/// its slot has come. A slot more than [`MIN_REQUEST_SPACING`] past belongs to a waiter whose
+/// runtime no longer polls it: it delays nobody from then on. A wait that is given up leaves
+/// the queue; those already queued behind it keep their slots. Order is kept between slots,
+/// not within one: waiters given the same slot (the window opens for both) go in the order
+/// their runtimes wake them.
 ///
-/// Spacing counts from the grant: a request that connects after its turn (a new connection)
-/// goes out that much later, closer to the next one.
+/// The budget counts grants: a request that connects after its turn (a new connection) goes
+/// out that much later, which the window's margin over a second covers.
 #[derive(Debug, Default)]
 pub struct Pacer {
     schedule: std::sync::Mutex<Schedule>,
@@ -84,11 +102,13 @@ pub struct Pacer {
 
 #[derive(Debug, Default)]
 struct Schedule {
-    /// When the last request was granted its turn.
-    granted: Option<Instant>,
+    /// When the last [`BUDGET`] requests were granted their turns, oldest first.
+    granted: std::collections::VecDeque<Instant>,
     /// A throttled service's `Retry-After`: no request of this client goes out before it
     /// (polls, approval POSTs and identity alike).
     throttled_until: Option<Instant>,
+    /// Until then (a while after a 429) requests are also kept a spacing apart.
+    spaced_until: Option<Instant>,
     /// The requests waiting for their turn, each with the slot it sleeps until. A new one
     /// queues behind the latest; a wait given up leaves it, so later requests do not keep
     /// its place (those already queued behind it keep theirs).
@@ -98,31 +118,58 @@ struct Schedule {
 }
 
 impl Schedule {
-    /// The earliest a request may go out, from what has gone out and what the service asked.
-    fn allowed(&self) -> Option<Instant> {
-        self.granted
-            .map(|at| at + MIN_REQUEST_SPACING)
-            .max(self.throttled_until)
+    /// The earliest a request may go out behind `before` (the times of the requests ahead of
+    /// it, oldest first: the last grants, then the slots of those waiting ahead), as the
+    /// schedule stands at `now`; `None` when nothing holds it back. Not `now` itself: a
+    /// waiter's slot that has come stays where it is, so it still goes stale if never polled.
+    fn earliest(&self, before: &[Instant], now: Instant) -> Option<Instant> {
+        let last = before.last().copied();
+        let spaced = self.spaced_until.is_some_and(|until| now < until);
+        let window = before
+            .len()
+            .checked_sub(BUDGET)
+            .map(|oldest| before[oldest] + BUDGET_WINDOW);
+        [
+            self.throttled_until,
+            last,
+            window,
+            last.filter(|_| spaced).map(|at| at + MIN_REQUEST_SPACING),
+        ]
+        .into_iter()
+        .flatten()
+        .max()
+    }
+
+    /// A waiter's slot counts while it may still be polled: until a spacing after it.
+    fn stale(slot: Instant, now: Instant) -> bool {
+        slot + MIN_REQUEST_SPACING < now
     }
 
     fn leave(&mut self, waiter: u64) {
         self.waiting.retain(|(id, _)| *id != waiter);
     }
 
-    /// Moves the waiting requests' slots to `from` or later, a spacing apart, in the order
-    /// they came (the list's order), when `waiter` woke before `from` (a 429's hold, or the
-    /// last grant's spacing): they go out one by one in that order instead of waking
-    /// together. A slot more than a spacing past belongs to a waiter whose runtime no longer
-    /// polls it, and is left where it is (else it would hold every later request back by a
-    /// spacing each time), unless it is `waiter`'s own.
-    fn respace(&mut self, from: Instant, now: Instant, waiter: u64) {
-        let mut next = from;
-        for (id, slot) in &mut self.waiting {
-            if *slot + MIN_REQUEST_SPACING < now && *id != waiter {
+    /// Works the waiting requests' slots out again at `now`, in the order they came, from
+    /// the grants as they are: each no earlier than it was. Stale slots (waiters no longer
+    /// polled) are left where they are and count for nobody, unless it is `waiter`'s own:
+    /// polled late, it keeps its place ahead of those that came after it.
+    fn respace(&mut self, now: Instant, waiter: u64) {
+        let mut before: Vec<Instant> = self.granted.iter().copied().collect();
+        for index in 0..self.waiting.len() {
+            let (id, slot) = self.waiting[index];
+            if Schedule::stale(slot, now) && id != waiter {
                 continue;
             }
-            *slot = (*slot).max(next);
-            next = *slot + MIN_REQUEST_SPACING;
+            // Another waiter whose slot has come keeps it: it counts (it may be about to go)
+            // until it goes stale, and is not carried forward by others' wakes (a waiter no
+            // longer polled would then stay live, and cost a place in the budget, for ever).
+            if slot <= now && id != waiter {
+                before.push(slot);
+                continue;
+            }
+            let slot = self.earliest(&before, now).map_or(slot, |at| at.max(slot));
+            self.waiting[index].1 = slot;
+            before.push(slot);
         }
     }
 
@@ -131,6 +178,14 @@ impl Schedule {
             .iter()
             .find(|(id, _)| *id == waiter)
             .map(|(_, slot)| *slot)
+    }
+
+    fn grant(&mut self, now: Instant, waiter: u64) {
+        self.leave(waiter);
+        self.granted.push_back(now);
+        while self.granted.len() > BUDGET {
+            self.granted.pop_front();
+        }
     }
 }
 
@@ -166,20 +221,27 @@ impl Pacer {
     }
 
     /// Waits for this request's turn. A 429 that another request gets while this one waits
-    /// (for its spacing, or for an earlier `Retry-After`) holds this one back too: the wait is
+    /// (for the budget, or for an earlier `Retry-After`) holds this one back too: the wait is
     /// checked again when it ends.
     pub async fn turn(&self) {
         let place = {
             let mut schedule = self.schedule();
-            let behind = schedule
-                .waiting
+            let now = Instant::now();
+            let before: Vec<Instant> = schedule
+                .granted
                 .iter()
-                .map(|(_, at)| *at + MIN_REQUEST_SPACING)
-                .max();
-            let slot = [schedule.allowed(), behind]
-                .into_iter()
-                .flatten()
-                .fold(Instant::now(), Instant::max);
+                .copied()
+                .chain(
+                    schedule
+                        .waiting
+                        .iter()
+                        .map(|(_, slot)| *slot)
+                        .filter(|slot| !Schedule::stale(*slot, now)),
+                )
+                .collect();
+            let slot = schedule
+                .earliest(&before, now)
+                .map_or(now, |at| at.max(now));
             let id = schedule.next_waiter;
             schedule.next_waiter += 1;
             schedule.waiting.push((id, slot));
@@ -190,22 +252,16 @@ impl Pacer {
             }
         };
         loop {
-            // Granted only once no grant or 429 holds requests back and this waiter's slot
-            // has come, as the schedule has it now: a 429 (or a waiter ahead that woke early)
-            // may have moved it while this one slept on the old one.
+            // Granted only once this waiter's slot has come, as the schedule has it now: a
+            // 429 (or a waiter ahead that went late) may have moved it while this one slept.
             let slot = {
                 let mut schedule = self.schedule();
                 let now = Instant::now();
-                let allowed = schedule.allowed().filter(|at| *at > now);
-                if let Some(at) = allowed {
-                    schedule.respace(at, now, place.id);
-                }
-                let mine = schedule.slot_of(place.id).filter(|slot| *slot > now);
-                match mine.or(allowed) {
+                schedule.respace(now, place.id);
+                match schedule.slot_of(place.id).filter(|slot| *slot > now) {
                     Some(slot) => slot,
                     None => {
-                        schedule.granted = Some(now);
-                        schedule.leave(place.id);
+                        schedule.grant(now, place.id);
                         place.grant();
                         return;
                     }
@@ -216,11 +272,14 @@ impl Pacer {
     }
 
     /// The service answered 429 and asked for `retry_after` (at most [`MAX_THROTTLED_WAIT`]).
-    /// Those waiting are moved behind the hold by the first of them to wake.
+    /// Those waiting are moved behind the hold by the first of them to wake, and requests are
+    /// kept a spacing apart for [`SPACED_AFTER_THROTTLE`].
     pub fn throttled(&self, retry_after: Duration) {
-        let until = Instant::now() + retry_after.min(MAX_THROTTLED_WAIT);
+        let now = Instant::now();
+        let until = now + retry_after.min(MAX_THROTTLED_WAIT);
         let mut schedule = self.schedule();
         schedule.throttled_until = schedule.throttled_until.max(Some(until));
+        schedule.spaced_until = Some(now + SPACED_AFTER_THROTTLE);
     }
 }
 

@@ -151,7 +151,19 @@ pub(super) fn open_database(
     faults: Option<&Arc<DiskFaults>>,
     create: bool,
 ) -> Result<Database, redb::DatabaseError> {
-    open_database_with(redb::Builder::new(), path, faults, create)
+    open_database_with(builder(), path, faults, create)
+}
+
+/// How much of the file redb keeps in memory (its own cache, beside the kernel's page cache).
+/// Its default is 1 GiB, which a backlog of 100,000 events fills to 130 MiB of resident
+/// memory; reads past the cache come from the page cache (BENCHMARKS.md, issue 39).
+pub(super) const STORE_CACHE: usize = 16 << 20;
+
+/// The settings every open of the state file uses: [`STORE_CACHE`].
+pub(super) fn builder() -> redb::Builder {
+    let mut builder = redb::Builder::new();
+    builder.set_cache_size(STORE_CACHE);
+    builder
 }
 
 /// As [`open_database`], with the builder's settings (its cache size).
