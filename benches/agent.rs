@@ -5,6 +5,8 @@
 
 #[path = "../tests/common/mod.rs"]
 mod common;
+#[path = "agent/floors.rs"]
+mod floors;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -36,6 +38,7 @@ struct Sizes {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    floors::child(&args);
     if let Some(url) = args
         .iter()
         .position(|a| a == "--floor")
@@ -62,7 +65,8 @@ fn main() {
             backlog: 100_000,
         }
     };
-    // `--only NAME` runs one part (detection, approvals, imds, footprint, burst, backlog);
+    // `--only NAME` runs one part (detection, approvals, imds, footprint, burst, delivery,
+    // backlog);
     // `--backlog N` sets the backlog size (for profiling under callgrind).
     let args: Vec<String> = std::env::args().collect();
     let mut sizes = sizes;
@@ -89,7 +93,7 @@ fn main() {
         }
     }
     if run("approvals") {
-        approvals(&runtime, &mut report, &sizes, &consumers);
+        approvals(&runtime, &mut report, &sizes, &consumers, &collector);
     }
     if run("imds") {
         outages(&mut report, quick);
@@ -100,6 +104,9 @@ fn main() {
     }
     if run("burst") {
         burst(&mut report, &sizes, &consumers);
+    }
+    if run("delivery") {
+        floors::delivery(&mut report, sizes.backlog, &consumers, &collector);
     }
     if run("backlog") {
         runtime.block_on(backlog(&mut report, &sizes, &consumers, &collector));
@@ -253,6 +260,23 @@ url = "{webhook}"
             exchange = self.exchange,
             topic = self.topic,
         )
+    }
+
+    /// The sinks named in `only`, as `sinks_with` configures them.
+    fn only(&self, only: &[&str], webhook: &str, webhook_keys: &str) -> String {
+        let all = self.sinks_with(webhook, webhook_keys);
+        let mut parts = all.split("[[sinks]]");
+        let mut text = parts.next().unwrap_or_default().to_owned();
+        for part in parts {
+            let named = only
+                .iter()
+                .any(|name| part.contains(&format!("name = \"{name}\"")));
+            if named {
+                text.push_str("[[sinks]]");
+                text.push_str(part);
+            }
+        }
+        text
     }
 
     fn approvals(&self, http_port: u16) -> String {
@@ -521,6 +545,7 @@ fn approvals(
     report: &mut Report,
     sizes: &Sizes,
     topology: &Topology,
+    collector: &Collector,
 ) {
     let dir = tempfile::tempdir().unwrap();
     let (path, events) = scenario(
@@ -557,8 +582,10 @@ fn approvals(
     let sources: [&str; 4] = ["nats", "amqp", "kafka", "http"];
     let mut rows = String::new();
     let mut remaining = events.iter().map(|(id, _)| id.clone());
+    let mut floor = runtime.block_on(floors::ApprovalFloor::new(topology));
     for source in sources {
         let mut samples = Vec::new();
+        let mut floor_samples = Vec::new();
         for round in 0..=sizes.approvals {
             let event_id = remaining.next().unwrap_or_default();
             let event = Draft::new("urn:bench", Some("WestNO_0"), vec![event_id.clone()])
@@ -590,25 +617,35 @@ fn approvals(
             if round > 0 {
                 samples.push(arrived - sent);
             }
-            // Approvals a second apart, as an orchestrator sends them: back to back, each
-            // POST would wait for the metadata service's request budget (5 a second: the
-            // poll that follows every accepted POST, then this POST, 210 ms apart each),
-            // which is the service's pace, not the agent's.
-            std::thread::sleep(Duration::from_millis(1100));
+            // Interleaved: the floor's sample for the same source, with an event of the same
+            // kind and size.
+            let same = Draft::new(
+                "urn:bench",
+                Some("WestNO_0"),
+                vec![format!("floor-{round}")],
+            )
+            .event(Some(("bench", &key)));
+            let floor_ms = runtime.block_on(floor.sample(source, &same, collector));
+            if round > 0 {
+                floor_samples.push((floor_ms * 1000.0) as i64);
+            }
+            // At a random moment of the poll cycle, as an orchestrator's approvals come.
+            std::thread::sleep(Duration::from_millis(1000 + fastrand::u64(0..1000)));
         }
         let (median, p99, n) = stats(&mut samples);
-        let goal = if source == "kafka" {
-            "< 50 ms"
-        } else {
-            "< 5 ms"
-        };
+        let (floor_median, floor_p99, _) = stats(&mut floor_samples);
+        // Kafka's bare consumer fetches as the agent's source does: the fetch wait is in
+        // its floor.
+        let (goal, met) = ("floor p99 + 5 ms", p99 <= floor_p99 + 5.0);
         rows.push_str(&format!(
-            "| {source} | {n} | {median:.2} | {p99:.2} | {goal} |\n"
+            "| {source} | {n} | {median:.2} | {p99:.2} | {floor_median:.2} | {floor_p99:.2} | {:.2} | {goal}: {} |\n",
+            p99 - floor_p99,
+            if met { "met" } else { "not met" }
         ));
     }
     ours.stop();
     report.add(format!(
-        "## Approval round trip\n\nFrom the orchestrator publishing a signed approval (NATS core publish, RabbitMQ publish with confirm, Kafka produce with acks=all, HTTP POST) to the simulator receiving the StartRequests POST. The agent checks the HMAC signature, records the request id durably (fsync), fetches a fresh document when its copy is older than the poll interval, and POSTs. One request at a time, 1.1 s apart (back to back, each POST would wait for the metadata service's budget of 5 requests a second behind the poll that follows the previous one); the first per source (connection set-up) is not counted.\n\n| source | samples | median ms | p99 ms | goal (p99) |\n|---|---|---|---|---|\n{rows}"
+        "## Approval round trip\n\nFrom the orchestrator publishing a signed approval (NATS core publish, RabbitMQ publish with confirm, Kafka produce with acks=all, HTTP POST) to the simulator receiving the StartRequests POST. The agent checks the HMAC signature, records the request id durably (fsync), fetches a fresh document when its copy is older than the poll interval, and POSTs. One request at a time, each 1 to 2 s (at random) after the one before, so at a random moment of the agent's poll cycle; the first per source (connection set-up) is not counted. The *floor*, measured interleaved with the agent's samples: the bare transport (the same publish to a bare receiver in the benchmark: a NATS core subscriber, a RabbitMQ consumer on the agent's approvals exchange, a Kafka consumer fetching as the agent's source does, the benchmark's HTTP server) plus one fsync'd 4 KiB write on the same disk. Goal (issue 39): p99 at most the floor's p99 + 5 ms.\n\n| source | samples | median ms | p99 ms | floor median ms | floor p99 ms | p99 above the floor ms | goal |\n|---|---|---|---|---|---|---|---|\n{rows}"
     ));
 }
 
@@ -1196,6 +1233,14 @@ async fn drain(
     }
 }
 
+/// The every-sink release binary as shipped when scripts/bench built one, else the one
+/// `cargo bench` built (with the sinks' testing features).
+fn every_feature_binary() -> PathBuf {
+    std::env::var_os("BENCH_EVERY_FEATURE_BINARY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(common::BINARY))
+}
+
 /// A process's CPU time so far (user and system, its ended threads included), in ns.
 fn process_cpu_ns(pid: u32) -> u64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
@@ -1360,7 +1405,7 @@ fn request_budget(report: &mut Report, quick: bool) {
         .unwrap_or(0);
     let posts = requests.iter().filter(|r| r["method"] == "POST").count();
     report.add(format!(
-        "## The metadata service's request budget\n\n{polls} polls at the fastest interval (200 ms), with a user-initiated Reboot to approve every 2 s by local policy ({posts} POSTs, each followed by an immediate poll): {} requests in all, at most **{most}** in any one second (the service allows 5). Every request of the agent waits at least 200 ms after the one before. Reproduce: `scripts/bench --only imds`.",
+        "## The metadata service's request budget\n\n{polls} polls at the fastest interval (200 ms), with a user-initiated Reboot to approve every 2 s by local policy ({posts} POSTs, each followed by an immediate poll): {} requests in all, at most **{most}** in any one second (the service allows 5). The agent counts its requests against that budget (at most 5 in any 1.05 s) rather than spacing them, so an approval right after a poll does not wait. Reproduce: `scripts/bench --only imds`.",
         requests.len()
     ));
 }
