@@ -43,6 +43,14 @@ pub fn close_in_background(connection: Connection, why: &'static str) {
     });
 }
 
+/// The largest frame the sink proposes (the broker may ask for less), unless the URL's
+/// `frame_max` says otherwise. lapin keeps a zeroed send and receive buffer of 32 frames per
+/// connection: at RabbitMQ's default of 128 KiB that is 8 MiB resident per connection, more
+/// than the rest of an idle agent. A larger body goes as several frames; the headers of the
+/// agent's events (attributes and short extensions: EventIds and request ids are at most
+/// 256 bytes) fit one. Approval sources keep the broker's frame size (see [`AmqpSink::open`]).
+pub const FRAME_MAX: u32 = 8192;
+
 impl AmqpSink {
     pub fn new(config: AmqpSinkConfig) -> Self {
         AmqpSink {
@@ -52,19 +60,26 @@ impl AmqpSink {
         }
     }
 
-    fn uri(&self) -> Result<String, SinkError> {
+    /// The URL to connect with: the password from its file, and `frame_max` proposed unless
+    /// the URL sets it.
+    fn uri(&self, frame_max: Option<u32>) -> Result<String, SinkError> {
         let password = sched_relay_transport::secret::resolve_for_connection(
             self.config.password.as_ref(),
             self.config.password_file.as_deref(),
             "password",
         )?;
-        let Some(password) = password else {
-            return Ok(self.config.url.clone());
-        };
         let mut url = url::Url::parse(&self.config.url)
             .map_err(|e| SinkError::Permanent(format!("url: {e}")))?;
-        url.set_password(Some(&password))
-            .map_err(|_| SinkError::Permanent("url: cannot carry a password".into()))?;
+        if let Some(password) = password {
+            url.set_password(Some(&password))
+                .map_err(|_| SinkError::Permanent("url: cannot carry a password".into()))?;
+        }
+        if let Some(frame_max) = frame_max
+            && !url.query_pairs().any(|(key, _)| key == "frame_max")
+        {
+            url.query_pairs_mut()
+                .append_pair("frame_max", &frame_max.to_string());
+        }
         Ok(url.to_string())
     }
 
@@ -126,7 +141,7 @@ impl AmqpSink {
     /// stamp of the files it was made with.
     async fn connect_declared(&self) -> Result<(Connection, Channel, Stamp), SinkError> {
         let files = self.files();
-        let (connection, channel) = self.open(true).await?;
+        let (connection, channel) = self.open(true, Some(FRAME_MAX)).await?;
         if self.config.declare
             && let Err(error) = self.declare(&channel).await
         {
@@ -152,7 +167,15 @@ impl AmqpSink {
 
     /// Connects and opens a channel (with publisher confirms when asked); also used by the
     /// approval source, so both directions share the URL, credentials and TLS settings.
-    pub async fn open(&self, confirms: bool) -> Result<(Connection, Channel), SinkError> {
+    ///
+    /// `frame_max`: the frame size to propose ([`FRAME_MAX`] to publish; `None`, the broker's,
+    /// to consume: a header frame cannot be split, so a consumer with a smaller frame than
+    /// the publisher's would be disconnected by each message with large headers).
+    pub async fn open(
+        &self,
+        confirms: bool,
+        frame_max: Option<u32>,
+    ) -> Result<(Connection, Channel), SinkError> {
         let timeout = self.config.timeout;
         let connect = async {
             let properties =
@@ -184,7 +207,7 @@ impl AmqpSink {
             let runtime = lapin::runtime::default_runtime()
                 .map_err(|e| SinkError::Permanent(format!("no async runtime for AMQP: {e}")))?;
             let connection =
-                Connection::connect_with_config(&self.uri()?, properties, tls, runtime)
+                Connection::connect_with_config(&self.uri(frame_max)?, properties, tls, runtime)
                     .await
                     .map_err(|e| self.classify(e, "cannot connect"))?;
             let channel = connection
@@ -454,46 +477,4 @@ pub fn fault(kind: &lapin::ErrorKind) -> AmqpFault {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPHardError, AMQPSoftError};
-
-    fn reply(code: u16) -> lapin::ErrorKind {
-        let error = AMQPError::from_id(code, "from the broker".into()).expect("a known reply code");
-        lapin::ErrorKind::ProtocolError(error)
-    }
-
-    #[test]
-    fn a_refused_login_or_permission_is_an_authentication_fault_not_a_permanent_one() {
-        assert_eq!(fault(&reply(403)), AmqpFault::Authentication);
-        assert_eq!(fault(&reply(530)), AmqpFault::Authentication);
-        let provider = lapin::ErrorKind::AuthProviderError("token expired".into());
-        assert_eq!(fault(&provider), AmqpFault::Authentication);
-    }
-
-    #[test]
-    fn reply_codes_decide_not_found_refused_and_transient() {
-        assert_eq!(fault(&reply(404)), AmqpFault::NotFound);
-        assert_eq!(fault(&reply(406)), AmqpFault::Refused);
-        assert_eq!(fault(&reply(311)), AmqpFault::Refused);
-        // A broker shutting down (320 CONNECTION_FORCED) or out of resources comes back.
-        assert_eq!(fault(&reply(320)), AmqpFault::Transient);
-        assert_eq!(fault(&reply(506)), AmqpFault::Transient);
-        let kinds = [
-            AMQPErrorKind::Hard(AMQPHardError::INTERNALERROR),
-            AMQPErrorKind::Soft(AMQPSoftError::RESOURCELOCKED),
-        ];
-        for kind in kinds {
-            let error = lapin::ErrorKind::ProtocolError(AMQPError::new(kind, "".into()));
-            assert_eq!(fault(&error), AmqpFault::Transient);
-        }
-    }
-
-    #[test]
-    fn the_text_of_an_error_never_decides() {
-        // An I/O error whose text mentions 403 or NOT_FOUND is still the network's.
-        let io = std::io::Error::other("proxy said 403 ACCESS_REFUSED NOT_FOUND 404");
-        let kind = lapin::ErrorKind::IOError(std::sync::Arc::new(io));
-        assert_eq!(fault(&kind), AmqpFault::Transient);
-    }
-}
+mod tests;

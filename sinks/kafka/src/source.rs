@@ -90,17 +90,31 @@ fn ends(
         .collect()
 }
 
-/// Creates the consumer and works out where each of its partitions starts.
-fn assign(spec: &KafkaSourceSpec) -> Result<(StreamConsumer, TopicPartitionList), String> {
+/// How long the broker may hold an empty fetch of the approvals topic (`fetch.wait.max.ms`,
+/// unless `options` sets it).
+pub const FETCH_WAIT_MS: &str = "500";
+
+/// The consumer's settings: the connection's, then the source's own.
+fn consumer_config(spec: &KafkaSourceSpec) -> Result<rdkafka::ClientConfig, String> {
     let mut client = client_config(&spec.connection)?;
     client
         .set("group.id", &spec.group_id)
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
-        .set("auto.offset.reset", "latest")
-        // Approval latency: do not let the broker sit on an empty fetch for long.
-        .set("fetch.wait.max.ms", "100");
-    let consumer: StreamConsumer = client
+        .set("auto.offset.reset", "latest");
+    if !spec.connection.options.contains_key("fetch.wait.max.ms") {
+        // A broker answers a waiting fetch as soon as a record arrives: the wait bounds
+        // approval latency only on a broker that sits on a fetch until it ends. Each empty
+        // fetch wakes the consumer's threads: 100 ms cost an idle agent 10 fetches a second
+        // (0.9 ms of CPU, 15 context switches; BENCHMARKS.md, profiling section 22).
+        client.set("fetch.wait.max.ms", FETCH_WAIT_MS);
+    }
+    Ok(client)
+}
+
+/// Creates the consumer and works out where each of its partitions starts.
+fn assign(spec: &KafkaSourceSpec) -> Result<(StreamConsumer, TopicPartitionList), String> {
+    let consumer: StreamConsumer = consumer_config(spec)?
         .create()
         .map_err(|e| format!("cannot create the Kafka consumer: {e}"))?;
     let metadata = consumer
@@ -286,4 +300,37 @@ pub fn headers_as_text(message: &impl Message) -> Vec<(String, String)> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    fn spec(options: &[(&str, &str)]) -> KafkaSourceSpec {
+        let options: BTreeMap<String, String> = options
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        KafkaSourceSpec {
+            connection: serde_json::from_value(serde_json::json!({
+                "brokers": "127.0.0.1:9092", "topic": "t", "options": options
+            }))
+            .unwrap(),
+            topic: "t".into(),
+            vm_name: "vm".into(),
+            by_key: true,
+            group_id: "g".into(),
+            max_age: Duration::from_secs(60),
+            role: SourceRole::Approvals,
+        }
+    }
+
+    #[test]
+    fn an_idle_source_fetches_twice_a_second_unless_options_say_otherwise() {
+        let shipped = consumer_config(&spec(&[])).unwrap();
+        assert_eq!(shipped.get("fetch.wait.max.ms"), Some(FETCH_WAIT_MS));
+        let asked = consumer_config(&spec(&[("fetch.wait.max.ms", "100")])).unwrap();
+        assert_eq!(asked.get("fetch.wait.max.ms"), Some("100"));
+    }
 }

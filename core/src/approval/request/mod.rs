@@ -406,9 +406,17 @@ fn start_requests(data: &Value, limits: &Limits) -> Result<Vec<String>, Rejectio
             entry
                 .get("EventId")
                 .and_then(Value::as_str)
-                .filter(|id| !id.is_empty() && !id.contains(['\n', '\r']))
+                // Azure's EventIds are GUIDs; the cap keeps every outcome's headers small (the
+                // AMQP sink's frames are 8 KiB, and a header frame cannot be split).
+                .filter(|id| {
+                    !id.is_empty() && id.len() <= MAX_ID_BYTES && !id.contains(['\n', '\r'])
+                })
                 .map(str::to_owned)
-                .ok_or_else(|| malformed("a StartRequest has no EventId string"))
+                .ok_or_else(|| {
+                    malformed(&format!(
+                        "a StartRequest has no EventId string of 1 to {MAX_ID_BYTES} bytes"
+                    ))
+                })
         })
         .collect()
 }

@@ -187,6 +187,28 @@ fn a_request_without_a_usable_id_is_malformed_and_names_no_id() {
     }
 }
 
+#[test]
+fn an_event_id_longer_than_an_id_is_malformed_so_no_outcome_carries_it() {
+    let request = |event_id: &str| Inbound {
+        transport: "http",
+        channel: "t".into(),
+        headers: vec![("Content-Type".into(), "application/json".into())],
+        content_type: None,
+        body: serde_json::to_vec(&serde_json::json!({"StartRequests": [{"EventId": event_id}]}))
+            .unwrap(),
+        shared: false,
+        route: None,
+    };
+    let (rejection, _) = parse(&request(&"A".repeat(MAX_ID_BYTES + 1)), &limits()).unwrap_err();
+    assert_eq!(rejection.reason, Reason::Malformed);
+    assert!(rejection.detail.contains("EventId"), "{}", rejection.detail);
+    let longest = "A".repeat(MAX_ID_BYTES);
+    assert_eq!(
+        parse(&request(&longest), &limits()).unwrap().event_ids,
+        [longest]
+    );
+}
+
 proptest! {
     #[test]
     fn a_rejection_never_names_an_unusable_id(id in ".{0,300}") {
