@@ -45,14 +45,28 @@ pub fn child(args: &[String]) {
         let (kind, target) = (&args[i + 1], &args[i + 2]);
         let (count, batch) = (args[i + 3].parse().unwrap(), args[i + 4].parse().unwrap());
         let runtime = tokio::runtime::Runtime::new().unwrap();
-        let events = backlog_events(count, &format!("floor-{}", std::process::id()));
-        let cpu = super::process_cpu_ns(std::process::id());
+        // `--events FILE`: the events a file sink of the agent wrote (JSON Lines), the same
+        // CloudEvents; else `count` generated ones.
+        let events = match at("--events") {
+            Some(file) => std::fs::read_to_string(&args[file + 1])
+                .unwrap()
+                .lines()
+                .map(|line| serde_json::from_str::<Event>(line).unwrap())
+                .collect(),
+            None => backlog_events(count, &format!("floor-{}", std::process::id())),
+        };
+        let mut meter = super::Meter::new(std::process::id());
         let started = Instant::now();
-        runtime.block_on(publish(kind, target, &events, batch));
-        let spent = super::process_cpu_ns(std::process::id()) - cpu;
+        let connected = runtime.block_on(publish(kind, target, &events, batch, &mut meter));
+        meter.sample();
+        let spent = meter.totals().0;
         println!(
             "{}",
-            serde_json::json!({"cpu_ns": spent, "wall_s": started.elapsed().as_secs_f64()})
+            serde_json::json!({
+                "cpu_ns": spent,
+                "publishing_cpu_ns": spent - connected,
+                "wall_s": started.elapsed().as_secs_f64(),
+            })
         );
         std::process::exit(0);
     }
@@ -97,10 +111,69 @@ fn fill(dir: &std::path::Path, count: usize, sinks: &str) {
     );
 }
 
+/// The headers the NATS sink sends with `event` (JetStream: with its message id).
+fn nats_headers(event: &Event, encoded: &binding::Encoded) -> async_nats::HeaderMap {
+    let mut headers = async_nats::HeaderMap::new();
+    for (name, value) in &encoded.headers {
+        headers.insert(name.as_str(), value.as_str());
+    }
+    headers.insert("content-type", encoded.content_type.as_str());
+    headers.insert("Nats-Msg-Id", event.message_id());
+    headers
+}
+
+/// The properties the AMQP sink sends with `event` (persistent).
+fn amqp_properties(event: &Event, encoded: &binding::Encoded) -> lapin::BasicProperties {
+    use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+    let mut headers = FieldTable::default();
+    for (name, value) in &encoded.headers {
+        headers.insert(
+            ShortString::from(name.as_str()),
+            AMQPValue::LongString(LongString::from(value.as_str())),
+        );
+    }
+    lapin::BasicProperties::default()
+        .with_content_type(encoded.content_type.as_str().into())
+        .with_message_id(event.id().into())
+        .with_delivery_mode(2)
+        .with_timestamp(event.time().map_or(0, |t| t.timestamp().max(0) as u64))
+        .with_app_id("sched-relay".into())
+        .with_headers(headers)
+}
+
+/// The headers the Kafka sink sends.
+fn kafka_headers(encoded: &binding::Encoded) -> rdkafka::message::OwnedHeaders {
+    use rdkafka::message::{Header, OwnedHeaders};
+    let mut headers = OwnedHeaders::new_with_capacity(encoded.headers.len() + 1);
+    for (name, value) in &encoded.headers {
+        headers = headers.insert(Header {
+            key: name,
+            value: Some(value.as_bytes()),
+        });
+    }
+    headers.insert(Header {
+        key: "content-type",
+        value: Some(encoded.content_type.as_bytes()),
+    })
+}
+
 /// Publishes `events` in batches of `batch` with the bare client of `kind`, as durably as the
 /// agent's sink does: JetStream publish awaiting every ack, RabbitMQ persistent publish with
 /// publisher confirms, Kafka with acks=all and idempotence, webhook POSTs of each batch.
-async fn publish(kind: &str, target: &str, events: &[Event], batch: usize) {
+///
+/// Returns the CPU `meter` counted once connected: what the publishing alone then costs is
+/// the total less that.
+async fn publish(
+    kind: &str,
+    target: &str,
+    events: &[Event],
+    batch: usize,
+    meter: &mut super::Meter,
+) -> u64 {
+    let mut connected = || {
+        meter.sample();
+        meter.totals().0
+    };
     match kind {
         "nats" => {
             let config: sched_relay_nats::NatsSinkConfig = serde_json::from_value(
@@ -109,17 +182,13 @@ async fn publish(kind: &str, target: &str, events: &[Event], batch: usize) {
             .unwrap();
             let client = async_nats::connect(NATS_URL).await.unwrap();
             let context = async_nats::jetstream::new(client);
+            let at = connected();
             for chunk in events.chunks(batch) {
                 let mut acks = Vec::with_capacity(chunk.len());
                 for event in chunk {
                     let encoded =
                         binding::encode(event, config.content_mode, binding::NATS).unwrap();
-                    let mut headers = async_nats::HeaderMap::new();
-                    for (name, value) in &encoded.headers {
-                        headers.insert(name.as_str(), value.as_str());
-                    }
-                    headers.insert("content-type", encoded.content_type.as_str());
-                    headers.insert("Nats-Msg-Id", event.message_id());
+                    let headers = nats_headers(event, &encoded);
                     let subject = binding::expand_template(target, event);
                     let ack = context
                         .publish_with_headers(subject, headers, encoded.body.into())
@@ -131,10 +200,10 @@ async fn publish(kind: &str, target: &str, events: &[Event], batch: usize) {
                     ack.await.unwrap();
                 }
             }
+            at
         }
         "amqp" => {
             use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-            use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
             let config: sched_relay_amqp::AmqpSinkConfig =
                 serde_json::from_value(serde_json::json!({"url": AMQP_URL, "exchange": target}))
                     .unwrap();
@@ -151,26 +220,14 @@ async fn publish(kind: &str, target: &str, events: &[Event], batch: usize) {
                 mandatory: true,
                 ..BasicPublishOptions::default()
             };
+            let at = connected();
             for chunk in events.chunks(batch) {
                 let mut confirms = Vec::with_capacity(chunk.len());
                 for event in chunk {
                     let encoded =
                         binding::encode(event, config.content_mode, binding::AMQP_RABBITMQ)
                             .unwrap();
-                    let mut headers = FieldTable::default();
-                    for (name, value) in &encoded.headers {
-                        headers.insert(
-                            ShortString::from(name.as_str()),
-                            AMQPValue::LongString(LongString::from(value.as_str())),
-                        );
-                    }
-                    let properties = lapin::BasicProperties::default()
-                        .with_content_type(encoded.content_type.as_str().into())
-                        .with_message_id(event.id().into())
-                        .with_delivery_mode(2)
-                        .with_timestamp(event.time().map_or(0, |t| t.timestamp().max(0) as u64))
-                        .with_app_id("sched-relay".into())
-                        .with_headers(headers);
+                    let properties = amqp_properties(event, &encoded);
                     let routing_key = binding::expand_template(&config.routing_key, event);
                     let confirm = channel
                         .basic_publish(
@@ -188,9 +245,9 @@ async fn publish(kind: &str, target: &str, events: &[Event], batch: usize) {
                     assert!(confirm.await.unwrap().is_ack());
                 }
             }
+            at
         }
         "kafka" => {
-            use rdkafka::message::{Header, OwnedHeaders};
             use rdkafka::producer::{FutureProducer, FutureRecord};
             let config: sched_relay_kafka::KafkaSinkConfig =
                 serde_json::from_value(serde_json::json!({"brokers": KAFKA, "topic": target}))
@@ -202,22 +259,17 @@ async fn publish(kind: &str, target: &str, events: &[Event], batch: usize) {
                 .set("linger.ms", "1")
                 .create()
                 .unwrap();
+            // librdkafka connects on its own threads: wait for the topic's metadata.
+            rdkafka::producer::Producer::client(&producer)
+                .fetch_metadata(Some(target), Duration::from_secs(10))
+                .unwrap();
+            let at = connected();
             for chunk in events.chunks(batch) {
                 let mut deliveries = Vec::with_capacity(chunk.len());
                 for event in chunk {
                     let encoded =
                         binding::encode(event, config.content_mode, binding::KAFKA).unwrap();
-                    let mut headers = OwnedHeaders::new_with_capacity(encoded.headers.len() + 1);
-                    for (name, value) in &encoded.headers {
-                        headers = headers.insert(Header {
-                            key: name,
-                            value: Some(value.as_bytes()),
-                        });
-                    }
-                    headers = headers.insert(Header {
-                        key: "content-type",
-                        value: Some(encoded.content_type.as_bytes()),
-                    });
+                    let headers = kafka_headers(&encoded);
                     let key = event.subject().unwrap_or(event.id()).to_owned();
                     let record = FutureRecord::to(target)
                         .key(&key)
@@ -229,10 +281,12 @@ async fn publish(kind: &str, target: &str, events: &[Event], batch: usize) {
                     delivery.await.unwrap().map_err(|(e, _)| e).unwrap();
                 }
             }
+            at
         }
         "webhook" => {
             sched_relay::install_crypto_provider();
             let client = reqwest::Client::builder().no_proxy().build().unwrap();
+            let at = connected();
             for chunk in events.chunks(batch) {
                 let body = binding::batch_json(chunk).unwrap();
                 let response = client
@@ -244,6 +298,26 @@ async fn publish(kind: &str, target: &str, events: &[Event], batch: usize) {
                     .unwrap();
                 assert!(response.status().is_success(), "{}", response.status());
             }
+            at
+        }
+        "file" => {
+            use std::io::Write as _;
+            let mut file = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(target)
+                .unwrap();
+            let at = connected();
+            for chunk in events.chunks(batch) {
+                let mut bytes = Vec::new();
+                for event in chunk {
+                    serde_json::to_writer(&mut bytes, event).unwrap();
+                    bytes.push(b'\n');
+                }
+                file.write_all(&bytes).unwrap();
+                file.sync_data().unwrap();
+            }
+            at
         }
         other => panic!("no floor for {other}"),
     }
@@ -399,6 +473,108 @@ fn floor(
     answer["cpu_ns"].as_u64().unwrap()
 }
 
+/// 4a, against its floor (issue 39.6): the agent's CPU for one document of `count` events,
+/// logging at info as in production, against the bare clients publishing the same events
+/// (read back from the agent's file sink) in the same batches.
+pub fn burst(report: &mut super::Report, count: usize, topology: &super::Topology) {
+    let dir = tempfile::tempdir().unwrap();
+    let appears_after = Duration::from_secs(6);
+    let (path, _) = super::scenario(dir.path(), "burst", count, appears_after, Duration::ZERO);
+    let sim = common::SimProcess::start(&path, 1.0);
+    let appears = Instant::now() + appears_after;
+    let sinks = ["nats", "amqp", "kafka"];
+    let port = sched_relay_transport::testing::free_port();
+    let extra = format!(
+        "{}\n[telemetry]\nlisten = \"127.0.0.1:{port}\"\n",
+        topology.only(&sinks, "http://127.0.0.1:9/unused", "")
+    );
+    let mut agent =
+        common::AgentProcess::configure_with_env(&sim.url, &extra, &super::agent_env("1s", "info"));
+    agent.spawn_binary(&super::every_feature_binary(), &[]);
+    let pid = agent.pid();
+    std::thread::sleep(appears.saturating_duration_since(Instant::now()) - Duration::from_secs(2));
+    // The agent's idle rate over the second before, taken off the burst's (threads'
+    // schedstat: nanoseconds, not 10 ms ticks).
+    let mut meter = super::Meter::new(pid);
+    let idle_from = meter.totals().0;
+    std::thread::sleep(Duration::from_secs(1));
+    meter.sample();
+    let from = meter.totals().0;
+    let idle_rate = (from - idle_from) as f64;
+    let started = Instant::now();
+    let all = ["file", "nats", "amqp", "kafka"];
+    let mut seen_burst = false;
+    loop {
+        meter.sample();
+        let text = metrics_page(port);
+        let depths: Vec<u64> = all.iter().filter_map(|sink| depth(&text, sink)).collect();
+        let delivered = std::fs::read_to_string(&agent.events_file)
+            .map(|f| f.lines().filter(|l| l.contains(".scheduled\"")).count())
+            .unwrap_or(0);
+        seen_burst |= delivered >= count;
+        if seen_burst && depths.len() == all.len() && depths.iter().all(|d| *d == 0) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "the burst was not delivered within 120 s: depths {depths:?}\n{}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let window = started.elapsed().as_secs_f64();
+    meter.sample();
+    let spent = meter.totals().0 - from;
+    let agent_ns = (spent as f64 - idle_rate * window).max(0.0);
+    agent.stop();
+    // The same CloudEvents the agent sent, from its file sink.
+    let events = dir.path().join("burst-events.jsonl");
+    let sent: String = std::fs::read_to_string(&agent.events_file)
+        .unwrap()
+        .lines()
+        .filter(|line| !line.contains(".heartbeat"))
+        .map(|line| format!("{line}\n"))
+        .collect();
+    let sent_count = sent.lines().count();
+    std::fs::write(&events, sent).unwrap();
+    let mut floors = Vec::new();
+    for sink in all {
+        let target = match sink {
+            "nats" => format!("{}.{{vmname}}.{{transition}}", topology.prefix),
+            "amqp" => topology.exchange.clone(),
+            "kafka" => topology.topic.clone(),
+            _ => dir.path().join("floor.jsonl").display().to_string(),
+        };
+        let answer = run_child(&[
+            "--floor-child",
+            sink,
+            &target,
+            "0",
+            "100",
+            "--events",
+            events.to_str().unwrap(),
+        ]);
+        // The agent was connected before the burst: the floor's publishing alone.
+        floors.push((sink, answer["publishing_cpu_ns"].as_u64().unwrap()));
+    }
+    let floor_ns: u64 = floors.iter().map(|(_, ns)| ns).sum();
+    let ratio = agent_ns / floor_ns as f64;
+    report.add(format!(
+        "## Burst against its floor: one document with {count} events\n\n\
+         The agent (the shipped release build, logging at info) with a file sink and NATS JetStream, RabbitMQ and Kafka sinks gets one document of {count} Freezes; its CPU from the document's arrival until every sink's outbox is empty, less its idle rate over the second before, against the floor: bare clients (the `--only delivery` floor's) publishing the same {sent_count} CloudEvents the agent sent (its file sink's copy: every transition and the document event) in batches of 100 to the same destinations, and a bare file writer appending and fsyncing them in the same batches; each floor's CPU once it is connected (the agent was connected before the document came). CPU from the threads' `schedstat`.\n\n\
+         | agent CPU ms | floor CPU ms ({}) | agent / floor | goal (1.5x) |\n|---|---|---|---|\n| {:.1} | {:.1} | {ratio:.2}x | {} |\n\n\
+         Reproduce: `scripts/bench --only burst`.",
+        floors
+            .iter()
+            .map(|(sink, ns)| format!("{sink} {:.1}", *ns as f64 / 1e6))
+            .collect::<Vec<_>>()
+            .join(", "),
+        agent_ns / 1e6,
+        floor_ns as f64 / 1e6,
+        if ratio <= 1.5 { "met" } else { "not met" },
+    ));
+}
+
 /// 5a/1. Delivery CPU per event against the floor, and memory while a backlog fills and
 /// drains: one sink at a time, then all four at once.
 pub fn delivery(
@@ -466,7 +642,7 @@ pub fn delivery(
     }
     report.add(format!(
         "## Delivery CPU per event against a bare client: a backlog of {count} events per sink\n\n\
-         The agent (the shipped release build, delivery defaults: `batch_size` 100, the webhook with `batch = true`, logging at info) starts on a state directory that holds {count} stored events for each of its sinks, and drains them against the real brokers, one sink at a time, then all four at once. The *floor* is a bare client of the same crate, in a process of its own, publishing the same CloudEvents (the same encoding, headers and batches of 100) to the same destination as durably: async-nats JetStream publish awaiting every ack; lapin persistent publish with publisher confirms; rdkafka with acks=all and idempotence; reqwest POSTing each batch. CPU is each whole process's (`/proc/<pid>/stat`), connecting included on both sides; the agent's also includes its start, its idle polls and the metrics page read every 100 ms to see the depths. Goal: at most 1.5x the floor.\n\n\
+         The agent (the shipped release build, delivery defaults: `batch_size` 100, the webhook with `batch = true`, logging at info) starts on a state directory that holds {count} stored events for each of its sinks, and drains them against the real brokers, one sink at a time, then all four at once. The *floor* is a bare client of the same crate, in a process of its own, publishing the same CloudEvents (the same encoding, headers and batches of 100) to the same destination as durably: async-nats JetStream publish awaiting every ack; lapin persistent publish with publisher confirms; rdkafka with acks=all and idempotence; reqwest POSTing each batch. CPU is each whole process's (`/proc/<pid>/stat` for the agent, its threads' `schedstat` for the floor), connecting included on both sides; the agent's also includes its start, its idle polls and the metrics page read every 100 ms to see the depths. Goal: at most 1.5x the floor.\n\n\
          | sinks | events delivered | drained in s | events/s | agent CPU µs per event | floor CPU µs per event | agent / floor | goal (1.5x) | brokers' CPU µs per event |\n|---|---|---|---|---|---|---|---|---|\n{rows}\n\
          Memory (goal: the agent at most 48 MiB resident while it drains, and the store's growth while a backlog fills at most as much): the agent's peak resident set over its start and the drain; the process that filled the store (this benchmark's binary, with the agent's store code): its resident set once the store was open, and its peak while it stored the events (1000 per commit, as the agent stores a document's); and what storing one more document into the full backlog took.\n\n\
          | sinks | agent peak RSS MiB | filling: RSS at open MiB | filling: peak RSS MiB | fill s | one more document ms | goal (48 MiB) |\n|---|---|---|---|---|---|---|\n{memory}\n\
@@ -558,7 +734,10 @@ impl ApprovalFloor {
             )
             .set("enable.auto.commit", "false")
             // As the agent's approval source fetches.
-            .set("fetch.wait.max.ms", "100")
+            .set(
+                "fetch.wait.max.ms",
+                sched_relay_kafka::source::FETCH_WAIT_MS,
+            )
             .create()
             .unwrap();
         let mut partitions = rdkafka::TopicPartitionList::new();
@@ -654,5 +833,135 @@ impl ApprovalFloor {
             file.sync_data().unwrap();
         }
         (received + synced.elapsed()).as_secs_f64() * 1000.0
+    }
+}
+
+/// The floor of the agent's part of detection to delivery (issue 39.2): one fsync'd 4 KiB
+/// write on the state disk (the commit every sink waits for) plus the bare client's
+/// publish-to-confirm round trip of one event, as durable as the sink's, to the same
+/// destination.
+pub struct DeliveryFloor {
+    nats: (async_nats::jetstream::Context, String),
+    amqp: (lapin::Channel, String),
+    kafka: (rdkafka::producer::FutureProducer, String),
+    http: (reqwest::Client, String),
+    disk: tempfile::NamedTempFile,
+    template: Event,
+}
+
+impl DeliveryFloor {
+    pub async fn new(topology: &super::Topology, collector: &super::Collector) -> DeliveryFloor {
+        use lapin::options::ConfirmSelectOptions;
+        let client = async_nats::connect(NATS_URL).await.unwrap();
+        let connection =
+            lapin::Connection::connect(AMQP_URL, lapin::ConnectionProperties::default())
+                .await
+                .unwrap();
+        let channel = connection.create_channel().await.unwrap();
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        // Kept open for as long as the channel is.
+        std::mem::forget(connection);
+        let producer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", KAFKA)
+            .set("acks", "all")
+            .set("enable.idempotence", "true")
+            .set("linger.ms", "1")
+            .create()
+            .unwrap();
+        sched_relay::install_crypto_provider();
+        DeliveryFloor {
+            nats: (
+                async_nats::jetstream::new(client),
+                format!("{}.WestNO_0.scheduled", topology.prefix),
+            ),
+            amqp: (channel, topology.exchange.clone()),
+            kafka: (producer, topology.topic.clone()),
+            http: (
+                reqwest::Client::builder().no_proxy().build().unwrap(),
+                collector.url.clone(),
+            ),
+            disk: tempfile::NamedTempFile::new().unwrap(),
+            template: sched_relay_transport::testing::live_migration_events("WestNO_0")[0].clone(),
+        }
+    }
+
+    /// One sample for `sink`, in µs: one fsync'd 4 KiB write, then one event published and
+    /// confirmed.
+    pub async fn sample(&mut self, sink: &str) -> i64 {
+        use lapin::options::BasicPublishOptions;
+        let event = self
+            .template
+            .clone()
+            .with_id(sched_relay_transport::testing::unique("floor-"));
+        let started = Instant::now();
+        {
+            use std::io::{Seek, Write};
+            let file = self.disk.as_file_mut();
+            file.seek(std::io::SeekFrom::Start(0)).unwrap();
+            file.write_all(&[0x5a; 4096]).unwrap();
+            file.sync_data().unwrap();
+        }
+        match sink {
+            "nats" => {
+                let encoded = binding::encode(&event, Default::default(), binding::NATS).unwrap();
+                let headers = nats_headers(&event, &encoded);
+                let (context, subject) = &self.nats;
+                context
+                    .publish_with_headers(subject.clone(), headers, encoded.body.into())
+                    .await
+                    .unwrap()
+                    .await
+                    .unwrap();
+            }
+            "amqp" => {
+                let encoded =
+                    binding::encode(&event, Default::default(), binding::AMQP_RABBITMQ).unwrap();
+                let (channel, exchange) = &self.amqp;
+                let properties = amqp_properties(&event, &encoded);
+                let confirm = channel
+                    .basic_publish(
+                        exchange.as_str().into(),
+                        "WestNO_0.scheduled".into(),
+                        BasicPublishOptions {
+                            mandatory: true,
+                            ..BasicPublishOptions::default()
+                        },
+                        &encoded.body,
+                        properties,
+                    )
+                    .await
+                    .unwrap();
+                confirm.await.unwrap();
+            }
+            "kafka" => {
+                let encoded = binding::encode(&event, Default::default(), binding::KAFKA).unwrap();
+                let (producer, topic) = &self.kafka;
+                let record = rdkafka::producer::FutureRecord::to(topic)
+                    .key("WestNO_0")
+                    .payload(&encoded.body)
+                    .headers(kafka_headers(&encoded));
+                producer
+                    .send(record, Duration::from_secs(10))
+                    .await
+                    .map_err(|(e, _)| e)
+                    .unwrap();
+            }
+            _ => {
+                let (client, url) = &self.http;
+                let response = client
+                    .post(url)
+                    .header("ce-id", format!("floor:{}", event.id()))
+                    .header("content-type", "application/cloudevents+json")
+                    .body(serde_json::to_vec(&event).unwrap())
+                    .send()
+                    .await
+                    .unwrap();
+                assert!(response.status().is_success());
+            }
+        }
+        started.elapsed().as_micros() as i64
     }
 }
