@@ -157,6 +157,32 @@ fn kafka_headers(encoded: &binding::Encoded) -> rdkafka::message::OwnedHeaders {
     })
 }
 
+/// A RabbitMQ channel with publisher confirms, on a connection of its own that stays open
+/// for the process's life.
+async fn confirm_channel() -> lapin::Channel {
+    let connection = lapin::Connection::connect(AMQP_URL, lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .confirm_select(lapin::options::ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    std::mem::forget(connection);
+    channel
+}
+
+/// A Kafka producer as durable as the sink's: acks=all, idempotent, the sink's linger.
+fn bare_producer() -> rdkafka::producer::FutureProducer {
+    rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", KAFKA)
+        .set("acks", "all")
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "1")
+        .create()
+        .unwrap()
+}
+
 /// Publishes `events` in batches of `batch` with the bare client of `kind`, as durably as the
 /// agent's sink does: JetStream publish awaiting every ack, RabbitMQ persistent publish with
 /// publisher confirms, Kafka with acks=all and idempotence, webhook POSTs of each batch.
@@ -203,19 +229,11 @@ async fn publish(
             at
         }
         "amqp" => {
-            use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+            use lapin::options::BasicPublishOptions;
             let config: sched_relay_amqp::AmqpSinkConfig =
                 serde_json::from_value(serde_json::json!({"url": AMQP_URL, "exchange": target}))
                     .unwrap();
-            let connection =
-                lapin::Connection::connect(AMQP_URL, lapin::ConnectionProperties::default())
-                    .await
-                    .unwrap();
-            let channel = connection.create_channel().await.unwrap();
-            channel
-                .confirm_select(ConfirmSelectOptions::default())
-                .await
-                .unwrap();
+            let channel = confirm_channel().await;
             let options = BasicPublishOptions {
                 mandatory: true,
                 ..BasicPublishOptions::default()
@@ -248,17 +266,11 @@ async fn publish(
             at
         }
         "kafka" => {
-            use rdkafka::producer::{FutureProducer, FutureRecord};
+            use rdkafka::producer::FutureRecord;
             let config: sched_relay_kafka::KafkaSinkConfig =
                 serde_json::from_value(serde_json::json!({"brokers": KAFKA, "topic": target}))
                     .unwrap();
-            let producer: FutureProducer = rdkafka::ClientConfig::new()
-                .set("bootstrap.servers", KAFKA)
-                .set("acks", "all")
-                .set("enable.idempotence", "true")
-                .set("linger.ms", "1")
-                .create()
-                .unwrap();
+            let producer = bare_producer();
             // librdkafka connects on its own threads: wait for the topic's metadata.
             rdkafka::producer::Producer::client(&producer)
                 .fetch_metadata(Some(target), Duration::from_secs(10))
@@ -851,26 +863,9 @@ pub struct DeliveryFloor {
 
 impl DeliveryFloor {
     pub async fn new(topology: &super::Topology, collector: &super::Collector) -> DeliveryFloor {
-        use lapin::options::ConfirmSelectOptions;
         let client = async_nats::connect(NATS_URL).await.unwrap();
-        let connection =
-            lapin::Connection::connect(AMQP_URL, lapin::ConnectionProperties::default())
-                .await
-                .unwrap();
-        let channel = connection.create_channel().await.unwrap();
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .unwrap();
-        // Kept open for as long as the channel is.
-        std::mem::forget(connection);
-        let producer = rdkafka::ClientConfig::new()
-            .set("bootstrap.servers", KAFKA)
-            .set("acks", "all")
-            .set("enable.idempotence", "true")
-            .set("linger.ms", "1")
-            .create()
-            .unwrap();
+        let channel = confirm_channel().await;
+        let producer = bare_producer();
         sched_relay::install_crypto_provider();
         DeliveryFloor {
             nats: (
