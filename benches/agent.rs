@@ -1202,23 +1202,17 @@ async fn drain(
         .map(String::from)
         .to_vec();
     let outbox = Outbox::open(dir.path(), sizes.backlog + 10, false).unwrap();
-    let template = sched_relay_transport::testing::live_migration_events("WestNO_0");
     let chunk = 1_000.min(sizes.backlog);
     let fill_started = Instant::now();
     for start in (0..sizes.backlog).step_by(chunk) {
-        let events: Vec<_> = (start..start + chunk)
-            .map(|i| {
-                template[i % template.len()]
-                    .clone()
-                    .with_id(format!("backlog-{batch_size}-{i}"))
-            })
-            .collect();
+        let events = floors::backlog_events(start..start + chunk, &format!("backlog-{batch_size}"));
         outbox.commit(&names, &events, None).unwrap();
     }
     let fill = fill_started.elapsed();
     // What a new document costs once the backlog is there (the poller pays it).
+    let document = &sched_relay_transport::testing::live_migration_events("WestNO_0")[..1];
     let probe = Instant::now();
-    outbox.commit(&names, &template[..1], None).unwrap();
+    outbox.commit(&names, document, None).unwrap();
     let one_document = probe.elapsed();
     let config: sched_relay::Config = toml::from_str(&format!(
         "{}\n[delivery]\nbatch_size = {batch_size}\n",

@@ -19,11 +19,11 @@ use serde_json::Value;
 use super::common;
 use super::{AMQP_URL, KAFKA, NATS_URL};
 
-/// The events of a backlog: the agent's own transitions of a live migration, each with an
-/// id of its own, as `count` stored events.
-fn backlog_events(count: usize, tag: &str) -> Vec<Event> {
+/// The events numbered `numbers` of a backlog: the agent's own transitions of a live
+/// migration, each with an id of its own (`<tag>-<number>`).
+pub fn backlog_events(numbers: std::ops::Range<usize>, tag: &str) -> Vec<Event> {
     let template = sched_relay_transport::testing::live_migration_events("WestNO_0");
-    (0..count)
+    numbers
         .map(|i| {
             template[i % template.len()]
                 .clone()
@@ -53,7 +53,7 @@ pub fn child(args: &[String]) {
                 .lines()
                 .map(|line| serde_json::from_str::<Event>(line).unwrap())
                 .collect(),
-            None => backlog_events(count, &format!("floor-{}", std::process::id())),
+            None => backlog_events(0..count, &format!("floor-{}", std::process::id())),
         };
         let mut meter = super::Meter::new(std::process::id());
         let started = Instant::now();
@@ -80,23 +80,16 @@ fn fill(dir: &std::path::Path, count: usize, sinks: &str) {
     let rss_open = status_kib(std::process::id(), "VmRSS");
     // Made a commit's worth at a time: 100,000 events at once would be this process's own
     // memory, not the store's.
-    let template = sched_relay_transport::testing::live_migration_events("WestNO_0");
     let started = Instant::now();
     for start in (0..count).step_by(1_000) {
-        let chunk: Vec<Event> = (start..(start + 1_000).min(count))
-            .map(|i| {
-                template[i % template.len()]
-                    .clone()
-                    .with_id(format!("backlog-{i}"))
-            })
-            .collect();
+        let chunk = backlog_events(start..(start + 1_000).min(count), "backlog");
         outbox.commit(&names, &chunk, None).unwrap();
     }
     let fill_s = started.elapsed().as_secs_f64();
     // What a new document costs once the backlog is there (the poller pays it).
     let probe = Instant::now();
     outbox
-        .commit(&names, &backlog_events(1, "probe"), None)
+        .commit(&names, &backlog_events(0..1, "probe"), None)
         .unwrap();
     let one_document_ms = probe.elapsed().as_secs_f64() * 1000.0;
     let pid = std::process::id();
