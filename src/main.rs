@@ -104,7 +104,7 @@ enum Command {
         api_version: String,
     },
     /// The fleet coordinator: read every agent's events, drain and approve under
-    /// disruption budgets (README, "Fleet coordinator").
+    /// disruption budgets (docs: "The fleet coordinator").
     Coordinate {
         #[arg(long, env = "SCHED_RELAY_COORDINATOR_CONFIG")]
         config: PathBuf,

@@ -1,5 +1,5 @@
-//! Per-VM rights on RabbitMQ, as `deploy/rabbitmq/per-vm-permissions.sh` sets them (README:
-//! "Per-VM publish permissions"), on a vhost of the test's own: a VM's real agent, restricted
+//! Per-VM rights on RabbitMQ, as `deploy/rabbitmq/per-vm-permissions.sh` sets them
+//! (docs/src/permissions.md), on a vhost of the test's own: a VM's real agent, restricted
 //! to its own routing keys and approvals queue, publishes its events and takes its approvals;
 //! with the same credentials it can neither publish another VM's events, nor read, bind or
 //! consume another VM's approvals, nor delete the exchanges every VM relies on.

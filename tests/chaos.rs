@@ -47,7 +47,7 @@ struct Edges {
     compute_failures: bool,
     /// The agent's state directory is on a small tmpfs that the driver fills for a few
     /// seconds at a time (never across a kill: a restart while it is full loses what was only
-    /// in memory, as README says).
+    /// in memory, as docs/src/guarantees.md says).
     full_disk: bool,
     /// Events only an approval starts, and the 503s planned for their POSTs.
     approvals: Vec<chaos_approvals::Planned>,

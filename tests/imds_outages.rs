@@ -180,9 +180,9 @@ lasting = "18s"
     assert_within_imds_budget(&sim.requests());
 }
 
-/// One event without an EventId makes the whole document unusable (see README, "Refused
-/// documents"): the agent keeps the last good one, and says so once per reason, in a metric
-/// every poll, at ERROR after a minute, and in `/readyz`.
+/// One event without an EventId makes the whole document unusable (see docs/src/operations.md,
+/// "Refused documents"): the agent keeps the last good one, and says so once per reason, in a
+/// metric every poll, at ERROR after a minute, and in `/readyz`.
 #[test]
 fn a_refused_document_is_reported_once_counted_every_poll_and_named_in_readyz() {
     let (url, served) = common::fixed_imds(

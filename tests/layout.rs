@@ -1,5 +1,5 @@
-//! The structure the project promises (README "Layout"), checked so it cannot rot:
-//! the core crate depends on no runtime, store or broker client, the agent's modules
+//! The structure the project promises (docs/src/development.md, "Layout"), checked so it
+//! cannot rot: the core crate depends on no runtime, store or broker client, the agent's modules
 //! import each other one way (`crate::` paths), and no file under `src/`, `core/src/` or
 //! `sinks/*/src/` grows past 500 lines (tests and benches are not held to it).
 

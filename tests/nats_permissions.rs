@@ -1,7 +1,7 @@
 //! Per-VM publish rights on NATS, as `deploy/nats/per-vm-permissions.conf` ships them
-//! (README: "Per-VM publish permissions"), against a nats-server of the test's own: a VM's
-//! real agent, restricted to its own subjects, publishes its events and takes its approvals;
-//! with the same credentials it can neither publish another VM's events nor read another
+//! (docs/src/permissions.md), against a nats-server of the test's own: a VM's real agent,
+//! restricted to its own subjects, publishes its events and takes its approvals; with the
+//! same credentials it can neither publish another VM's events nor read another
 //! VM's approvals. With the coordinator refusing a message whose subject does not name the
 //! VM it speaks for, no agent can then report for another VM.
 

@@ -233,32 +233,42 @@ fn watch_follows_the_fleet_on_nats() {
     );
 }
 
-/// Every metric the code records is in the documented list, and every metric the Grafana
-/// dashboard, the alert rules and the README use exists.
-#[test]
-fn dashboards_alerts_and_docs_use_only_metrics_that_exist() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let known: BTreeSet<&str> = METRICS.iter().map(|(name, _, _)| *name).collect();
-    let mut recorded = BTreeSet::new();
-    let mut stack = vec![root.join("src")];
+/// Every file under `dir` whose name ends in `.extension`, at any depth.
+fn files(dir: &Path, extension: &str) -> Vec<std::path::PathBuf> {
+    let mut found = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
     while let Some(dir) = stack.pop() {
         for entry in std::fs::read_dir(dir).unwrap() {
             let path = entry.unwrap().path();
             if path.is_dir() {
                 stack.push(path);
-            } else if path.extension().is_some_and(|e| e == "rs") {
-                let text = std::fs::read_to_string(&path).unwrap();
-                for macro_name in ["counter!(", "gauge!(", "histogram!("] {
-                    for part in text.split(macro_name).skip(1) {
-                        if let Some(name) = part
-                            .trim_start()
-                            .strip_prefix('"')
-                            .and_then(|p| p.split('"').next())
-                            && name.starts_with("sched_relay_")
-                        {
-                            recorded.insert(name.to_owned());
-                        }
-                    }
+            } else if path.extension().is_some_and(|e| e == extension) {
+                found.push(path);
+            }
+        }
+    }
+    found
+}
+
+/// Every metric the code records is in the documented list, and every metric the Grafana
+/// dashboard, the alert rules, the README and the book (docs/src) name exists. The list is
+/// the table of docs/src/metrics.md.
+#[test]
+fn dashboards_alerts_and_docs_use_only_metrics_that_exist() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let known: BTreeSet<&str> = METRICS.iter().map(|(name, _, _)| *name).collect();
+    let mut recorded = BTreeSet::new();
+    for path in files(&root.join("src"), "rs") {
+        let text = std::fs::read_to_string(&path).unwrap();
+        for macro_name in ["counter!(", "gauge!(", "histogram!("] {
+            for part in text.split(macro_name).skip(1) {
+                if let Some(name) = part
+                    .trim_start()
+                    .strip_prefix('"')
+                    .and_then(|p| p.split('"').next())
+                    && name.starts_with("sched_relay_")
+                {
+                    recorded.insert(name.to_owned());
                 }
             }
         }
@@ -269,19 +279,16 @@ fn dashboards_alerts_and_docs_use_only_metrics_that_exist() {
             "{name} is recorded but not in telemetry::METRICS"
         );
     }
-    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let table = std::fs::read_to_string(root.join("docs/src/metrics.md")).unwrap();
     for (name, kind, _) in METRICS {
         assert!(
-            readme.contains(&format!("| `{name}` | {kind} |")),
-            "README's metrics table lacks {name}"
+            table.contains(&format!("| `{name}` | {kind} |")),
+            "the metrics table of docs/src/metrics.md lacks {name}"
         );
     }
-    for file in [
-        "deploy/grafana/sched-relay.json",
-        "deploy/prometheus/alerts.yml",
-        "README.md",
-    ] {
-        let text = std::fs::read_to_string(root.join(file)).unwrap();
+    // Each file's metric names, every one of which must exist.
+    let uses = |file: &Path| -> usize {
+        let text = std::fs::read_to_string(file).unwrap();
         let mut used = 0;
         for part in text.split("sched_relay_").skip(1) {
             let name: String = part
@@ -298,10 +305,21 @@ fn dashboards_alerts_and_docs_use_only_metrics_that_exist() {
             }
             assert!(
                 known.contains(base),
-                "{file} uses {name}, which the agent does not export"
+                "{} uses {name}, which the agent does not export",
+                file.strip_prefix(root).unwrap_or(file).display()
             );
             used += 1;
         }
-        assert!(used > 0, "{file} uses no metric");
+        used
+    };
+    for file in [
+        "deploy/grafana/sched-relay.json",
+        "deploy/prometheus/alerts.yml",
+    ] {
+        assert!(uses(&root.join(file)) > 0, "{file} uses no metric");
     }
+    let mut pages = files(&root.join("docs/src"), "md");
+    pages.push(root.join("README.md"));
+    let used: usize = pages.iter().map(|page| uses(page)).sum();
+    assert!(used > 0, "no page of docs/src names a metric");
 }

@@ -4,13 +4,13 @@
 //! changed (state and log paths, listener ports, the token and key files; the agent trusts
 //! the coordinator's key, as the coordinator example says to do), against a nats-server of
 //! the test's own: the examples' stream names are fixed, so a shared server would mix runs.
-//! Both ways the README allows: the streams created by the components, and created first by
-//! the README's `nats stream add` commands (the `nats` CLI may be missing: the test makes
-//! the same streams through the client).
+//! Both ways the docs allow (docs/src/nats-layout.md): the streams created by the components,
+//! and created first by the docs' `nats stream add` commands (the `nats` CLI may be missing:
+//! the test makes the same streams through the client).
 //!
 //! Checked from the streams themselves, for a VM named `approvals` (whose events go to
 //! `scheduledevents.approvals.<transition>`): both streams exist together with the subjects
-//! the README gives; its events land in the events stream only; the coordinator's approval
+//! the docs give; its events land in the events stream only; the coordinator's approval
 //! for it lands in the approvals stream only, and the agent's outcome, an event, in the
 //! events stream; each reader made its durable consumer; the coordinator's input does not
 //! log itself as an approval source.
@@ -47,14 +47,22 @@ fn substitute(text: &str, from: &str, to: &str) -> String {
     text.replace(from, to)
 }
 
-/// Every `nats stream add <name> --subjects '<subjects>'` in the README, the examples and the
-/// compose file, by stream name. One name, one set of subjects, wherever it is written.
+/// Every `nats stream add <name> --subjects '<subjects>'` in the README, the book (docs/src),
+/// the examples and the compose file, by stream name. One name, one set of subjects, wherever
+/// it is written.
 fn documented_streams() -> BTreeMap<String, String> {
     let mut streams = BTreeMap::new();
     let mut files = vec!["README.md".to_owned(), "docker-compose.yml".to_owned()];
-    for entry in std::fs::read_dir(repository().join("config/examples")).unwrap() {
-        let name = entry.unwrap().file_name().into_string().unwrap();
-        files.push(format!("config/examples/{name}"));
+    for dir in ["config/examples", "docs/src", "docs/src/sinks"] {
+        for entry in std::fs::read_dir(repository().join(dir)).unwrap() {
+            let name = entry.unwrap().file_name().into_string().unwrap();
+            if std::path::Path::new(&name)
+                .extension()
+                .is_some_and(|e| e == "toml" || e == "md")
+            {
+                files.push(format!("{dir}/{name}"));
+            }
+        }
     }
     for file in files {
         let text = read(&file);
@@ -223,7 +231,7 @@ fn the_shipped_nats_layout_works_with_the_streams_the_components_create() {
 }
 
 #[test]
-fn the_shipped_nats_layout_works_with_the_streams_the_readme_says_to_create() {
+fn the_shipped_nats_layout_works_with_the_streams_the_docs_say_to_create() {
     shipped_layout(true);
 }
 
@@ -324,12 +332,12 @@ fn shipped_layout(created_by_hand: bool) {
     };
     assert!(events_sink.jetstream);
 
-    // The README and the examples name the same streams with the same subjects.
+    // The docs and the examples name the same streams with the same subjects.
     let documented = documented_streams();
     assert_eq!(documented.len(), 2, "{documented:?}");
     let subjects_documented = |stream: &str| {
         documented.get(stream).unwrap_or_else(|| {
-            panic!("the README does not say how to create {stream}: {documented:?}")
+            panic!("docs/src/nats-layout.md does not say how to create {stream}: {documented:?}")
         })
     };
     assert_eq!(subjects_documented(events_stream), events_subject);

@@ -507,8 +507,8 @@ fn approval_sources_refuse_the_wrong_trust(servers: &Servers, sim: &SimProcess) 
     // (source, what its failure must say): rustls's TLS failure for NATS (no client
     // certificate) and AMQP (wrong host). The Kafka source (wrong CA) says only "transport
     // failure": librdkafka hands a consumer's connection errors to the consumer's poll,
-    // not to its metadata call (a known gap, README). The topic exists and phase 2 proved
-    // the same settings with the right CA, so the CA is what fails it.
+    // not to its metadata call (a known gap, docs/src/security.md). The topic exists and phase 2
+    // proved the same settings with the right CA, so the CA is what fails it.
     let sources = [
         ("NATS subject refused.WestNO_0", "TLS failed"),
         ("AMQP queue refused.WestNO_0", "TLS failed"),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Per-VM rights for sched-relay on RabbitMQ (README: "Per-VM publish permissions").
+# Per-VM rights for sched-relay on RabbitMQ (docs/src/permissions.md).
 #
 #   deploy/rabbitmq/per-vm-permissions.sh <vm-name> <user> [vhost]
 #

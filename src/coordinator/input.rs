@@ -193,7 +193,7 @@ async fn warn_without_approvals_stream(approvals: &sched_relay_nats::NatsSinkCon
     if let Err(error) = found
         && error.kind() == GetStreamByNameErrorKind::NotFound
     {
-        tracing::warn!(subject = %subject, "No JetStream stream captures the approvals subject yet: each agent creates its stream ([approvals.nats] stream) when it starts, and approvals are published again every 2 s until one has (README: \"The NATS layout\")");
+        tracing::warn!(subject = %subject, "No JetStream stream captures the approvals subject yet: each agent creates its stream ([approvals.nats] stream) when it starts, and approvals are published again every 2 s until one has (docs: \"The NATS layout\", docs/src/nats-layout.md)");
     }
 }
 
@@ -275,7 +275,7 @@ mod tests {
         if !broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
             return;
         }
-        // The README's former events stream, and the coordinator configured with another
+        // The events stream of an earlier documented layout, and the coordinator configured with another
         // name for it.
         let (old, new) = (unique("SCHEDULED_EVENTS"), unique("SCHEDULEDEVENTS"));
         let subject = format!("{}.>", unique("events"));

@@ -1,7 +1,7 @@
 //! Every metric the agent and the coordinator record: name, kind and help text (the
-//! `# HELP` lines, README's table and the dashboards are checked against it).
+//! `# HELP` lines, the table of docs/src/metrics.md and the dashboards are checked against it).
 
-/// Every metric the agent exports: name, kind and help text. README's metrics table, the
+/// Every metric the agent exports: name, kind and help text. docs/src/metrics.md's table, the
 /// Grafana dashboard and the alert rules use these names (a test checks they exist).
 pub const METRICS: &[(&str, &str, &str)] = &[
     (

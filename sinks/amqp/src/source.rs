@@ -70,8 +70,8 @@ async fn declare(
 ) -> Result<u32, String> {
     let what = |what: String| move |e| sink.classify(e, &what).to_string();
     // An exchange that exists is left alone: declaring it again needs the right to configure
-    // it, which is also the right to delete it, and a VM restricted to its own queue (README:
-    // "Per-VM publish permissions") must not hold that over every VM's approvals. A passive
+    // it, which is also the right to delete it, and a VM restricted to its own queue
+    // (docs/src/permissions.md) must not hold that over every VM's approvals. A passive
     // declare needs no right; when it fails, the broker closes the channel it was tried on,
     // so it gets a channel of its own.
     let exists = !spec.exclusive && {

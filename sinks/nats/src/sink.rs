@@ -234,8 +234,8 @@ impl Sink for NatsSink {
     }
 }
 
-/// What to do when no stream captures `subject`: a stream on its first token, as the README's
-/// layout has (`scheduledevents.>`, `scheduledapprovals.>`).
+/// What to do when no stream captures `subject`: a stream on its first token, as the layout of
+/// docs/src/nats-layout.md has (`scheduledevents.>`, `scheduledapprovals.>`).
 fn create_hint(subject: &str) -> String {
     let root = subject.split('.').next().unwrap_or(subject);
     format!("create one, e.g. nats stream add --subjects '{root}.>'")

@@ -117,7 +117,7 @@ mod client {
                         }
                     }
                     Err(StreamProblem::Refused(format!(
-                        "cannot create stream {name} with subjects {create_with:?}: {}; NATS refuses streams whose subjects overlap. Name the stream that captures them instead, or use subjects that do not overlap (README: \"The NATS layout\")",
+                        "cannot create stream {name} with subjects {create_with:?}: {}; NATS refuses streams whose subjects overlap. Name the stream that captures them instead, or use subjects that do not overlap (docs: \"The NATS layout\", docs/src/nats-layout.md)",
                         if holders.is_empty() {
                             error.to_string()
                         } else {

@@ -27,7 +27,7 @@ fn resource_id(vm: &str) -> String {
     )
 }
 
-/// A heartbeat as the agent publishes it (README, "Events on the wire").
+/// A heartbeat as the agent publishes it (docs/src/events.md, "Heartbeats").
 pub(super) fn heartbeat(
     vm: &str,
     at: DateTime<Utc>,
