@@ -381,6 +381,7 @@ fn broker(
                 jetstream: None,
                 from_start: false,
                 ack_wait: Duration::from_secs(60),
+                pull: None,
                 role: sched_relay_transport::inbound::SourceRole::Watch,
             };
             Ok(tokio::spawn(sched_relay_nats::source::run(

@@ -177,6 +177,7 @@ pub async fn start_listener_and_sources(
                 }),
             from_start: false,
             ack_wait: std::time::Duration::from_secs(60),
+            pull: None,
             role: sched_relay_transport::inbound::SourceRole::Approvals,
         };
         sources.push(tokio::spawn(sched_relay_nats::source::run(

@@ -24,6 +24,32 @@ use crate::sinks::SinkKind;
 #[cfg(feature = "nats")]
 const INPUT_STREAM_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(7 * 24 * 3600);
 
+/// A message handed to an instance that stalls (a SIGSTOP, a frozen VM) before it
+/// acknowledged it goes to another instance this long after it was delivered. The source
+/// says the message in hand is in progress every half of it, so a slow engine is no stall;
+/// what waits in its buffer, at most one and a half of [`INPUT_PULL`]'s batches, is
+/// delivered again after it, and recognised as seen.
+#[cfg(feature = "nats")]
+const INPUT_ACK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The input's pull requests: the server hands a stalled instance's last open request new
+/// messages for at most 1 s more, and at most 4 of them. With [`INPUT_ACK_WAIT`], every
+/// message a stalled instance took or would take is another's at most [`STALL_HOLDS_BACK`]
+/// after the stall. Each request is answered in well under a millisecond on the same
+/// network, and a coordinator handles each message in milliseconds: small batches cost it
+/// nothing it could use.
+#[cfg(feature = "nats")]
+const INPUT_PULL: sched_relay_nats::source::Pull = sched_relay_nats::source::Pull {
+    batch: 4,
+    expires: std::time::Duration::from_secs(1),
+};
+
+/// The longest a stalled instance holds a message back: less than two thirds of the
+/// shipped 10 s lease, the soonest a standby can take over after a stall (the active
+/// instance renews every third of a period).
+#[cfg(all(test, feature = "nats"))]
+const STALL_HOLDS_BACK: std::time::Duration = std::time::Duration::from_secs(6);
+
 /// Starts the input; errors are those that must stop the coordinator's start.
 // Without any broker feature, only the refusal uses nothing.
 #[cfg_attr(
@@ -68,7 +94,8 @@ pub(super) async fn start(
                     max_age: INPUT_STREAM_MAX_AGE,
                 }),
                 from_start: true,
-                ack_wait: std::time::Duration::from_secs(10),
+                ack_wait: INPUT_ACK_WAIT,
+                pull: Some(INPUT_PULL),
                 role,
             };
             Ok(tokio::spawn(sched_relay_nats::source::run(
@@ -198,162 +225,4 @@ async fn warn_without_approvals_stream(approvals: &sched_relay_nats::NatsSinkCon
 }
 
 #[cfg(all(test, feature = "nats"))]
-mod tests {
-    use sched_relay_transport::testing::{broker_available, unique};
-
-    use super::prepare_stream;
-
-    const NATS: &str = "127.0.0.1:4222";
-    const NATS_URL: &str = "nats://127.0.0.1:4222";
-
-    fn connection() -> sched_relay_nats::NatsSinkConfig {
-        serde_json::from_value(serde_json::json!({ "url": NATS_URL })).unwrap()
-    }
-
-    async fn subjects_of(stream: &str) -> Vec<String> {
-        let client = async_nats::connect(NATS_URL).await.unwrap();
-        let mut stream = async_nats::jetstream::new(client)
-            .get_stream(stream)
-            .await
-            .unwrap();
-        stream.info().await.unwrap().config.subjects.clone()
-    }
-
-    #[tokio::test]
-    async fn a_missing_input_stream_is_created_with_the_configured_subject_and_kept_a_week() {
-        if !broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
-            return;
-        }
-        let stream = unique("INPUT");
-        let subject = format!("{}.>", unique("input"));
-        prepare_stream(&connection(), &stream, &subject)
-            .await
-            .unwrap();
-        assert_eq!(subjects_of(&stream).await, std::slice::from_ref(&subject));
-        // Kept a week: heartbeats cannot fill the server.
-        let client = async_nats::connect(NATS_URL).await.unwrap();
-        let mut created = async_nats::jetstream::new(client)
-            .get_stream(&stream)
-            .await
-            .unwrap();
-        assert_eq!(
-            created.info().await.unwrap().config.max_age,
-            super::INPUT_STREAM_MAX_AGE
-        );
-        // Found as it is the next time.
-        prepare_stream(&connection(), &stream, &subject)
-            .await
-            .unwrap();
-        sched_relay_nats::testing::delete_stream(NATS_URL, &stream).await;
-    }
-
-    #[tokio::test]
-    async fn an_input_stream_that_does_not_capture_the_subject_is_refused_and_left_as_it_is() {
-        if !broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
-            return;
-        }
-        let stream = unique("INPUT");
-        let prefix = unique("input");
-        let narrow = format!("{prefix}.*.scheduled");
-        sched_relay_nats::testing::create_stream(NATS_URL, &stream, &narrow).await;
-        let error = prepare_stream(&connection(), &stream, &format!("{prefix}.>"))
-            .await
-            .unwrap_err();
-        assert!(
-            error.starts_with(&format!(
-                "input.stream: stream {stream} exists with subjects"
-            )) && error.contains(&format!("do not capture {prefix}.>"))
-                && error.contains("never changes"),
-            "{error}"
-        );
-        assert_eq!(subjects_of(&stream).await, [narrow]);
-        sched_relay_nats::testing::delete_stream(NATS_URL, &stream).await;
-    }
-
-    #[tokio::test]
-    async fn an_input_stream_that_would_overlap_another_says_which_stream_holds_the_subject() {
-        if !broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
-            return;
-        }
-        // The events stream of an earlier documented layout, and the coordinator configured with another
-        // name for it.
-        let (old, new) = (unique("SCHEDULED_EVENTS"), unique("SCHEDULEDEVENTS"));
-        let subject = format!("{}.>", unique("events"));
-        sched_relay_nats::testing::create_stream(NATS_URL, &old, &subject).await;
-        let error = prepare_stream(&connection(), &new, &subject)
-            .await
-            .unwrap_err();
-        assert!(
-            error.contains(&format!("stream {old} already captures {subject}")),
-            "{error}"
-        );
-        sched_relay_nats::testing::delete_stream(NATS_URL, &old).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn the_input_is_caught_up_once_it_has_handled_what_its_stream_held_however_slowly() {
-        use sched_relay_transport::inbound::{Answer, CatchUp, Reply};
-        if !broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
-            return;
-        }
-        let stream = unique("CATCHUP");
-        let prefix = unique("catchup");
-        let client = async_nats::connect(NATS_URL).await.unwrap();
-        let js = async_nats::jetstream::new(client);
-        js.create_stream(async_nats::jetstream::stream::Config {
-            name: stream.clone(),
-            subjects: vec![format!("{prefix}.>")],
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-        for n in 0..5 {
-            js.publish(format!("{prefix}.vm-{n}.heartbeat"), "{}".into())
-                .await
-                .unwrap()
-                .await
-                .unwrap();
-        }
-        let input: super::Input = serde_json::from_value(serde_json::json!({
-            "kind": "nats", "url": NATS_URL, "stream": stream, "subject": format!("{prefix}.>"),
-            "durable": "coordinator",
-        }))
-        .unwrap();
-        let approvals = serde_json::from_value(serde_json::json!({
-            "kind": "nats", "url": NATS_URL, "subject": format!("{prefix}x.{{vmname}}"),
-        }))
-        .unwrap();
-        let (deliveries, mut delivered) = tokio::sync::mpsc::channel(1);
-        let (progress, mut caught_up) = tokio::sync::watch::channel(CatchUp::Unknown);
-        let (stop_tx, stop) = tokio::sync::watch::channel(false);
-        let task = super::start(&input, &approvals, deliveries, Some(progress), stop)
-            .await
-            .unwrap();
-        // A slow engine: every message waits; the input is behind until the fifth is handled,
-        // however long that takes (no quiet second decides it).
-        caught_up
-            .wait_for(|state| *state != CatchUp::Unknown)
-            .await
-            .unwrap();
-        assert_eq!(*caught_up.borrow(), CatchUp::Behind(5));
-        for n in 0..5 {
-            tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
-            assert_ne!(*caught_up.borrow(), CatchUp::CaughtUp, "after {n} of 5");
-            let delivery = delivered.recv().await.unwrap();
-            let _ = delivery.handled.send(Answer::Handled(Reply {
-                outcome: "accepted",
-                body: serde_json::Value::Null,
-            }));
-        }
-        tokio::time::timeout(
-            std::time::Duration::from_secs(5),
-            caught_up.wait_for(|state| *state == CatchUp::CaughtUp),
-        )
-        .await
-        .unwrap()
-        .unwrap();
-        let _ = stop_tx.send(true);
-        let _ = task.await;
-        sched_relay_nats::testing::delete_stream(NATS_URL, &stream).await;
-    }
-}
+mod tests;

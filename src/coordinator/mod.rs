@@ -170,6 +170,7 @@ pub async fn run(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut result = Ok(());
     loop {
+        let owed_at = engine.owed_at();
         tokio::select! {
             _ = &mut stop => break,
             why = &mut kept => {
@@ -178,7 +179,10 @@ pub async fn run(
                 result = Err(why);
                 break;
             }
-            Some(delivery) = delivered.recv() => engine.deliver(delivery),
+            Some(delivery) = delivered.recv() => engine.deliver_paced(delivery),
+            _ = tokio::time::sleep_until(owed_at.unwrap_or_else(std::time::Instant::now).into()), if owed_at.is_some() => {
+                engine.decide_owed(chrono::Utc::now());
+            }
             Some(done) = done_rx.recv() => engine.finished(done),
             Some((command, answer)) = admin_rx.recv() => {
                 let _ = answer.send(engine.admin(command, chrono::Utc::now()));

@@ -31,12 +31,19 @@ fn seen_key(source: &str, id: &str) -> String {
     format!("{source}\n{id}")
 }
 
+/// The state file's page cache: redb's default is 1 GiB, which a coordinator of 10,000
+/// VMs filled past 500 MiB of resident memory with the ids of the messages it handled.
+const STORE_CACHE: usize = 32 << 20;
+
 impl Store {
     pub fn open(dir: &Path) -> Result<Store, String> {
         std::fs::create_dir_all(dir)
             .map_err(|e| format!("state directory {}: {e}", dir.display()))?;
         let path = dir.join("coordinator.redb");
-        let db = Database::create(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let db = redb::Builder::new()
+            .set_cache_size(STORE_CACHE)
+            .create(&path)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
         let store = Store::Redb(db);
         store.write(&Changes::default())?;
         Ok(store)

@@ -75,8 +75,27 @@ pub struct NatsSourceSpec {
     /// that died with it, say): the approval sources wait a minute, the coordinator, whose
     /// standby must not wait that long after a failover, less.
     pub ack_wait: Duration,
+    /// The pull requests of a JetStream source; `None`: async-nats's (200 messages, 30 s).
+    pub pull: Option<Pull>,
     /// Who reads it (the agent's approvals, the coordinator's input, `watch`), for the logs.
     pub role: SourceRole,
+}
+
+/// With a [`Pull`] of its own, how long a source waits for a server that misses its
+/// heartbeats before it connects again, and how far apart two misses still make one silence.
+const SILENCE_TOLERATED: Duration = Duration::from_secs(10);
+const SILENCE_JOINS: Duration = Duration::from_secs(5);
+
+/// The shape of a JetStream source's pull requests. A request stays open on the server
+/// until it is filled or expires, and the server hands it new messages even when the
+/// process that sent it has stalled: each such message waits `ack_wait` to be delivered to
+/// another instance. A short expiry and a small batch bound what a stalled instance holds.
+#[derive(Debug, Clone, Copy)]
+pub struct Pull {
+    /// Messages asked for at a time.
+    pub batch: usize,
+    /// How long a request waits for them.
+    pub expires: Duration,
 }
 
 /// The stream and durable consumer of a JetStream source.
@@ -225,6 +244,7 @@ async fn consume(
             let mut streams = Vec::new();
             let mut consumers = Vec::new();
             let mut pending = 0;
+            let mut ack_wait = spec.ack_wait;
             for (subject, name) in subjects {
                 let consumer = stream_handle
                     .get_or_create_consumer(
@@ -244,11 +264,65 @@ async fn consume(
                     )
                     .await
                     .map_err(|e| format!("durable consumer {name:?} on stream {stream:?}: {e}"))?;
+                let mut consumer = consumer;
+                // A source with a pull shape of its own (the coordinator's input) bounds what
+                // a stalled instance holds back with its ack wait: a durable made with
+                // another (by an earlier version) is changed to it. Not one with several
+                // filters or a back-off, which a copy of its settings would not keep.
+                let made_with = consumer.cached_info().config.clone();
+                if spec.pull.is_some()
+                    && made_with.ack_wait != spec.ack_wait
+                    && !made_with.filter_subject.is_empty()
+                    && made_with.backoff.is_empty()
+                    && let Ok(kept) = <pull::Config as jetstream::consumer::FromConsumer>::try_from_consumer_config(made_with.clone())
+                {
+                    let updated = pull::Config {
+                        ack_wait: spec.ack_wait,
+                        ..kept
+                    };
+                    // Create or update: everything else as the durable was made.
+                    match stream_handle.create_consumer(updated).await {
+                        Ok(changed) => {
+                            tracing::info!(durable = %name, from = ?made_with.ack_wait, to = ?spec.ack_wait, "Changed the durable consumer's ack wait");
+                            consumer = changed;
+                        }
+                        Err(error) => {
+                            tracing::warn!(durable = %name, error = %error, ack_wait = ?made_with.ack_wait, "Cannot change the durable consumer's ack wait; it keeps its own");
+                        }
+                    }
+                }
                 // Not yet delivered, and delivered but not acknowledged (to an instance that
                 // died with them: delivered again after ack_wait).
                 let info = consumer.cached_info();
                 pending += info.num_pending + info.num_ack_pending as u64;
-                streams.push(consumer.messages().await.map_err(|e| e.to_string())?);
+                let messages = match spec.pull {
+                    None => consumer.messages().await,
+                    Some(pull) => {
+                        // Within the durable's own limits, as async-nats's defaults are.
+                        let limits = &info.config;
+                        let batch = match limits.max_batch {
+                            max if max > 0 => pull.batch.min(max as usize),
+                            _ => pull.batch,
+                        };
+                        let expires = match limits.max_expires {
+                            max if !max.is_zero() => pull.expires.min(max),
+                            _ => pull.expires,
+                        };
+                        consumer
+                            .stream()
+                            .max_messages_per_batch(batch)
+                            .expires(expires)
+                            .heartbeat(expires / 2)
+                            .messages()
+                            .await
+                    }
+                };
+                streams.push(messages.map_err(|e| e.to_string())?);
+                // What the server will wait: the durable's own, whatever the spec says.
+                let waits = consumer.cached_info().config.ack_wait;
+                if !waits.is_zero() {
+                    ack_wait = ack_wait.min(waits);
+                }
                 consumers.push(consumer);
             }
             backlog.found_by_position(pending);
@@ -260,6 +334,8 @@ async fn consume(
             let mut position = tokio::time::interval(Duration::from_secs(1));
             position.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut messages = futures_util::stream::select_all(streams);
+            // Missed heartbeats in a row: (first, last).
+            let mut silent_since: Option<(std::time::Instant, std::time::Instant)> = None;
             tracing::info!(stream = %stream, durable = %durable, subject = %spec.subject, "{} ready (JetStream)", spec.role.name());
             loop {
                 let woken = tokio::select! {
@@ -292,9 +368,56 @@ async fn consume(
                     continue;
                 };
                 let Some(message) = message else { break };
-                let message = message.map_err(|e| e.to_string())?;
+                let message = match message {
+                    Ok(message) => {
+                        silent_since = None;
+                        message
+                    }
+                    // With short pull requests, the server may miss two heartbeats in a blip
+                    // (a restart, a leader election): async-nats asks again once it answers.
+                    // Silent for longer, the connection is made again.
+                    Err(error)
+                        if spec.pull.is_some()
+                            && error.kind()
+                                == jetstream::consumer::pull::MessagesErrorKind::MissingHeartbeat =>
+                    {
+                        let now = std::time::Instant::now();
+                        let (first, _) = match silent_since {
+                            Some((first, last)) if now.duration_since(last) < SILENCE_JOINS => {
+                                (first, last)
+                            }
+                            _ => {
+                                tracing::warn!(error = %error, "{}: the server missed its heartbeats; waiting for it", spec.role.name());
+                                (now, now)
+                            }
+                        };
+                        if now.duration_since(first) >= SILENCE_TOLERATED {
+                            return Err(format!(
+                                "the server missed its heartbeats for {SILENCE_TOLERATED:?}"
+                            ));
+                        }
+                        silent_since = Some((first, now));
+                        continue;
+                    }
+                    Err(error) => return Err(error.to_string()),
+                };
                 let shared = is_shared(message.subject.as_str());
-                match hand_over(deliveries, inbound("jetstream", &message, shared)).await {
+                // While it is handled, the message is said to be in progress every half
+                // ack wait: only a message whose handler stopped is delivered again.
+                let handed = hand_over(deliveries, inbound("jetstream", &message, shared));
+                tokio::pin!(handed);
+                let half = ack_wait / 2;
+                let mut in_progress =
+                    tokio::time::interval_at(tokio::time::Instant::now() + half, half);
+                let handover = loop {
+                    tokio::select! {
+                        handover = &mut handed => break handover,
+                        _ = in_progress.tick() => {
+                            let _ = message.ack_with(AckKind::Progress).await;
+                        }
+                    }
+                };
+                match handover {
                     Handover::Handled(reply) => {
                         if let Err(error) = message.ack().await {
                             tracing::warn!(error = %error, reply = reply.outcome, "Cannot acknowledge a handled message; JetStream will deliver it again");

@@ -435,6 +435,7 @@ impl CoordinatorConfig {
                 max_hold: duration(self.coordinator.max_hold),
                 silent_after: self.coordinator.silent_after,
                 report_wait: duration(self.coordinator.report_wait),
+                memo: Default::default(),
                 approve_failed_drains: self
                     .drain
                     .as_ref()

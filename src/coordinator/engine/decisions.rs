@@ -15,6 +15,12 @@ impl Engine {
         if !self.may_act() {
             return;
         }
+        // Whatever calls it decides what messages are owed too: timed from the earliest.
+        let owed = self.owed.take();
+        let trigger = self.trigger.or(owed);
+        if owed.is_some() {
+            self.decided_at = Some(std::time::Instant::now());
+        }
         let decisions = policy::decide(&self.fleet, &self.policy, now);
         for (key, wait) in decisions.waits {
             let text = wait.to_string();
@@ -86,7 +92,7 @@ impl Engine {
         for key in approvals.into_iter().flatten() {
             self.publish(&key);
         }
-        if let Some(trigger) = self.trigger {
+        if let Some(trigger) = trigger {
             // From the message that allowed them (an event, or another's end) to the
             // drains started and the approvals signed and handed to the broker client.
             let took = trigger.elapsed().as_secs_f64();

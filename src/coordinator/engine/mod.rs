@@ -24,11 +24,13 @@ use super::store::{Changes, Store};
 
 mod decisions;
 mod inventory;
+mod pace;
 mod recovery;
 mod results;
 mod tick;
 
 pub use inventory::Admin;
+pub use pace::DECISION_GAP;
 
 /// Results of the work started by the loop.
 pub enum Done {
@@ -80,6 +82,14 @@ pub struct Engine {
     done: mpsc::UnboundedSender<Done>,
     /// When the message being handled arrived: decisions it allows are timed from it.
     trigger: Option<Instant>,
+    /// The earliest arrival of the messages handled since the last decision whose decision
+    /// waits for [`DECISION_GAP`] to pass: a burst is decided every few milliseconds, not
+    /// once per message (each decision counts the whole fleet).
+    owed: Option<Instant>,
+    /// When the last decision on a message's arrival was made.
+    decided_at: Option<Instant>,
+    /// [`DECISION_GAP`]; tests that cannot promise a commit within it set a longer one.
+    pub decision_gap: std::time::Duration,
     /// When forgotten events and old ids were last pruned (the tick's clock).
     pruned: Option<DateTime<Utc>>,
     /// Decisions wait until the input has delivered everything it held when it started,
@@ -102,6 +112,8 @@ pub struct Engine {
     dirty: bool,
     /// When `/fleet` was last refreshed (the tick's clock).
     snapshot_at: Option<DateTime<Utc>>,
+    /// When `/fleet` was last refreshed, and what that took.
+    snapshot_cost: Option<(Instant, std::time::Duration)>,
     /// What a message's subject or routing key must be for the VM it speaks for
     /// (`Input::channel_template`).
     pub channel_template: Option<String>,
@@ -133,6 +145,9 @@ impl Engine {
                 .expect("an HTTP client builds"),
             done,
             trigger: None,
+            owed: None,
+            decided_at: None,
+            decision_gap: DECISION_GAP,
             pruned: None,
             ready: false,
             progress: None,
@@ -144,6 +159,7 @@ impl Engine {
             snapshot: Arc::new(RwLock::new(Value::Null)),
             dirty: true,
             snapshot_at: None,
+            snapshot_cost: None,
             channel_template: None,
             gate: None,
         }
@@ -162,6 +178,10 @@ impl Engine {
 
     /// [`Engine::deliver`] at `now` (tests drive a day in a second with it).
     pub fn deliver_at(&mut self, delivery: Delivery, now: DateTime<Utc>) {
+        self.deliver_with(delivery, now, false);
+    }
+
+    pub(super) fn deliver_with(&mut self, delivery: Delivery, now: DateTime<Utc>, paced: bool) {
         if !self.may_act() {
             // A standby may be active: leave the message to it (JetStream offers it again).
             let _ = delivery.handled.send(Answer::NotHandled(
@@ -319,9 +339,13 @@ impl Engine {
         }
         self.dirty = true;
         if self.ready && !routine_beat {
-            self.trigger = Some(arrived);
-            self.decide(now);
-            self.trigger = None;
+            self.owed.get_or_insert(arrived);
+            let recent = self
+                .decided_at
+                .is_some_and(|at| at.elapsed() < self.decision_gap);
+            if !(paced && recent) {
+                self.decide_owed(now);
+            }
         }
     }
 

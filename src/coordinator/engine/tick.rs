@@ -15,6 +15,8 @@ use crate::coordinator::store::Changes;
 
 /// `/fleet` and the gauges are refreshed at least this often (seconds), changed or not.
 const SNAPSHOT_EVERY_SECONDS: i64 = 5;
+/// A refresh of `/fleet` after a change waits this many times its last cost.
+const SNAPSHOT_COST_SHARE: u32 = 10;
 
 /// Forgotten events and old ids are looked for this often (each look walks everything).
 const PRUNE_EVERY: Duration = Duration::from_secs(60);
@@ -193,7 +195,12 @@ impl Engine {
             self.decide(now);
         }
         // Silence and overdue holds come with time alone: refreshed every few seconds too.
-        if self.dirty
+        // After a change, once ten times the last refresh's cost has passed (a fleet of
+        // 10,000 VMs is a /fleet of megabytes); every few seconds in any case.
+        let affordable = self
+            .snapshot_cost
+            .is_none_or(|(at, took)| at.elapsed() >= took * SNAPSHOT_COST_SHARE);
+        if (self.dirty && affordable)
             || self
                 .snapshot_at
                 .is_none_or(|at| now - at >= chrono::Duration::seconds(SNAPSHOT_EVERY_SECONDS))
@@ -257,6 +264,7 @@ impl Engine {
 
     /// Refreshes `/fleet` and the budget gauges.
     pub(super) fn publish_snapshot(&mut self, now: DateTime<Utc>) {
+        let started = std::time::Instant::now();
         self.dirty = false;
         self.snapshot_at = Some(now);
         let budgets = policy::usage(&self.fleet, &self.policy, now);
@@ -296,5 +304,6 @@ impl Engine {
             "events": self.fleet.events.values().collect::<Vec<_>>(),
         });
         *self.snapshot.write().unwrap_or_else(|e| e.into_inner()) = snapshot;
+        self.snapshot_cost = Some((std::time::Instant::now(), started.elapsed()));
     }
 }

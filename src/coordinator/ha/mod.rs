@@ -153,7 +153,8 @@ impl Ha {
         }))
     }
 
-    /// Waits until this instance holds the lease; returns the revision it wrote.
+    /// Waits until this instance holds the lease, trying every [`standby_poll`]; returns the
+    /// revision it wrote.
     pub async fn acquire(&self) -> u64 {
         let mut logged = false;
         loop {
@@ -182,7 +183,7 @@ impl Ha {
                         tracing::info!(instance = %self.name, holder = ?holder, error = %error, "Standby: another coordinator holds the lease");
                         logged = true;
                     }
-                    tokio::time::sleep(self.period / 3).await;
+                    tokio::time::sleep(standby_poll(self.period)).await;
                 }
             }
         }
@@ -318,3 +319,9 @@ fn now() -> u64 {
 
 #[cfg(test)]
 mod tests;
+
+/// How often a standby tries to take the lease: a third of a period, at most a second, so
+/// that it takes over within a second of the lease's expiry (one create request each time).
+fn standby_poll(period: Duration) -> Duration {
+    (period / 3).min(Duration::from_secs(1))
+}

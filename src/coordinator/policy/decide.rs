@@ -135,7 +135,6 @@ enum Candidate {
 
 /// Decides, for every event nobody has acted on and every drained one, what to do now.
 pub fn decide(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Decisions {
-    let mut down = down_now(fleet, policy, now);
     let mut decisions = Decisions::default();
     let mut candidates: Vec<(&String, &Maintenance, Candidate)> = Vec::new();
     for (key, m) in &fleet.events {
@@ -154,6 +153,11 @@ pub fn decide(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Decisions {
             _ => {}
         }
     }
+    // Counting who is down visits every VM: only when there is something to decide.
+    if candidates.is_empty() {
+        return decisions;
+    }
+    let mut down = down_now(fleet, policy, now);
     candidates.sort_by_key(|(key, m, _)| (m.not_before, m.first_seen, (*key).clone()));
     for (key, m, candidate) in candidates {
         match one(fleet, policy, &mut down, key, m, &candidate, now) {

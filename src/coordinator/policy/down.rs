@@ -59,10 +59,9 @@ pub struct Pending {
 pub struct Down {
     /// Every VM down, with every reason.
     pub causes: BTreeMap<String, BTreeSet<Cause>>,
-    /// The group of every VM known (the inventory's, and VMs named in Resources).
-    pub group: BTreeMap<String, usize>,
-    /// Per group, the VMs of the inventory.
-    pub members: Vec<BTreeSet<String>>,
+    /// Per group, how many VMs of the inventory it has (each VM's group is the policy's,
+    /// found once: [`Policy::group_of`]).
+    pub members: Vec<usize>,
     /// Per group, the VMs held past `max_hold` without evidence that they are back.
     pub overdue: Vec<BTreeSet<String>>,
     /// Scheduled events nobody holds, earliest NotBefore first.
@@ -75,17 +74,14 @@ pub struct Down {
 }
 
 impl Down {
-    /// The group of `vm`, for VMs neither in the inventory nor named by an event.
+    /// The group of `vm`.
     pub fn group_of(&self, fleet: &Fleet, policy: &Policy, vm: &str) -> usize {
-        self.group
-            .get(vm)
-            .copied()
-            .unwrap_or_else(|| policy.group_of(fleet, vm))
+        policy.group_of(fleet, vm)
     }
 
     /// The group's size: the larger of the VMs known and the operator's expected size.
     pub fn size(&self, policy: &Policy, group: usize) -> usize {
-        let known = self.members[group].len();
+        let known = self.members[group];
         policy.groups[group]
             .expected_size
             .map_or(known, |expected| known.max(expected as usize))
@@ -132,15 +128,14 @@ pub fn freed(fleet: &Fleet, policy: &Policy, m: &Maintenance, vm: &str, group: u
 pub fn down_now(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Down {
     let groups = policy.groups.len();
     let mut down = Down {
-        members: vec![BTreeSet::new(); groups],
+        members: vec![0; groups],
         overdue: vec![BTreeSet::new(); groups],
         ..Down::default()
     };
     // Holding (by the coordinator, anyone else, or Azure) is the event's own state.
     for (name, vm) in &fleet.vms {
         let g = policy.group_of(fleet, name);
-        down.group.insert(name.clone(), g);
-        down.members[g].insert(name.clone());
+        down.members[g] += 1;
         if vm.silent(now, policy.silent_after) {
             down.causes
                 .entry(name.clone())
@@ -165,7 +160,6 @@ pub fn down_now(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Down {
         let mut waiting = Vec::new();
         for vm in m.affected() {
             let g = down.group_of(fleet, policy, &vm);
-            down.group.entry(vm.clone()).or_insert(g);
             if freed(fleet, policy, m, &vm, g) {
                 continue;
             }
@@ -246,7 +240,7 @@ pub fn usage(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Budgets {
         .map(|(g, group)| Usage {
             group: group.name.clone(),
             size: down.size(policy, g),
-            known: down.members[g].len(),
+            known: down.members[g],
             expected_size: group.expected_size,
             limit: down.limit(policy, g),
             down: BTreeSet::new(),

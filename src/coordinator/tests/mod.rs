@@ -130,6 +130,7 @@ fn policy(groups: Vec<(&str, &str, Budget)>, default: Budget) -> Policy {
         silent_after: 3,
         report_wait: chrono::Duration::seconds(5),
         approve_failed_drains: false,
+        memo: Default::default(),
     }
 }
 
@@ -439,6 +440,16 @@ fn groups_match_names_and_resource_id_parts() {
 }
 
 proptest! {
+    /// VM names are matched as bytes when both sides are ASCII, as characters otherwise:
+    /// the same answer either way (a non-ASCII letter after both forces the second).
+    #[test]
+    fn group_patterns_match_the_same_as_bytes_and_as_characters(
+        pattern in "[ab*?-]{0,8}",
+        name in "[ab-]{0,10}",
+    ) {
+        prop_assert_eq!(glob(&pattern, &name), glob(&format!("{pattern}é"), &format!("{name}é")));
+    }
+
     /// Whatever the fleet looks like (events of every status, some already approved,
     /// several VMs per event, two groups), the approvals decided never take a group's
     /// down count over its limit, and never add to a group already over it.

@@ -139,22 +139,30 @@ impl World {
 
     /// Delivers `event` on `channel`.
     pub(super) fn deliver_on(&mut self, event: &Value, now: DateTime<Utc>, channel: &str) {
+        self.deliver_with(event, now, channel, false);
+    }
+
+    /// Delivers `event` as the coordinator's loop does ([`Engine::deliver_paced`]), or at
+    /// once.
+    fn deliver_with(&mut self, event: &Value, now: DateTime<Utc>, channel: &str, paced: bool) {
         let (handled, answer) = oneshot::channel();
-        self.engine.deliver_at(
-            Delivery {
-                message: Inbound {
-                    transport: "jetstream",
-                    channel: channel.into(),
-                    headers: Vec::new(),
-                    content_type: Some("application/cloudevents+json".into()),
-                    body: serde_json::to_vec(event).unwrap(),
-                    shared: true,
-                    route: None,
-                },
-                handled,
+        let delivery = Delivery {
+            message: Inbound {
+                transport: "jetstream",
+                channel: channel.into(),
+                headers: Vec::new(),
+                content_type: Some("application/cloudevents+json".into()),
+                body: serde_json::to_vec(event).unwrap(),
+                shared: true,
+                route: None,
             },
-            now,
-        );
+            handled,
+        };
+        if paced {
+            self.engine.deliver_paced(delivery);
+        } else {
+            self.engine.deliver_at(delivery, now);
+        }
         match answer.blocking_recv_or_now() {
             Answer::Handled(_) => {}
             other => panic!("{other:?} for {event}"),
@@ -376,4 +384,43 @@ async fn a_spot_evicted_vm_leaves_the_inventory_once_its_agent_is_silent_and_fre
     world.settle().await;
     assert_eq!(world.group("web")["known"], 1);
     assert_eq!(world.recorder.approved(), ["R1"]);
+}
+
+/// The coordinator's loop decides at most once per `DECISION_GAP` on messages: a report
+/// that comes within the gap after a decision is decided when the gap ends, not lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_within_the_decision_gap_is_decided_when_the_gap_ends() {
+    let mut world = start(tempfile::tempdir().unwrap());
+    let now = chrono::Utc::now();
+    for vm in ["web-0", "db-0"] {
+        for event in published(vm, None, &document(1, &[])) {
+            world.deliver(&event, now);
+        }
+    }
+    let report = |world: &mut World, vm: &str, id: &str| {
+        // NotBefore a day from now (the documents count from t0, days ago).
+        let not_before = (now - super::t0()).num_seconds() + 24 * 3600;
+        let d = document(2, &[(id, "Reboot", "Scheduled", &[vm], not_before, -1)]);
+        for event in published(vm, Some(&document(1, &[])), &d) {
+            let subject = format!("scheduledevents.{vm}.scheduled");
+            world.deliver_with(&event, now, &subject, true);
+        }
+    };
+    // R0 is decided as it comes (no gap yet); then a gap of a minute, which a loaded
+    // machine's commits cannot outlast before R1 comes.
+    world.engine.decision_gap = std::time::Duration::ZERO;
+    report(&mut world, "web-0", "R0");
+    let gap = std::time::Duration::from_secs(60);
+    world.engine.decision_gap = gap;
+    // Within the gap after R0's decision: owed, not decided yet.
+    report(&mut world, "db-0", "R1");
+    let due = world.engine.owed_at().expect("R1's decision is owed");
+    assert!(due <= std::time::Instant::now() + gap);
+    // R0's publication finishes; its result is not handed back yet (that decides too).
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    assert_eq!(world.recorder.approved(), ["R0"]);
+    world.engine.decide_owed(now);
+    world.settle().await;
+    assert_eq!(world.recorder.approved(), ["R0", "R1"]);
+    assert_eq!(world.engine.owed_at(), None);
 }
