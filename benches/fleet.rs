@@ -40,7 +40,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use common::fleet::{Coordinator, Downtime, downtimes, over_budget, posts};
+use common::fleet::{Coordinator, Downtime, downtimes, over_budget, posts, quantile};
 use common::{AgentProcess, SimProcess};
 use sched_relay_amqp::testing::PrivateRabbit;
 use sched_relay_core::approval::SigningKey;
@@ -215,33 +215,6 @@ fn footprint(pid: u32) -> (u64, u64, u64) {
     }
     let (rss, pss, _) = common::memory(pid);
     (cpu, rss, pss)
-}
-
-/// The `q` quantile of a Prometheus histogram, as the upper bound of its bucket.
-fn quantile(metrics: &str, name: &str, q: f64) -> Option<f64> {
-    let buckets: Vec<(f64, f64)> = metrics
-        .lines()
-        .filter(|l| l.starts_with(&format!("{name}_bucket{{")))
-        .filter_map(|l| {
-            let le = l.split("le=\"").nth(1)?.split('"').next()?;
-            let count: f64 = l.rsplit(' ').next()?.parse().ok()?;
-            Some((
-                if le == "+Inf" {
-                    f64::INFINITY
-                } else {
-                    le.parse().ok()?
-                },
-                count,
-            ))
-        })
-        .collect();
-    let total = buckets.last()?.1;
-    (total > 0.0).then(|| {
-        buckets
-            .iter()
-            .find(|(_, c)| *c >= q * total)
-            .map(|(le, _)| *le)
-    })?
 }
 
 /// The private broker of the run.

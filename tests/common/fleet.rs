@@ -269,3 +269,30 @@ pub fn over_budget(
     }
     found
 }
+
+/// The `q` quantile of a Prometheus histogram, as the upper bound of its bucket.
+pub fn quantile(metrics: &str, name: &str, q: f64) -> Option<f64> {
+    let buckets: Vec<(f64, f64)> = metrics
+        .lines()
+        .filter(|l| l.starts_with(&format!("{name}_bucket{{")))
+        .filter_map(|l| {
+            let le = l.split("le=\"").nth(1)?.split('"').next()?;
+            let count: f64 = l.rsplit(' ').next()?.parse().ok()?;
+            Some((
+                if le == "+Inf" {
+                    f64::INFINITY
+                } else {
+                    le.parse().ok()?
+                },
+                count,
+            ))
+        })
+        .collect();
+    let total = buckets.last()?.1;
+    (total > 0.0).then(|| {
+        buckets
+            .iter()
+            .find(|(_, c)| *c >= q * total)
+            .map(|(le, _)| *le)
+    })?
+}
