@@ -12,11 +12,13 @@ use crate::coordinator::store::Changes;
 impl Engine {
     /// Decides and starts what the budget allows.
     pub fn decide(&mut self, now: DateTime<Utc>) {
+        // Whatever calls it decides what messages are owed too: timed from the earliest.
+        // Taken even when this instance may not act, or the loop would wake for it at once
+        // again and again (the tick decides once it may).
+        let owed = self.owed.take();
         if !self.may_act() {
             return;
         }
-        // Whatever calls it decides what messages are owed too: timed from the earliest.
-        let owed = self.owed.take();
         let trigger = self.trigger.or(owed);
         if owed.is_some() {
             self.decided_at = Some(std::time::Instant::now());
