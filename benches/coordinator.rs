@@ -189,24 +189,12 @@ fn run(vms: usize, ha: bool) -> Run {
     .unwrap();
     let mut coordinator =
         Coordinator::start(config.clone(), dir.path().join("coordinator.log"), port);
-    let mut standby = ha.then(|| {
-        let port = free_port();
-        let second = dir.path().join("second.toml");
-        std::fs::write(
-            &second,
-            std::fs::read_to_string(&config).unwrap().replace(
-                &format!("127.0.0.1:{}", coordinator.port),
-                &format!("127.0.0.1:{port}"),
-            ),
-        )
-        .unwrap();
-        Coordinator::start(second, dir.path().join("second.log"), port)
-    });
+    let mut standby = ha.then(|| coordinator.standby(dir.path()));
     if let Some(second) = standby.as_mut() {
         // The active one is whoever took the lease first.
         let deadline = Instant::now() + Duration::from_secs(60);
-        while role(&coordinator) != "active" {
-            if role(second) == "active" {
+        while coordinator.role() != "active" {
+            if second.role() == "active" {
                 std::mem::swap(&mut coordinator, second);
                 break;
             }
@@ -327,7 +315,7 @@ fn run(vms: usize, ha: bool) -> Run {
             let id = probe(0).id;
             runtime.spawn(agents.clone().live(probe(0)));
             // /healthz says `starting` until the state is loaded.
-            while role(&coordinator) != "active" && started.elapsed() < Duration::from_secs(300) {
+            while coordinator.role() != "active" && started.elapsed() < Duration::from_secs(300) {
                 std::thread::sleep(Duration::from_millis(20));
             }
             let load = started.elapsed().as_secs_f64();
@@ -340,7 +328,7 @@ fn run(vms: usize, ha: bool) -> Run {
             let id = probe(0).id;
             runtime.spawn(agents.clone().live(probe(0)));
             // The standby's /healthz says `active` once it holds the lease and its state.
-            while role(second) != "active" && stopped.elapsed() < Duration::from_secs(300) {
+            while second.role() != "active" && stopped.elapsed() < Duration::from_secs(300) {
                 std::thread::sleep(Duration::from_millis(20));
             }
             let active = stopped.elapsed().as_secs_f64();
@@ -433,13 +421,6 @@ fn known(coordinator: &Coordinator) -> usize {
         .filter(|l| l.starts_with("sched_relay_coordinator_group_size{"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum::<f64>() as usize
-}
-
-fn role(c: &Coordinator) -> String {
-    common::blocking_get(&format!("http://127.0.0.1:{}/healthz", c.port), &[])
-        .1
-        .trim()
-        .to_owned()
 }
 
 /// CPU seconds of `pid` so far, user and system, threads that exited included

@@ -421,19 +421,7 @@ fn main() {
         Coordinator::start(config.clone(), dir.path().join("coordinator.log"), port);
     let coordinator_cpu_before = footprint(coordinator.pid().unwrap()).0;
     // The standby: the same file, another listener and name.
-    let mut standby = ha.then(|| {
-        let port = free_port();
-        let second = dir.path().join("second.toml");
-        std::fs::write(
-            &second,
-            std::fs::read_to_string(&config).unwrap().replace(
-                &format!("127.0.0.1:{}", coordinator.port),
-                &format!("127.0.0.1:{port}"),
-            ),
-        )
-        .unwrap();
-        Coordinator::start(second, dir.path().join("second.log"), port)
-    });
+    let mut standby = ha.then(|| coordinator.standby(dir.path()));
 
     // VMs the test deletes when their event starts (the scale-in's Terminates) or whose agent
     // dies then (the Reboot that never comes back), watched while waiting.
@@ -493,11 +481,11 @@ fn main() {
             }
         }
         let deadline = Instant::now() + Duration::from_secs(60);
-        while role(&coordinator) != "active" && role(second) != "active" {
+        while coordinator.role() != "active" && second.role() != "active" {
             assert!(Instant::now() < deadline, "no active coordinator");
             std::thread::sleep(Duration::from_millis(50));
         }
-        if role(second) == "active" {
+        if second.role() == "active" {
             std::mem::swap(&mut coordinator, second);
         }
     }
@@ -840,14 +828,6 @@ fn main() {
     println!("\n`{abandoned}`");
 }
 
-/// What a coordinator's /healthz says it is: `active` or `standby`.
-fn role(c: &Coordinator) -> String {
-    common::blocking_get(&format!("http://127.0.0.1:{}/healthz", c.port), &[])
-        .1
-        .trim()
-        .to_owned()
-}
-
 /// What became of the failover of an `--ha` run.
 struct Failover {
     vm: String,
@@ -886,7 +866,7 @@ fn stall_in_a_drain(
     let mut words = line.split(' ');
     let vm = words.next().unwrap_or_default().to_owned();
     let event = words.next().unwrap_or_default().to_owned();
-    while role(standby) != "active" && stopped.elapsed() < Duration::from_secs(60) {
+    while standby.role() != "active" && stopped.elapsed() < Duration::from_secs(60) {
         std::thread::sleep(Duration::from_millis(50));
     }
     let took_over = stopped.elapsed().as_secs_f64();

@@ -100,6 +100,30 @@ impl Coordinator {
         self.child.as_ref().map(Child::id)
     }
 
+    /// What its /healthz says it is: `starting`, `standby` or `active`.
+    pub fn role(&self) -> String {
+        blocking_get(&format!("http://127.0.0.1:{}/healthz", self.port), &[])
+            .1
+            .trim()
+            .to_owned()
+    }
+
+    /// A standby beside it: the same file with another listener, started with its log in
+    /// `dir` (`second.toml`, `second.log`).
+    pub fn standby(&self, dir: &std::path::Path) -> Coordinator {
+        let port = sched_relay_transport::testing::free_port();
+        let second = dir.join("second.toml");
+        std::fs::write(
+            &second,
+            std::fs::read_to_string(&self.config).unwrap().replace(
+                &format!("127.0.0.1:{}", self.port),
+                &format!("127.0.0.1:{port}"),
+            ),
+        )
+        .unwrap();
+        Coordinator::start(second, dir.join("second.log"), port)
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }

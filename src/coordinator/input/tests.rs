@@ -21,6 +21,49 @@ async fn subjects_of(stream: &str) -> Vec<String> {
     stream.info().await.unwrap().config.subjects.clone()
 }
 
+/// A stream of its own (`<prefix>.>`), the input configured on it with the durable
+/// `coordinator`, and an approvals sink beside it: what the tests of a running input share.
+struct OnStream {
+    stream: String,
+    prefix: String,
+    js: async_nats::jetstream::Context,
+    handle: async_nats::jetstream::stream::Stream,
+    input: super::Input,
+    approvals: crate::sinks::SinkKind,
+}
+
+async fn on_a_new_stream(name: &str) -> OnStream {
+    let stream = unique(&name.to_ascii_uppercase());
+    let prefix = unique(name);
+    let client = async_nats::connect(NATS_URL).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let handle = js
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: stream.clone(),
+            subjects: vec![format!("{prefix}.>")],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let input = serde_json::from_value(serde_json::json!({
+        "kind": "nats", "url": NATS_URL, "stream": stream, "subject": format!("{prefix}.>"),
+        "durable": "coordinator",
+    }))
+    .unwrap();
+    let approvals = serde_json::from_value(serde_json::json!({
+        "kind": "nats", "url": NATS_URL, "subject": format!("{prefix}x.{{vmname}}"),
+    }))
+    .unwrap();
+    OnStream {
+        stream,
+        prefix,
+        js,
+        handle,
+        input,
+        approvals,
+    }
+}
+
 #[tokio::test]
 async fn a_missing_input_stream_is_created_with_the_configured_subject_and_kept_a_week() {
     if !broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
@@ -98,17 +141,14 @@ async fn the_input_is_caught_up_once_it_has_handled_what_its_stream_held_however
     if !broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
         return;
     }
-    let stream = unique("CATCHUP");
-    let prefix = unique("catchup");
-    let client = async_nats::connect(NATS_URL).await.unwrap();
-    let js = async_nats::jetstream::new(client);
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: stream.clone(),
-        subjects: vec![format!("{prefix}.>")],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    let OnStream {
+        stream,
+        prefix,
+        js,
+        input,
+        approvals,
+        ..
+    } = on_a_new_stream("catchup").await;
     for n in 0..5 {
         js.publish(format!("{prefix}.vm-{n}.heartbeat"), "{}".into())
             .await
@@ -116,15 +156,6 @@ async fn the_input_is_caught_up_once_it_has_handled_what_its_stream_held_however
             .await
             .unwrap();
     }
-    let input: super::Input = serde_json::from_value(serde_json::json!({
-        "kind": "nats", "url": NATS_URL, "stream": stream, "subject": format!("{prefix}.>"),
-        "durable": "coordinator",
-    }))
-    .unwrap();
-    let approvals = serde_json::from_value(serde_json::json!({
-        "kind": "nats", "url": NATS_URL, "subject": format!("{prefix}x.{{vmname}}"),
-    }))
-    .unwrap();
     let (deliveries, mut delivered) = tokio::sync::mpsc::channel(1);
     let (progress, mut caught_up) = tokio::sync::watch::channel(CatchUp::Unknown);
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
@@ -173,18 +204,14 @@ async fn an_input_durable_made_with_an_older_ack_wait_gets_the_current_one() {
     if !broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
         return;
     }
-    let stream = unique("ACKWAIT");
-    let prefix = unique("ackwait");
-    let client = async_nats::connect(NATS_URL).await.unwrap();
-    let js = async_nats::jetstream::new(client);
-    let handle = js
-        .create_stream(async_nats::jetstream::stream::Config {
-            name: stream.clone(),
-            subjects: vec![format!("{prefix}.>")],
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    let OnStream {
+        stream,
+        prefix,
+        handle,
+        input,
+        approvals,
+        ..
+    } = on_a_new_stream("ackwait").await;
     handle
         .create_consumer(async_nats::jetstream::consumer::pull::Config {
             durable_name: Some("coordinator".into()),
@@ -194,15 +221,6 @@ async fn an_input_durable_made_with_an_older_ack_wait_gets_the_current_one() {
         })
         .await
         .unwrap();
-    let input: super::Input = serde_json::from_value(serde_json::json!({
-        "kind": "nats", "url": NATS_URL, "stream": stream, "subject": format!("{prefix}.>"),
-        "durable": "coordinator",
-    }))
-    .unwrap();
-    let approvals = serde_json::from_value(serde_json::json!({
-        "kind": "nats", "url": NATS_URL, "subject": format!("{prefix}x.{{vmname}}"),
-    }))
-    .unwrap();
     let (deliveries, _delivered) = tokio::sync::mpsc::channel(1);
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
     let task = super::start(&input, &approvals, deliveries, None, stop)
@@ -234,26 +252,14 @@ async fn what_a_stalled_instance_took_or_would_take_reaches_the_standby_before_t
     if !broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
         return;
     }
-    let stream = unique("STALL");
-    let prefix = unique("stall");
-    let client = async_nats::connect(NATS_URL).await.unwrap();
-    let js = async_nats::jetstream::new(client);
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: stream.clone(),
-        subjects: vec![format!("{prefix}.>")],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let input: super::Input = serde_json::from_value(serde_json::json!({
-        "kind": "nats", "url": NATS_URL, "stream": stream, "subject": format!("{prefix}.>"),
-        "durable": "coordinator",
-    }))
-    .unwrap();
-    let approvals: crate::sinks::SinkKind = serde_json::from_value(serde_json::json!({
-        "kind": "nats", "url": NATS_URL, "subject": format!("{prefix}x.{{vmname}}"),
-    }))
-    .unwrap();
+    let OnStream {
+        stream,
+        prefix,
+        js,
+        input,
+        approvals,
+        ..
+    } = on_a_new_stream("stall").await;
     let publish = |n: u32| {
         let js = js.clone();
         let subject = format!("{prefix}.vm-{n}.heartbeat");
