@@ -3,6 +3,20 @@
 //! documentation's live migration, then a user-initiated reboot), runs the agent against it
 //! with the stdout and file sinks and the documentation's sample policy, and stops once the
 //! last event has come and gone.
+//!
+//! `sched-relay demo --fleet` ([`fleet`]) is the fleet coordinator's demo: twelve simulated
+//! VMs, their agents and the coordinator on NATS JetStream.
+
+#[cfg(feature = "nats")]
+mod feed;
+#[cfg(feature = "nats")]
+pub mod fleet;
+#[cfg(feature = "nats")]
+mod nats;
+#[cfg(feature = "nats")]
+mod plan;
+#[cfg(feature = "nats")]
+mod summary;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -133,4 +147,29 @@ pub async fn run() -> Result<DemoReport, DemoError> {
         events_written,
         approvals_posted,
     })
+}
+
+/// `sched-relay demo --fleet`: exit 0, 1 on a failure (said on stderr), 130 when
+/// interrupted, 2 in a build without NATS.
+pub async fn fleet_command() -> std::process::ExitCode {
+    use std::process::ExitCode;
+    #[cfg(feature = "nats")]
+    match fleet::run().await {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(error @ fleet::FleetError::Interrupted) => {
+            eprintln!("demo stopped: {error}");
+            ExitCode::from(130)
+        }
+        Err(error) => {
+            eprintln!("demo failed: {error}");
+            ExitCode::FAILURE
+        }
+    }
+    #[cfg(not(feature = "nats"))]
+    {
+        eprintln!(
+            "error: demo --fleet runs on NATS, and this sched-relay was built without it (build it with the default features)"
+        );
+        ExitCode::from(2)
+    }
 }

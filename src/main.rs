@@ -89,12 +89,19 @@ enum Command {
         #[arg(long, default_value = sched_relay_core::event::DEFAULT_TYPE_PREFIX)]
         type_prefix: String,
     },
-    /// Run simulator + agent + stdout/file sinks on this machine, no broker needed.
+    /// Run simulator + agent + stdout/file sinks on this machine, no broker needed; with
+    /// --fleet, the fleet coordinator at work on twelve simulated VMs (needs NATS).
     Demo {
-        /// The agent's own log on stderr (RUST_LOG wins): WARN by default, so that the event
-        /// summary reads cleanly; "info" narrates every transition and approval as well.
+        /// The agent's own log on stderr (with --fleet, the coordinator's too; RUST_LOG wins):
+        /// WARN by default, so that the summary reads cleanly; "info" narrates every step.
         #[arg(long, default_value = "warn")]
         log_level: String,
+        /// The fleet coordinator on twelve simulated VMs in three groups (one host-level
+        /// event), their agents, on the NATS at NATS_URL or a nats-server it starts; prints
+        /// each decision, then a summary judged from the simulated VMs' own record. Exit 0
+        /// after about 30 s; 1 if a budget was exceeded or the run did not finish.
+        #[arg(long)]
+        fleet: bool,
     },
     /// GET the current Scheduled Events document and print it.
     Events {
@@ -350,8 +357,11 @@ async fn run_command() -> ExitCode {
                 }
             }
         }
-        Command::Demo { log_level } => {
+        Command::Demo { log_level, fleet } => {
             let _log = logging::init(&log_level, format);
+            if fleet {
+                return sched_relay::demo::fleet_command().await;
+            }
             match sched_relay::demo::run().await {
                 Ok(_) => ExitCode::SUCCESS,
                 Err(error) => {
