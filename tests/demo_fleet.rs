@@ -67,8 +67,11 @@ fn the_fleet_demo_keeps_every_groups_budget_approves_the_host_level_reboot_once_
     );
     eprintln!("demo --fleet took {took:?}");
     assert!(took < Duration::from_secs(90), "took {took:?}\n{stdout}");
-    // The agents' and the coordinator's own logs stay at WARN: nothing to say on a good run.
-    assert!(stderr.trim().is_empty(), "{stderr}");
+    // The agents' and the coordinator's own logs stay at WARN, and no error on a good run.
+    assert!(
+        !stderr.contains("INFO") && !stderr.contains("ERROR"),
+        "{stderr}"
+    );
 
     // As it happens: VMs of each group made to wait for its budget, the Freeze left to
     // NotBefore, each VM drained (the host-level Reboot's two VMs each) by the demo's hook.
@@ -272,6 +275,14 @@ fn without_any_nats_it_says_how_to_get_one_and_a_broken_one_is_named() {
     assert_eq!(code, Some(1), "{stderr}");
     assert!(
         stderr.contains(&format!("cannot reach NATS at NATS_URL={url}")),
+        "{stderr}"
+    );
+
+    // A NATS_URL the agents' configuration would refuse: said before anything starts.
+    let (code, stderr) = run(nowhere, Some("127.0.0.1:4222"));
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("NATS_URL=127.0.0.1:4222 is not a NATS URL: expected nats://host:4222"),
         "{stderr}"
     );
 

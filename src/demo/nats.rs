@@ -68,6 +68,10 @@ pub enum NatsError {
     #[error("nats-server did not start ({why}); the end of its log:\n{tail}")]
     ServerFailed { why: String, tail: String },
     #[error(
+        "NATS_URL={url} is not a NATS URL: expected nats://host:4222 or tls://host:4222 (several separated by commas)"
+    )]
+    NotAUrl { url: String },
+    #[error(
         "cannot reach NATS at NATS_URL={url}: {error} (is a server running there? unset NATS_URL to let the demo start its own nats-server)"
     )]
     Unreachable { url: String, error: String },
@@ -84,6 +88,16 @@ pub enum NatsError {
 /// The server at `NATS_URL` (not contacted yet), or one started in `dir`.
 pub async fn find_or_start(nats_url: Option<String>, dir: &Path) -> Result<Nats, NatsError> {
     if let Some(url) = nats_url.filter(|u| !u.trim().is_empty()) {
+        // What the agents' and the coordinator's configurations will accept.
+        let usable = url.split(',').all(|server| {
+            url::Url::parse(server.trim())
+                .is_ok_and(|u| matches!(u.scheme(), "nats" | "tls") && u.has_host())
+        });
+        if !usable {
+            return Err(NatsError::NotAUrl {
+                url: redact::text(&url).into_owned(),
+            });
+        }
         return Ok(Nats { url, server: None });
     }
     let binary = "nats-server";
