@@ -86,6 +86,10 @@ fn the_fleet_demo_keeps_every_groups_budget_approves_the_host_level_reboot_once_
         ),
         "{stdout}"
     );
+    assert!(
+        stdout.contains("cache-2      Freeze    every approval is done; this one waits for Azure to start it at its NotBefore"),
+        "{stdout}"
+    );
     assert_eq!(
         stdout.matches("drain hook: drained").count(),
         11,

@@ -22,6 +22,7 @@ pub fn line(started: Instant, who: &str, event_type: &str, what: &str) -> String
 /// What has been printed of each event, to print only what changed.
 #[derive(Debug, Default, Clone)]
 struct Seen {
+    not_before: Option<DateTime<Utc>>,
     verdict: String,
     outcome: String,
     stages: BTreeMap<String, String>,
@@ -33,6 +34,8 @@ pub struct Feed {
     started: Instant,
     planned: BTreeMap<String, Planned>,
     seen: BTreeMap<String, Seen>,
+    /// The pause before the events left to NotBefore start has been explained.
+    said_waiting: bool,
 }
 
 impl Feed {
@@ -44,6 +47,7 @@ impl Feed {
                 .map(|p| (p.id.to_ascii_uppercase(), p.clone()))
                 .collect(),
             seen: BTreeMap::new(),
+            said_waiting: false,
         }
     }
 
@@ -72,6 +76,7 @@ impl Feed {
                     .as_str()
                     .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
                     .map(|t| t.with_timezone(&Utc));
+                seen.not_before = not_before;
                 let when = match not_before {
                     Some(at) => format!(
                         "NotBefore {} UTC (in {})",
@@ -139,7 +144,50 @@ impl Feed {
             }
             lines.extend(out);
         }
+        lines.extend(self.waiting_for_not_before(now));
         lines
+    }
+
+    /// Once everything the coordinator approves is over while events left to NotBefore
+    /// are not, a line saying what the run waits for.
+    fn waiting_for_not_before(&mut self, now: DateTime<Utc>) -> Vec<String> {
+        let over = |planned: &Planned| {
+            self.seen.get(&planned.id).is_some_and(|seen| {
+                planned
+                    .vms
+                    .iter()
+                    .all(|vm| seen.stages.get(vm).is_some_and(|s| s == "completed"))
+            })
+        };
+        let (approvable, left): (Vec<&Planned>, Vec<&Planned>) =
+            self.planned.values().partition(|p| p.approvable);
+        if self.said_waiting || !approvable.iter().all(|p| over(p)) {
+            return Vec::new();
+        }
+        self.said_waiting = true;
+        left.iter()
+            .filter(|p| !over(p))
+            .map(|p| {
+                let when = self.seen.get(&p.id).and_then(|s| s.not_before).map_or_else(
+                    || "its NotBefore".to_owned(),
+                    |at| {
+                        format!(
+                            "its NotBefore, {} UTC (in {} s)",
+                            at.format("%H:%M:%S"),
+                            (at - now).num_seconds().max(0)
+                        )
+                    },
+                );
+                line(
+                    self.started,
+                    &p.who(),
+                    p.event_type,
+                    &format!(
+                        "every approval is done; this one waits for Azure to start it at {when}"
+                    ),
+                )
+            })
+            .collect()
     }
 
     /// The coordinator's last word on an event, for a run that did not finish.
