@@ -156,7 +156,7 @@ async fn on_nats(
         let left = nats::delete(&jetstream, &[&names.events_stream, &names.approvals_stream]).await;
         if !left.is_empty() {
             eprintln!(
-                "warning: could not delete the demo's stream(s) {} on {}; they expire within an hour (or: nats stream rm <name>)",
+                "warning: could not delete the demo's stream(s) {} on {}: their messages expire within an hour, the streams stay until removed (nats stream rm <name>)",
                 left.join(", "),
                 sched_relay_transport::redact::text(&nats.url)
             );

@@ -210,7 +210,8 @@ pub async fn streams(
         let config = async_nats::jetstream::stream::Config {
             name: name.clone(),
             subjects: vec![subjects.clone()],
-            // Whatever a killed run leaves on a shared server goes by itself.
+            // What a killed run leaves on a shared server does not pile up: its messages go
+            // by themselves (the empty streams stay until removed).
             max_age: Duration::from_secs(3600),
             ..Default::default()
         };
