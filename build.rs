@@ -1,4 +1,4 @@
-//! Lays out the release binary's code in the order an agent runs it (benches/profiling.md,
+//! Lays out the shipped binary's code in the order an agent runs it (benches/profiling.md,
 //! section 16).
 //!
 //! `deploy/symbol-order.txt` lists the functions agents ran, idle polls first, then the rest
@@ -7,8 +7,9 @@
 //! around each one touched: with the code an agent runs spread over the whole text, an idle
 //! agent kept nearly all of it resident (7.3 MiB of 7.8), against 2.9 MiB laid out in order.
 //!
-//! Only builds of the release profile (and of the profiles that inherit from it: `bench`,
-//! `profiling`) for Linux use it, and only where the linker takes `--symbol-ordering-file`:
+//! Builds of the profiles that inherit from `release` (`dist`, which ships and for which the
+//! list was recorded, `profiling`, `bench`, and `release` itself, whose names it mostly does
+//! not match) for Linux use it, and only where the linker takes `--symbol-ordering-file`:
 //! LLD, Rust's default on x86_64 Linux since 1.90. A one-line program linked here with the
 //! same compiler, target, flags and linker proves it; elsewhere the build goes on as before.
 //! A name the build does not have (a dependency updated since, another feature set) is
@@ -18,8 +19,9 @@
 //! Such builds also write, to OUT_DIR, the linker's map (`sched-relay.map`), from which
 //! `scripts/symbol-order` names the functions it saw run, and what was decided and why
 //! (`symbol-order.status`). With both, `scripts/symbol-order --check` says whether the list
-//! went stale. `cargo bench` shares that OUT_DIR with `cargo build --release` (the same build
-//! script run) and writes the map of its own binary there; the check tells them apart.
+//! went stale. `cargo bench --profile dist` shares that OUT_DIR with `cargo build --profile
+//! dist` (the same build script run) and writes the map of its own binary there; the check
+//! tells them apart.
 
 use std::env;
 use std::path::{Path, PathBuf};
@@ -31,6 +33,10 @@ const BINARY: &str = "sched-relay";
 fn main() {
     println!("cargo::rerun-if-changed={ORDER}");
     println!("cargo::rerun-if-changed=build.rs");
+    // The profile's optimisation level, for `sched_relay::OPT_LEVEL` (the quick `release`
+    // build says it is not the one that ships).
+    let opt_level = env::var("OPT_LEVEL").expect("set by cargo");
+    println!("cargo::rustc-env=SCHED_RELAY_OPT_LEVEL={opt_level}");
     let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("set by cargo"));
     let out = PathBuf::from(env::var_os("OUT_DIR").expect("set by cargo"));
     // What was decided, for `scripts/symbol-order --check`: "laid out", or why not (in

@@ -167,8 +167,14 @@ impl Report {
         } else {
             ""
         };
+        // CI's smoke run is the debug build the tests made; the measured report is `dist`.
+        let build = if cfg!(debug_assertions) {
+            "debug build"
+        } else {
+            "the shipped (`dist`) build"
+        };
         format!(
-            "# Benchmarks\n\nMeasured by `scripts/bench{mode}` on {}, release build with every sink.\n\n{}\n",
+            "# Benchmarks\n\nMeasured by `scripts/bench{mode}` on {}, {build} with every sink.\n\n{}\n",
             chrono::Utc::now().format("%Y-%m-%d"),
             self.sections.join("\n\n")
         )
@@ -811,10 +817,13 @@ fn footprint(report: &mut Report, sizes: &Sizes, topology: &Topology, collector:
     // The default-feature binary (NATS, RabbitMQ, webhook; no librdkafka), when scripts/bench
     // built one: what most users install from source.
     let default_binary = std::env::var_os("BENCH_DEFAULT_FEATURES_BINARY").map(PathBuf::from);
-    // The every-sink binary as shipped (`cargo build --release --all-features`), when
+    // The every-sink binary as shipped (`cargo build --profile dist --all-features`), when
     // scripts/bench built one. `cargo bench` builds its own, with the sinks' `testing`
     // features the benchmarks' dev-dependencies turn on: other code, laid out otherwise.
     let every_binary = std::env::var_os("BENCH_EVERY_FEATURE_BINARY").map(PathBuf::from);
+    // The default-feature binary of the `release` profile (what `cargo run --release` makes:
+    // no LTO, parallel code generation; not shipped), when scripts/bench built one.
+    let release_binary = std::env::var_os("BENCH_RELEASE_BINARY").map(PathBuf::from);
     let mut setups: Vec<(String, String, &str, Option<PathBuf>)> = vec![
         ("file sink".into(), identity.into(), "1s", None),
         (
@@ -839,6 +848,14 @@ fn footprint(report: &mut Report, sizes: &Sizes, topology: &Topology, collector:
     if let Some(binary) = &default_binary {
         setups.push((
             "default features, NATS JetStream sink + NATS approval source".into(),
+            nats(free_port()),
+            "1s",
+            Some(binary.clone()),
+        ));
+    }
+    if let Some(binary) = &release_binary {
+        setups.push((
+            "default features, `release` profile (not shipped), NATS JetStream sink + NATS approval source".into(),
             nats(free_port()),
             "1s",
             Some(binary.clone()),
@@ -958,7 +975,7 @@ fn footprint(report: &mut Report, sizes: &Sizes, topology: &Topology, collector:
             .unwrap_or(0.0)
     };
     let mut binaries = format!(
-        "Binary (stripped release): every sink {:.1} MB",
+        "Binary (stripped, `dist` profile): every sink {:.1} MB",
         size(
             every_binary
                 .as_deref()
@@ -971,12 +988,19 @@ fn footprint(report: &mut Report, sizes: &Sizes, topology: &Topology, collector:
             size(binary)
         ));
     }
+    if let Some(binary) = &release_binary {
+        binaries.push_str(&format!(
+            "; `release` profile, default features {:.1} MB",
+            size(binary)
+        ));
+    }
     report.add(format!(
-        "## Footprint while idle\n\nAt once, each against its own simulator, for {elapsed:.0} s after a 10 s settling time: the agent (release build with every sink unless said) with a file sink; the same polling every 250 ms; with a NATS JetStream sink and a NATS approval source{}; with four broker sinks (NATS JetStream, RabbitMQ, Kafka, webhook) and four approval sources (HTTP, NATS, RabbitMQ, Kafka); the Python sample agent posting to a webhook; and a reference, the least any process pays here for the same poll: a blocking loop (std::net, this benchmark's binary) that sends the same GET on one kept-alive connection once a second and does nothing else. Every agent also has the benchmark's file sink and logs JSON at info. CPU is the sum of the threads' `schedstat` run time (nanoseconds); context switches, voluntary and not, from each thread's `status`; memory from `smaps_rollup` at the end. Goals (issue 15): at most 0.1 ms per poll with a file sink, 0.2 ms with one broker sink and its source, at least 10x less than Python, at most 4 context switches per poll; anonymous memory at most 3 MiB and RSS at most 10 MiB for the default-feature binary with one broker sink; at 250 ms, less CPU per hour than Python at 1 s.\n\n{table}\n{binaries}.",
-        if default_binary.is_some() {
-            " (also with the default-feature binary)"
-        } else {
-            ""
+        "## Footprint while idle\n\nAt once, each against its own simulator, for {elapsed:.0} s after a 10 s settling time: the agent (the shipped `dist` build with every sink unless said) with a file sink; the same polling every 250 ms; with a NATS JetStream sink and a NATS approval source{}; with four broker sinks (NATS JetStream, RabbitMQ, Kafka, webhook) and four approval sources (HTTP, NATS, RabbitMQ, Kafka); the Python sample agent posting to a webhook; and a reference, the least any process pays here for the same poll: a blocking loop (std::net, this benchmark's binary) that sends the same GET on one kept-alive connection once a second and does nothing else. Every agent also has the benchmark's file sink and logs JSON at info. CPU is the sum of the threads' `schedstat` run time (nanoseconds); context switches, voluntary and not, from each thread's `status`; memory from `smaps_rollup` at the end. Goals (issue 15): at most 0.1 ms per poll with a file sink, 0.2 ms with one broker sink and its source, at least 10x less than Python, at most 4 context switches per poll; anonymous memory at most 3 MiB and RSS at most 10 MiB for the default-feature binary with one broker sink; at 250 ms, less CPU per hour than Python at 1 s.\n\n{table}\n{binaries}.",
+        match (&default_binary, &release_binary) {
+            (Some(_), Some(_)) => " (also with the default-feature binary, shipped and `release`)",
+            (Some(_), None) => " (also with the default-feature binary)",
+            (None, Some(_)) => " (also with the default-feature `release` binary)",
+            (None, None) => "",
         },
     ));
 }
@@ -1273,8 +1297,8 @@ async fn drain(
     }
 }
 
-/// The every-sink release binary as shipped when scripts/bench built one, else the one
-/// `cargo bench` built (with the sinks' testing features).
+/// The every-sink binary as shipped (`dist`) when scripts/bench built one, else the one
+/// `cargo bench` built (with the sinks' testing features; in CI's smoke run, the debug one).
 fn every_feature_binary() -> PathBuf {
     std::env::var_os("BENCH_EVERY_FEATURE_BINARY")
         .map(PathBuf::from)

@@ -27,6 +27,22 @@ pub mod watch;
 pub use agent::{AgentError, RunOptions, run};
 pub use config::Config;
 
+/// The optimisation level of the profile this binary was built with (build.rs): "s" for
+/// `dist`, what ships; "0" for `release` (a quick build) and for `dev`.
+pub const OPT_LEVEL: &str = env!("SCHED_RELAY_OPT_LEVEL");
+
+/// Says so when this binary is the `release` profile's quick build (unoptimised, without the
+/// debug assertions of `dev`): it works, but costs two to three times the CPU and three times
+/// the memory of the `dist` build that ships (docs: Development, "Build profiles"). For `run`
+/// and `coordinate`, not for the demo, which is what that build is for.
+pub fn warn_if_unoptimised() {
+    if OPT_LEVEL == "0" && !cfg!(debug_assertions) {
+        tracing::warn!(
+            "This sched-relay is the quick `release` build (unoptimised: two to three times the CPU and three times the memory of the build that ships); on a VM, install the package or build with `cargo build --profile dist`"
+        );
+    }
+}
+
 /// Chooses the process-wide TLS crypto provider (rustls with ring, the one lapin and
 /// async-nats use too) before any HTTP client is built. Cargo unifies reqwest's features
 /// across the workspace, so once the webhook sink brings TLS in, every reqwest client needs

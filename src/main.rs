@@ -239,6 +239,7 @@ async fn run_command() -> ExitCode {
                 &config.log.level,
                 cli.log_format.unwrap_or(config.log.format),
             );
+            sched_relay::warn_if_unoptimised();
             let options = sched_relay::RunOptions {
                 fresh_state,
                 dry_run,

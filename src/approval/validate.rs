@@ -100,7 +100,7 @@ impl ApprovalsConfig {
                 push(
                     key,
                     format!(
-                        "this sched-relay was built without {key} support; rebuild with `cargo build --release --features {feature}`"
+                        "this sched-relay was built without {key} support; rebuild with `cargo build --profile dist --features {feature}`"
                     ),
                 );
             }

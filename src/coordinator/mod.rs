@@ -333,6 +333,7 @@ pub async fn command(
         return ExitCode::SUCCESS;
     }
     let _log = crate::logging::init("sched_relay=info,warn", format);
+    crate::warn_if_unoptimised();
     match run(config, policy, stop).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {

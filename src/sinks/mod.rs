@@ -71,7 +71,7 @@ impl SinkKind {
             return vec![(
                 "kind",
                 format!(
-                    "this sched-relay was built without {} support; rebuild with `cargo build --release --features {feature}`",
+                    "this sched-relay was built without {} support; rebuild with `cargo build --profile dist --features {feature}`",
                     self.label()
                 ),
             )];
