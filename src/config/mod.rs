@@ -116,6 +116,15 @@ impl Config {
         load::load(path, figment::providers::Env::prefixed(ENV_PREFIX))
     }
 
+    /// Loads and validates `path` alone, with no environment overrides: the fleet demo's own
+    /// files, which a shell's `SCHED_RELAY_*` settings must not change.
+    pub fn load_file_only(path: &Path) -> Result<Config, ConfigErrors> {
+        load::load(
+            Some(path),
+            figment::providers::Env::prefixed(ENV_PREFIX).filter(|_| false),
+        )
+    }
+
     /// The effective configuration as TOML, with every secret replaced by `<redacted>`.
     pub fn to_redacted_toml(&self) -> String {
         let mut value = toml::Value::try_from(self).expect("the configuration serializes");

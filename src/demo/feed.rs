@@ -235,10 +235,15 @@ struct DrainRequest {
     not_before: Option<String>,
 }
 
-/// The demo's drain hook on a free loopback port: `POST /drain` prints what it drains,
-/// takes [`DRAIN_TAKES`], says so and answers 200. Returns its URL and the server's task.
+/// The drain hook's own record: each VM it was asked to drain, and when (µs since the epoch).
+pub type Drains = std::sync::Arc<std::sync::Mutex<Vec<(String, i64)>>>;
+
+/// The demo's drain hook on a free loopback port: `POST /drain` notes the VM in `drains`,
+/// prints what it drains, takes [`DRAIN_TAKES`], says so and answers 200. Returns its URL
+/// and the server's task.
 pub async fn drain_hook(
     started: Instant,
+    drains: Drains,
 ) -> std::io::Result<(String, tokio::task::JoinHandle<()>)> {
     use axum::Json;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -246,6 +251,11 @@ pub async fn drain_hook(
     let app = axum::Router::new().route(
         "/drain",
         axum::routing::post(move |Json(request): Json<DrainRequest>| async move {
+            // From here the VM is out of service: the budget counts it.
+            drains
+                .lock()
+                .expect("the drain record is never poisoned")
+                .push((request.vm_name.clone(), chrono::Utc::now().timestamp_micros()));
             let short = request.event_id.split('-').next().unwrap_or_default();
             let not_before = request
                 .not_before

@@ -4,7 +4,8 @@
 //! publishing to NATS JetStream and taking approvals signed with a key made for the run, and
 //! the coordinator (`crate::coordinator::run`) draining through a webhook of the demo's
 //! own. Every configuration is written as TOML and loaded by the loaders users' files go
-//! through. The coordinator's decisions are printed as they change in its `/fleet`; the
+//! through, without the environment's `SCHED_RELAY_*` overrides (a shell set up for a real
+//! agent or coordinator must not redirect the demo's). The coordinator's decisions are printed as they change in its `/fleet`; the
 //! summary is judged from the simulators' records ([`super::summary`]).
 
 use std::path::{Path, PathBuf};
@@ -187,7 +188,8 @@ async fn with_streams(
     let simulators = Simulator::start_fleet(scenarios, ([127, 0, 0, 1], 0).into())
         .await
         .map_err(|e| setup("the simulators", e))?;
-    let (drain_url, drain_task) = feed::drain_hook(started)
+    let drains = feed::Drains::default();
+    let (drain_url, drain_task) = feed::drain_hook(started, drains.clone())
         .await
         .map_err(|e| setup("the drain hook", e))?;
     let key_file = dir.join("coordinator.key");
@@ -206,15 +208,17 @@ async fn with_streams(
     };
     write(&coordinator_file, &plan::coordinator(names, &places))?;
     let (coordinator_config, policy) =
-        crate::coordinator::config::CoordinatorConfig::load(&coordinator_file).map_err(|e| {
-            setup(
-                format!(
-                    "the coordinator's configuration {}",
-                    coordinator_file.display()
-                ),
-                e,
-            )
-        })?;
+        crate::coordinator::config::CoordinatorConfig::load_file_only(&coordinator_file).map_err(
+            |e| {
+                setup(
+                    format!(
+                        "the coordinator's configuration {}",
+                        coordinator_file.display()
+                    ),
+                    e,
+                )
+            },
+        )?;
     let mut agents = Vec::new();
     for (vm, simulator) in vms.iter().zip(&simulators) {
         let path = dir.join(format!("agent-{vm}.toml"));
@@ -223,7 +227,7 @@ async fn with_streams(
             &path,
             &plan::agent(names, &simulator.url(), &state, &public_key),
         )?;
-        let config = crate::config::Config::load(Some(&path))
+        let config = crate::config::Config::load_file_only(&path)
             .map_err(|e| setup(format!("the agent configuration {}", path.display()), e))?;
         agents.push((vm.clone(), config));
     }
@@ -300,7 +304,16 @@ async fn with_streams(
     drain_task.abort();
     watched?;
 
-    let summary = summary::judge(&records, &planned, chrono::Utc::now().timestamp_micros());
+    let drained = drains
+        .lock()
+        .expect("the drain record is never poisoned")
+        .clone();
+    let summary = summary::judge(
+        &records,
+        &planned,
+        &drained,
+        chrono::Utc::now().timestamp_micros(),
+    );
     println!();
     for line in summary.lines() {
         println!("{line}");

@@ -118,7 +118,8 @@ pub async fn find_or_start(nats_url: Option<String>, dir: &Path) -> Result<Nats,
         binary: binary.into(),
         error,
     })?;
-    let spawned = Command::new(binary)
+    let mut command = Command::new(binary);
+    command
         .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
         .arg(&store)
         .stdin(Stdio::null())
@@ -126,8 +127,12 @@ pub async fn find_or_start(nats_url: Option<String>, dir: &Path) -> Result<Nats,
         .stderr(stderr)
         // Its own process group: a Ctrl-C at the terminal reaches the demo, which stops
         // its agents and coordinator while the server is still up, then kills it.
-        .process_group(0)
-        .spawn();
+        .process_group(0);
+    // (A demo killed with SIGKILL, or ended by a `process::exit` of the coordinator it runs,
+    // leaves the server running: its pid is printed, and it is in the run's directory. The
+    // kernel could kill it with the demo (PR_SET_PDEATHSIG), but rustix's `process` feature
+    // changes the hashes of the symbol names deploy/symbol-order.txt lists.)
+    let spawned = command.spawn();
     let child = match spawned {
         Ok(child) => child,
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
@@ -206,7 +211,7 @@ pub async fn streams(
             error: redact::text(&error.to_string()).into_owned(),
         })?;
     let jetstream = async_nats::jetstream::new(client);
-    for (name, subjects) in streams {
+    for (made, (name, subjects)) in streams.iter().enumerate() {
         let config = async_nats::jetstream::stream::Config {
             name: name.clone(),
             subjects: vec![subjects.clone()],
@@ -215,15 +220,22 @@ pub async fn streams(
             max_age: Duration::from_secs(3600),
             ..Default::default()
         };
-        tokio::time::timeout(Duration::from_secs(10), jetstream.create_stream(config))
-            .await
-            .map_err(|_| "no answer within 10 s".to_owned())
-            .and_then(|created| created.map(|_| ()).map_err(|e| e.to_string()))
-            .map_err(|error| NatsError::Stream {
-                url: shown.clone(),
-                stream: name.clone(),
-                error,
-            })?;
+        let created =
+            tokio::time::timeout(Duration::from_secs(10), jetstream.create_stream(config)).await;
+        let (error, ours) = match created {
+            Ok(Ok(_)) => continue,
+            Ok(Err(error)) => (error.to_string(), made),
+            // The server may have made it after all.
+            Err(_) => ("no answer within 10 s".to_owned(), made + 1),
+        };
+        // The streams this run made go with the failed run.
+        let names: Vec<&str> = streams[..ours].iter().map(|(n, _)| n.as_str()).collect();
+        delete(&jetstream, &names).await;
+        return Err(NatsError::Stream {
+            url: shown.clone(),
+            stream: name.clone(),
+            error,
+        });
     }
     Ok(jetstream)
 }

@@ -52,8 +52,16 @@ fn named(body: &str) -> Vec<String> {
         .collect()
 }
 
-/// Judges the run. `now_us` ends what is still down.
-pub fn judge(records: &[VmRecord], planned: &[Planned], now_us: i64) -> Summary {
+/// Judges the run from the simulators' records and the drain hook's (`drains`: each VM it
+/// was asked to drain, and when). A VM counts as down from the start of its drain to the end
+/// of the downtime that follows it (a drained VM is out of service, as the budget says), and
+/// for every downtime of its own. `now_us` ends what is still down.
+pub fn judge(
+    records: &[VmRecord],
+    planned: &[Planned],
+    drains: &[(String, i64)],
+    now_us: i64,
+) -> Summary {
     let mut problems = Vec::new();
     // Every accepted StartRequest: (the VM it went to, the EventIds it named).
     let accepted: Vec<(&str, Vec<String>)> = records
@@ -173,7 +181,7 @@ pub fn judge(records: &[VmRecord], planned: &[Planned], now_us: i64) -> Summary 
         .iter()
         .map(|group| {
             // (VM, from, until) of every down record in the group.
-            let spans: Vec<(&str, i64, i64)> = records
+            let mut spans: Vec<(&str, i64, i64)> = records
                 .iter()
                 .filter(|r| group_of(&r.vm) == Some(group))
                 .flat_map(|r| {
@@ -183,6 +191,17 @@ pub fn judge(records: &[VmRecord], planned: &[Planned], now_us: i64) -> Summary 
                         .map(move |d| (r.vm.as_str(), d.from_us, d.until_us.unwrap_or(now_us)))
                 })
                 .collect();
+            // Each drain, until the end of the VM's first downtime after it began (or now,
+            // when none followed).
+            for (vm, at) in drains.iter().filter(|(vm, _)| group_of(vm) == Some(group)) {
+                let until = spans
+                    .iter()
+                    .filter(|(down, _, until)| *down == vm.as_str() && until >= at)
+                    .map(|(_, _, until)| *until)
+                    .min()
+                    .unwrap_or(now_us);
+                spans.push((vm.as_str(), *at, until));
+            }
             let mut most = GroupMost {
                 group: group.name,
                 size: group.size,
@@ -228,7 +247,7 @@ impl Summary {
     /// The summary as printed.
     pub fn lines(&self) -> Vec<String> {
         let mut lines = vec![
-            "Summary, from the simulated VMs' own record of who was down when:".to_owned(),
+            "Summary, from the simulated VMs' own record of who was down when and the drain hook's of whom it drained (a VM counts as down from its drain's start):".to_owned(),
             format!(
                 "  approvals: {} events started by the coordinator's approval, before their NotBefore ({} StartRequests accepted)",
                 self.approved, self.accepted_posts
@@ -311,6 +330,11 @@ mod tests {
     /// Every event started one after the other, each by its own approval, the Freeze at
     /// its NotBefore; `overlap` puts web-1..web-3 down together.
     fn run(overlap: bool, host_posts: usize) -> Summary {
+        run_with_drains(overlap, host_posts, &[])
+    }
+
+    /// The same, with the drain hook's record.
+    fn run_with_drains(overlap: bool, host_posts: usize, drains: &[(&str, i64)]) -> Summary {
         let planned = super::super::plan::events();
         let mut records = Vec::new();
         for vm in super::super::plan::vms() {
@@ -334,7 +358,41 @@ mod tests {
                 &posts,
             ));
         }
-        judge(&records, &planned, 1_000_000)
+        let drains: Vec<(String, i64)> = drains
+            .iter()
+            .map(|(vm, at)| ((*vm).to_owned(), *at))
+            .collect();
+        judge(&records, &planned, &drains, 1_000_000)
+    }
+
+    #[test]
+    fn a_vm_being_drained_counts_against_its_groups_budget() {
+        // Each web VM is down for 500 µs at its own time; web-2 and web-3 are drained while
+        // web-1 is down, long before their own downtimes: three out of service at once.
+        let planned = super::super::plan::events();
+        let down_at = |vm: &str| {
+            let event = planned
+                .iter()
+                .find(|e| e.vms.contains(&vm.to_owned()))
+                .unwrap();
+            i64::from_str_radix(&event.id[6..8], 16).unwrap() * 1_000
+        };
+        let web_1 = down_at("web-1");
+        assert!(down_at("web-2") > web_1 + 500 && down_at("web-3") > web_1 + 500);
+        let summary = run_with_drains(false, 1, &[("web-2", web_1 + 100), ("web-3", web_1 + 200)]);
+        assert_eq!(summary.groups[0].most, 3, "{:?}", summary.groups);
+        assert_eq!(summary.groups[0].who, ["web-1", "web-2", "web-3"]);
+        assert!(
+            summary
+                .problems
+                .iter()
+                .any(|p| p.contains("over its budget of 2")),
+            "{:?}",
+            summary.problems
+        );
+        // A drain that starts as the VM's group has room is no problem.
+        let summary = run_with_drains(false, 1, &[("web-2", down_at("web-2") - 100)]);
+        assert_eq!(summary.problems, Vec::<String>::new());
     }
 
     #[test]

@@ -19,6 +19,12 @@ impl CoordinatorConfig {
         Self::load_with(path, Env::prefixed(ENV_PREFIX))
     }
 
+    /// Loads and validates `path` alone, with no environment overrides (the fleet demo's
+    /// file, which a shell's `SCHED_RELAY_COORDINATOR_*` settings must not change).
+    pub fn load_file_only(path: &Path) -> Result<(CoordinatorConfig, Policy), ConfigErrors> {
+        Self::load_with(path, Env::prefixed(ENV_PREFIX).filter(|_| false))
+    }
+
     pub(in crate::coordinator) fn load_with(
         path: &Path,
         env: Env,
