@@ -34,9 +34,14 @@ fn main() {
     println!("cargo::rerun-if-changed={ORDER}");
     println!("cargo::rerun-if-changed=build.rs");
     // The profile's optimisation level, for `sched_relay::OPT_LEVEL` (the quick `release`
-    // build says it is not the one that ships).
+    // build says it is not the one that ships). A cfg, not `rustc-env`: cargo also sets such
+    // variables when it runs the binary or its tests, and the configuration loader reads
+    // every SCHED_RELAY_* variable as an override.
     let opt_level = env::var("OPT_LEVEL").expect("set by cargo");
-    println!("cargo::rustc-env=SCHED_RELAY_OPT_LEVEL={opt_level}");
+    println!(
+        "cargo::rustc-check-cfg=cfg(sched_relay_opt_level, values(\"0\", \"1\", \"2\", \"3\", \"s\", \"z\"))"
+    );
+    println!("cargo::rustc-cfg=sched_relay_opt_level=\"{opt_level}\"");
     let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("set by cargo"));
     let out = PathBuf::from(env::var_os("OUT_DIR").expect("set by cargo"));
     // What was decided, for `scripts/symbol-order --check`: "laid out", or why not (in
@@ -44,8 +49,11 @@ fn main() {
     let status = out.join("symbol-order.status");
     if env::var("PROFILE").as_deref() != Ok("release")
         || env::var("CARGO_CFG_TARGET_OS").as_deref() != Ok("linux")
+        || opt_level == "0"
     {
-        let why = "not laid out: only release builds for Linux are (not Linux or not release)\n";
+        // (The quick `release` build, unoptimised, is not laid out either: it is built to be
+        // quick, and its names are not the list's.)
+        let why = "not laid out: only optimised release builds for Linux are (not Linux or not release)\n";
         std::fs::write(&status, why).expect("OUT_DIR is writable");
         return;
     }

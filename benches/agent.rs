@@ -168,10 +168,10 @@ impl Report {
             ""
         };
         // CI's smoke run is the debug build the tests made; the measured report is `dist`.
-        let build = if cfg!(debug_assertions) {
-            "debug build"
-        } else {
-            "the shipped (`dist`) build"
+        let build = match (sched_relay::OPT_LEVEL, cfg!(debug_assertions)) {
+            (_, true) => "debug build".to_owned(),
+            ("s", false) => "the shipped (`dist`) settings".to_owned(),
+            (level, false) => format!("an opt-level {level} build (not the shipped settings)"),
         };
         format!(
             "# Benchmarks\n\nMeasured by `scripts/bench{mode}` on {}, {build} with every sink.\n\n{}\n",

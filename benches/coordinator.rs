@@ -29,7 +29,7 @@
 //!    10 s lease); the active one is stopped (SIGSTOP) and a probe event is reported at
 //!    once: timed from the stop to the standby's approval of it.
 //!
-//!   cargo bench --all-features --bench coordinator -- [--vms 500,2000,10000] [--ha]
+//!   cargo bench --profile dist --all-features --bench coordinator -- [--vms 500,2000,10000] [--ha]
 
 #[path = "coordinator/agents.rs"]
 mod agents;
@@ -475,7 +475,7 @@ fn report(runs: &[Run], scales: &[usize], ha: bool) {
         if ha { ", with a standby" } else { "" }
     );
     println!(
-        "`cargo bench --all-features --bench coordinator -- --vms {list}{}` (`scripts/coordinator-load`), on {} CPU(s); the load and how each figure is taken are described in `benches/coordinator.rs`. Latencies are from the load generator's own record: its publication of a report, the arrival of the drain call or approval it caused.\n",
+        "`cargo bench --profile dist --all-features --bench coordinator -- --vms {list}{}` (`scripts/coordinator-load`), on {} CPU(s); the load and how each figure is taken are described in `benches/coordinator.rs`. Latencies are from the load generator's own record: its publication of a report, the arrival of the drain call or approval it caused.\n",
         if ha { " --ha" } else { "" },
         std::thread::available_parallelism().map_or(0, |n| n.get()),
     );

@@ -32,7 +32,7 @@
 //! SIGKILL the active one is stopped (SIGSTOP) as soon as a drain starts, woken only once the
 //! standby has taken over and approved that event: it must write nothing and exit.
 //!
-//!   cargo bench --features nats,amqp --bench fleet -- [--vms N] [--broker nats|amqp] [--ha]
+//!   cargo bench --profile dist --features nats,amqp --bench fleet -- [--vms N] [--broker nats|amqp] [--ha]
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -726,7 +726,7 @@ fn main() {
         if ha { ", with a standby" } else { "" }
     );
     println!(
-        "`scripts/fleet --vms {vms} --broker {broker}{ha_flag}` (`cargo bench --features nats,amqp --bench fleet -- --vms {vms} --broker {broker}{ha_flag}`), on {} CPU(s); the wave and its faults are described in `benches/fleet.rs`. Figures from the simulators' own records.\n",
+        "`scripts/fleet --vms {vms} --broker {broker}{ha_flag}` (`cargo bench --profile dist --features nats,amqp --bench fleet -- --vms {vms} --broker {broker}{ha_flag}`), on {} CPU(s); the wave and its faults are described in `benches/fleet.rs`. Figures from the simulators' own records.\n",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     println!("| measure | result | goal |\n|---|---|---|");

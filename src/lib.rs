@@ -29,16 +29,29 @@ pub use config::Config;
 
 /// The optimisation level of the profile this binary was built with (build.rs): "s" for
 /// `dist`, what ships; "0" for `release` (a quick build) and for `dev`.
-pub const OPT_LEVEL: &str = env!("SCHED_RELAY_OPT_LEVEL");
+pub const OPT_LEVEL: &str = if cfg!(sched_relay_opt_level = "s") {
+    "s"
+} else if cfg!(sched_relay_opt_level = "z") {
+    "z"
+} else if cfg!(sched_relay_opt_level = "1") {
+    "1"
+} else if cfg!(sched_relay_opt_level = "2") {
+    "2"
+} else if cfg!(sched_relay_opt_level = "3") {
+    "3"
+} else {
+    "0"
+};
 
-/// Says so when this binary is the `release` profile's quick build (unoptimised, without the
-/// debug assertions of `dev`): it works, but costs two to three times the CPU and three times
-/// the memory of the `dist` build that ships (docs: Development, "Build profiles"). For `run`
-/// and `coordinate`, not for the demo, which is what that build is for.
+/// Says so when this binary is not the `dist` build that ships (in practice, the `release`
+/// profile's quick build: unoptimised, without the debug assertions of `dev`): it works, but
+/// costs two to three times the CPU and three times the memory (docs: Development, "Build
+/// profiles"). For `run` and `coordinate`, not for the demo, which is what that build is for.
 pub fn warn_if_unoptimised() {
-    if OPT_LEVEL == "0" && !cfg!(debug_assertions) {
+    if OPT_LEVEL != "s" && !cfg!(debug_assertions) {
         tracing::warn!(
-            "This sched-relay is the quick `release` build (unoptimised: two to three times the CPU and three times the memory of the build that ships); on a VM, install the package or build with `cargo build --profile dist`"
+            opt_level = OPT_LEVEL,
+            "This sched-relay is not the build that ships (the quick `release` build, unoptimised, costs two to three times the CPU and three times the memory); on a VM, install the package or build with `cargo build --profile dist`"
         );
     }
 }
