@@ -262,29 +262,19 @@ pub async fn drain_hook(
                 .as_deref()
                 .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
                 .map_or_else(|| "none".into(), |t| t.format("%H:%M:%S UTC").to_string());
-            println!(
-                "{}",
-                line(
-                    started,
-                    &request.vm_name,
-                    &request.event_type,
-                    &format!(
-                        "drain hook: taking {} out of service before {short} (NotBefore {not_before}), {} s",
-                        request.vm_name,
-                        DRAIN_TAKES.as_secs()
-                    )
-                )
-            );
+            let say = |what: &str| {
+                println!(
+                    "{}",
+                    line(started, &request.vm_name, &request.event_type, what)
+                );
+            };
+            say(&format!(
+                "drain hook: taking {} out of service before {short} (NotBefore {not_before}), {} s",
+                request.vm_name,
+                DRAIN_TAKES.as_secs()
+            ));
             tokio::time::sleep(DRAIN_TAKES).await;
-            println!(
-                "{}",
-                line(
-                    started,
-                    &request.vm_name,
-                    &request.event_type,
-                    "drain hook: drained"
-                )
-            );
+            say("drain hook: drained");
             axum::http::StatusCode::OK
         }),
     );
