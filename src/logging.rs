@@ -90,6 +90,13 @@ pub fn flush() {
     drop(guard);
 }
 
+/// Exits the process at once with `code`, writing out the log lines still queued first
+/// (`std::process::exit` runs no drops, so the guard would not).
+pub fn exit_now(code: i32) -> ! {
+    flush();
+    std::process::exit(code)
+}
+
 /// Sets up `tracing` on stderr: `filter` unless `RUST_LOG` is set, colour only for a person
 /// at a terminal (journald and log files get plain text). Every line passes through
 /// [`sched_relay_transport::redact`] on its way out, so a credential in a URL never reaches

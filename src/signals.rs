@@ -16,8 +16,6 @@ pub async fn shutdown() {
             _ = interrupt.recv() => {}
         }
         tracing::warn!("Second signal: exiting now, without draining the sinks (exit 130)");
-        // `exit` runs no drops: the log lines still queued for stderr are written first.
-        crate::logging::flush();
-        std::process::exit(130);
+        crate::logging::exit_now(130);
     });
 }

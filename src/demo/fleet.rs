@@ -88,8 +88,7 @@ fn next_signal_exits(server: Option<Server>, dir: PathBuf) {
         }
         let _ = std::fs::remove_dir_all(&dir);
         eprintln!("second signal: exiting now");
-        crate::logging::flush();
-        std::process::exit(130);
+        crate::logging::exit_now(130);
     });
 }
 

@@ -360,17 +360,14 @@ impl Engine {
                 "A write was refused and this coordinator's lease is not fresh: another one is active; exiting"
             );
             eprintln!("error: fenced: another coordinator is active");
-            // `exit` skips the drops: the log line above would stay in the writer thread.
-            crate::logging::flush();
-            std::process::exit(1);
+            crate::logging::exit_now(1);
         }
         match self.store.load() {
             Ok(fleet) => self.fleet = fleet,
             Err(error) => {
                 tracing::error!(error = %error, "Cannot read the state store back; exiting so that nothing unstored is acted on");
                 eprintln!("error: cannot read the state store back: {error}");
-                crate::logging::flush();
-                std::process::exit(1);
+                crate::logging::exit_now(1);
             }
         }
     }
