@@ -417,11 +417,7 @@ fn drain(
         );
         std::thread::sleep(Duration::from_millis(100));
     };
-    let brokers = super::sum_by_who(
-        brokers
-            .iter()
-            .map(|(who, pid, before)| (*who, super::process_cpu_ns(*pid) - before)),
-    );
+    let brokers = super::spent_since(&brokers);
     agent.stop();
     Drain {
         sinks: sinks.to_vec(),
