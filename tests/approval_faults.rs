@@ -476,7 +476,7 @@ fn an_agent_killed_after_the_post_approves_the_redelivered_request_instead_of_ca
     assert_eq!(mine[0]["data"]["reason"], "imds_accepted");
     assert_eq!(sim_posts(&sim), 2, "forwarded again after the restart");
     agent.wait_for_id(&format!("{FIRST}:started"), Duration::from_secs(10));
-    assert!(agent.stop().success());
+    agent.stop_cleanly();
 }
 
 #[test]
@@ -503,7 +503,7 @@ fn an_agent_killed_after_the_accepted_post_was_recorded_answers_accepted_without
     assert_eq!(mine.len(), 1, "exactly one outcome: {mine:?}");
     assert_eq!(mine[0]["data"]["reason"], "imds_accepted");
     assert_eq!(sim_posts(&sim), 1, "not forwarded again");
-    assert!(agent.stop().success());
+    agent.stop_cleanly();
 }
 
 #[test]
@@ -556,7 +556,7 @@ fn an_agent_killed_after_the_outcome_answers_the_redelivery_with_the_stored_outc
     );
     assert_eq!(mine[0]["type"], format!("{TYPE}.approval.accepted"));
     assert_eq!(sim_posts(&sim), 1, "never forwarded again");
-    assert!(agent.stop().success());
+    agent.stop_cleanly();
 }
 
 #[cfg(feature = "kafka")]

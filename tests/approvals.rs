@@ -615,7 +615,7 @@ fn forged_stale_replayed_misdirected_and_malformed_requests_are_rejected_over_na
     send(&event);
     assert_replay_answered_with_the_stored_outcome(&sim, &agent, &good.id, 1);
     assert!(agent.is_running());
-    assert!(agent.stop().success());
+    agent.stop_cleanly();
 }
 
 /// A replay after the agent restarted is not forwarded either: the handled ids and their
@@ -638,7 +638,7 @@ fn a_request_replayed_after_a_restart_is_answered_from_the_store_over_rabbitmq()
     block_on(publish_to(&to, &event, None)).unwrap();
     assert_accepted_and_started(&sim, &agent, &draft.id);
 
-    assert!(agent.stop().success());
+    agent.stop_cleanly();
     agent.spawn(&[]);
     wait_for_log(&agent, "Approval source ready");
     block_on(publish_to(&to, &event, None)).unwrap();

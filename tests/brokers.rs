@@ -290,6 +290,6 @@ async fn a_broker_that_is_down_delays_no_other_sink_and_catches_up_when_it_retur
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(stored_ids(&stream, expected.len() as u64).await, expected);
-    assert!(agent.stop().success(), "{}", agent.log());
+    agent.stop_cleanly();
     consumers.amqp.remove().await;
 }

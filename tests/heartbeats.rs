@@ -200,7 +200,7 @@ fn an_exec_sink_runs_for_heartbeats_only_when_its_transitions_name_them() {
         assert!(Instant::now() < deadline, "{}", agent.log());
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert!(agent.stop().success(), "{}", agent.log());
+    agent.stop_cleanly();
 
     let ran = |path: &std::path::Path| std::fs::read_to_string(path).unwrap_or_default();
     let every = ran(&every);

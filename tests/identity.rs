@@ -177,7 +177,7 @@ fn compute_failing_at_start_delays_events_which_then_carry_the_real_name() {
         assert!(Instant::now() < deadline, "never ready: {:?}", readyz(port));
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert!(agent.stop().success(), "{}", agent.log());
+    agent.stop_cleanly();
 }
 
 #[test]
@@ -190,7 +190,7 @@ fn across_a_restart_with_compute_failing_the_identity_kept_from_the_last_run_is_
     let mut agent = agent(&sim, port, "");
     let events = agent.wait_for_id(&format!("{FIRST}:scheduled"), Duration::from_secs(20));
     assert_real_identity(&events, &format!("{FIRST}:scheduled"));
-    assert!(agent.stop().success(), "{}", agent.log());
+    agent.stop_cleanly();
 
     std::thread::sleep(Duration::from_secs(7).saturating_sub(started.elapsed()));
     agent.spawn(&[]);
@@ -207,7 +207,7 @@ fn across_a_restart_with_compute_failing_the_identity_kept_from_the_last_run_is_
         "the log says the kept identity is used:\n{log}"
     );
     assert!(!log.contains("Using the hostname"), "{log}");
-    assert!(agent.stop().success(), "{}", agent.log());
+    agent.stop_cleanly();
 }
 
 #[test]
@@ -237,7 +237,7 @@ fn without_hostname_fallback_the_hostname_is_never_used_however_long_compute_fai
     );
     wait_readyz_says_identity_unresolved(port, &agent);
     // Stopping while it waits is clean.
-    assert!(agent.stop().success(), "{}", agent.log());
+    agent.stop_cleanly();
 }
 
 #[test]
@@ -256,5 +256,5 @@ fn with_hostname_fallback_the_hostname_names_the_vm_after_30_s_of_failing_comput
     let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
     assert_eq!(found["vmname"], hostname.trim(), "{found}");
     assert!(agent.log().contains("Using the hostname"));
-    assert!(agent.stop().success(), "{}", agent.log());
+    agent.stop_cleanly();
 }

@@ -50,7 +50,7 @@ fn a_user_reboot_stored_before_a_restart_is_approved_after_it() {
     // First run without policy: the events are seen and stored, nothing is approved.
     let mut agent = AgentProcess::start_on_defaults(&sim.url, "");
     agent.wait_for_id("R2:scheduled", Duration::from_secs(10));
-    assert!(agent.stop().success());
+    agent.stop_cleanly();
     assert!(posts(&sim).is_empty());
     // The operator switches the policy on and restarts: the first document after start has
     // the stored incarnation, and its still-Scheduled events are judged all the same.

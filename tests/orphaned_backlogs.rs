@@ -55,7 +55,7 @@ fn a_backlog_of_a_sink_no_longer_configured_is_reported_at_start() {
     );
     // Its first run, then a backlog left by a sink called "audit" that has since been renamed.
     agent.wait_for_id("document:1", Duration::from_secs(20));
-    assert!(agent.stop().success());
+    agent.stop_cleanly();
     store(&agent.dir.path().join("state"), &[("audit", 3)]);
     agent.spawn(&[]);
 
@@ -97,7 +97,7 @@ fn a_backlog_of_a_sink_no_longer_configured_is_reported_at_start() {
         metrics.contains("sched_relay_outbox_orphaned_events{sink=\"audit\"} 3"),
         "{metrics}"
     );
-    assert!(agent.stop().success());
+    agent.stop_cleanly();
 }
 
 /// `sched-relay outbox <args>` with a configuration whose only sink is `file`.

@@ -66,7 +66,7 @@ fn wait_for_backlog(agent: &mut AgentProcess, out: &Path) -> Vec<String> {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert!(agent.stop().success(), "{}", agent.log());
+    agent.stop_cleanly();
     expected
 }
 
@@ -80,7 +80,7 @@ fn an_event_that_finished_while_the_agent_was_down_still_yields_completed() {
 
     agent.spawn(&[]);
     agent.wait_for_id(&format!("{FREEZE}:completed"), Duration::from_secs(10));
-    assert!(agent.stop().success(), "{}", agent.log());
+    agent.stop_cleanly();
     assert!(
         agent
             .log()
@@ -128,7 +128,7 @@ fn kill_minus_9_at_random_moments_loses_and_invents_nothing() {
     }
     let last = sim.wait_finished(Duration::from_secs(30));
     agent.wait_for_id(&format!("document:{last}"), Duration::from_secs(10));
-    assert!(agent.stop().success(), "{}", agent.log());
+    agent.stop_cleanly();
     assert!(kills >= 5, "only {kills} kills (seed {seed})");
 
     let [freeze, reboot, redeploy] =
@@ -210,7 +210,7 @@ fn a_damaged_state_store_stops_the_agent_unless_told_to_start_fresh() {
     let sim = SimProcess::start("live-migration", 1.0);
     let mut agent = AgentProcess::start(&sim.url, "");
     agent.wait_for_id("document:1", Duration::from_secs(10));
-    assert!(agent.stop().success());
+    agent.stop_cleanly();
     let store = agent.dir.path().join("state/outbox.redb");
     std::fs::write(
         &store,
@@ -229,7 +229,7 @@ fn a_damaged_state_store_stops_the_agent_unless_told_to_start_fresh() {
 
     agent.spawn(&["--fresh-state"]);
     std::thread::sleep(Duration::from_millis(800));
-    assert!(agent.stop().success(), "{}", agent.log());
+    agent.stop_cleanly();
     let set_aside = std::fs::read_dir(agent.dir.path().join("state"))
         .unwrap()
         .filter_map(|e| e.ok())
@@ -324,7 +324,7 @@ fn a_reset_incarnation_with_new_content_is_diffed_not_skipped() {
     let mut agent = AgentProcess::start_with_env(&sim.url, "", &DEFAULT_POLLING);
     agent.wait_for_id("before-reset:scheduled", Duration::from_secs(15));
     let events = agent.wait_for_id("after-reset:scheduled", Duration::from_secs(15));
-    assert!(agent.stop().success(), "{}", agent.log());
+    agent.stop_cleanly();
     assert_ids_name_one_content(&events, &agent.log());
     let ids = ids(&events);
     assert!(ids.contains(&"document:2".into()), "{ids:?}");
@@ -345,13 +345,13 @@ fn a_reset_incarnation_seen_first_after_a_restart_is_diffed_not_skipped() {
     let (sim, started) = reset_simulator(work.path());
     let mut agent = AgentProcess::start_with_env(&sim.url, "", &DEFAULT_POLLING);
     agent.wait_for_id("before-reset:scheduled", Duration::from_secs(15));
-    assert!(agent.stop().success(), "{}", agent.log());
+    agent.stop_cleanly();
     // Down while Azure restarts its numbering and the next change reuses incarnation 2.
     let after_reset = started + Duration::from_secs(7);
     std::thread::sleep(after_reset.saturating_duration_since(Instant::now()));
     agent.spawn(&[]);
     let events = agent.wait_for_id("after-reset:scheduled", Duration::from_secs(15));
-    assert!(agent.stop().success(), "{}", agent.log());
+    agent.stop_cleanly();
     assert_ids_name_one_content(&events, &agent.log());
     let ids = ids(&events);
     assert!(ids.contains(&"document:2".into()), "{ids:?}");

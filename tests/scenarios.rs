@@ -370,7 +370,7 @@ fn older_api_versions_are_polled_and_their_missing_fields_are_tolerated() {
     );
     let last = sim.wait_finished(Duration::from_secs(60));
     let events = agent.wait_for_id(&format!("document:{last}"), Duration::from_secs(10));
-    assert!(agent.stop().success(), "{}", agent.log());
+    agent.stop_cleanly();
     assert_eq!(
         ids(&events),
         scheduled_started_completed(FREEZE),
@@ -427,7 +427,7 @@ fn an_api_version_the_service_refuses_is_reported_with_the_versions_it_offers() 
         agent.is_running(),
         "a refused version is retried, not fatal"
     );
-    assert!(agent.stop().success());
+    agent.stop_cleanly();
     assert!(
         agent.events().is_empty(),
         "no document, no transition: {:?}",
@@ -531,7 +531,7 @@ fn a_broker_that_hangs_does_not_delay_polling() {
         "the first document waited for the broker"
     );
     // Nor does it hold back shutdown beyond delivery.shutdown_timeout (10 s).
-    assert!(agent.stop().success(), "{}", agent.log());
+    agent.stop_cleanly();
 }
 
 #[test]
@@ -687,7 +687,7 @@ fn an_approved_event_that_vanishes_unseen_is_cancelled_marked_unobserved_started
         ],
     );
     let events = agent.wait_for_id("unseen-reboot:cancelled", Duration::from_secs(15));
-    assert!(agent.stop().success(), "{}", agent.log());
+    agent.stop_cleanly();
     let cancelled = event(&events, "unseen-reboot:cancelled");
     assert_eq!(cancelled["unobserved"], "started", "{cancelled}");
     assert_eq!(cancelled["unobservedreason"], "approved", "{cancelled}");

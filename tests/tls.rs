@@ -361,7 +361,7 @@ fn sinks_connect_with_the_right_trust_and_refuse_the_wrong_one(
         .map(|entries| entries.flatten().map(|e| e.file_name()).collect())
         .unwrap_or_default();
     assert!(dead.is_empty(), "dead letters: {dead:?}");
-    assert!(agent.stop().success());
+    agent.stop_cleanly();
 }
 
 /// The orchestrator's key and a request for `event` signed with it.
@@ -537,5 +537,5 @@ fn approval_sources_refuse_the_wrong_trust(servers: &Servers, sim: &SimProcess) 
         );
         std::thread::sleep(Duration::from_millis(200));
     }
-    assert!(agent.stop().success());
+    agent.stop_cleanly();
 }

@@ -416,6 +416,17 @@ path = "{events}"
         self.signal("TERM");
         self.wait(Duration::from_secs(20))
     }
+
+    /// [`AgentProcess::stop`], which must end in exit status 0; otherwise the test fails with
+    /// the status and the agent's log (a panic or an "Agent failed" is in it).
+    pub fn stop_cleanly(&mut self) {
+        let status = self.stop();
+        assert!(
+            status.success(),
+            "the agent stopped with {status}:\n{}",
+            self.log()
+        );
+    }
 }
 
 impl Drop for AgentProcess {
