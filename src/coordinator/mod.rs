@@ -183,7 +183,7 @@ pub async fn run(
             _ = tokio::time::sleep_until(owed_at.unwrap_or_else(std::time::Instant::now).into()), if owed_at.is_some() => {
                 engine.decide_owed(chrono::Utc::now());
             }
-            Some(done) = done_rx.recv() => engine.finished(done),
+            Some(done) = done_rx.recv() => engine.finished_paced(done),
             Some((command, answer)) = admin_rx.recv() => {
                 let _ = answer.send(engine.admin(command, chrono::Utc::now()));
             }

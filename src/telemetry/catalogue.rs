@@ -192,7 +192,7 @@ pub const METRICS: &[(&str, &str, &str)] = &[
     (
         "sched_relay_coordinator_decision_seconds",
         "histogram",
-        "From the message that allowed a decision to its drain started or approval signed and handed to the broker client.",
+        "From the message (or the end of a drain or health gate) that allowed a decision to its drain started or approval signed and handed to the broker client.",
     ),
     (
         "sched_relay_coordinator_drain_seconds",

@@ -19,11 +19,13 @@ impl Engine {
         if !self.may_act() {
             return;
         }
-        let trigger = self.trigger.or(owed);
-        if owed.is_some() {
-            self.decided_at = Some(std::time::Instant::now());
-        }
+        let trigger = owed;
+        // Every decision (the tick's and the operator's too) starts the gap before the next
+        // one on arrivals, and sets its length ([`Engine::gap`]).
+        let started = std::time::Instant::now();
+        self.decided_at = Some(started);
         let decisions = policy::decide(&self.fleet, &self.policy, now);
+        self.decision_cost = started.elapsed();
         for (key, wait) in decisions.waits {
             let text = wait.to_string();
             if let Some(m) = self.fleet.events.get_mut(&key)

@@ -30,7 +30,7 @@ mod results;
 mod tick;
 
 pub use inventory::Admin;
-pub use pace::DECISION_GAP;
+pub use pace::{DECISION_GAP, DECISION_GAP_MAX, DECISION_SHARE};
 
 /// Results of the work started by the loop.
 pub enum Done {
@@ -80,16 +80,18 @@ pub struct Engine {
     publisher: Arc<dyn Sink>,
     http: reqwest::Client,
     done: mpsc::UnboundedSender<Done>,
-    /// When the message being handled arrived: decisions it allows are timed from it.
-    trigger: Option<Instant>,
-    /// The earliest arrival of the messages handled since the last decision whose decision
-    /// waits for [`DECISION_GAP`] to pass: a burst is decided every few milliseconds, not
-    /// once per message (each decision counts the whole fleet).
+    /// The earliest arrival of the messages (or results of drains and health gates) handled
+    /// since the last decision, whose decision waits for the gap ([`Engine::gap`]) to
+    /// pass: a burst is decided once at the gap's end, not once per message (each decision
+    /// counts the whole fleet).
     owed: Option<Instant>,
-    /// When the last decision on a message's arrival was made.
+    /// When the last decision was made.
     decided_at: Option<Instant>,
     /// [`DECISION_GAP`]; tests that cannot promise a commit within it set a longer one.
     pub decision_gap: std::time::Duration,
+    /// What the last decision cost to make (the count of the whole fleet and the policy's
+    /// judgement): the gap grows with it ([`Engine::gap`]).
+    decision_cost: std::time::Duration,
     /// When forgotten events and old ids were last pruned (the tick's clock).
     pruned: Option<DateTime<Utc>>,
     /// Decisions wait until the input has delivered everything it held when it started,
@@ -144,10 +146,10 @@ impl Engine {
                 .build()
                 .expect("an HTTP client builds"),
             done,
-            trigger: None,
             owed: None,
             decided_at: None,
             decision_gap: DECISION_GAP,
+            decision_cost: Duration::ZERO,
             pruned: None,
             ready: false,
             progress: None,
@@ -339,13 +341,7 @@ impl Engine {
         }
         self.dirty = true;
         if self.ready && !routine_beat {
-            self.owed.get_or_insert(arrived);
-            let recent = self
-                .decided_at
-                .is_some_and(|at| at.elapsed() < self.decision_gap);
-            if !(paced && recent) {
-                self.decide_owed(now);
-            }
+            self.owe(arrived, now, paced);
         }
     }
 

@@ -10,8 +10,20 @@ use super::{DONE_REASONS, Done, Engine, PUBLISH_RETRY};
 use crate::coordinator::store::Changes;
 
 impl Engine {
-    /// A drain or a publication finished.
+    /// A drain, a health gate or a publication finished: decided at once (tests drive the
+    /// engine so; the coordinator's loop calls [`Engine::finished_paced`]).
+    #[cfg(test)]
     pub fn finished(&mut self, done: Done) {
+        self.finished_with(done, false);
+    }
+
+    /// [`Engine::finished`], deciding at most once per gap ([`Engine::gap`]), as the
+    /// coordinator's loop does: a wave ends hundreds of drains and publications a second.
+    pub fn finished_paced(&mut self, done: Done) {
+        self.finished_with(done, true);
+    }
+
+    fn finished_with(&mut self, done: Done, paced: bool) {
         // A standby may be active: what a stalled instance's work came to is not written
         // (the active one runs its drains again and republishes what it does not know sent).
         // Nor is it lost if the lease comes back fresh (a slow renewal): the work is marked
@@ -32,6 +44,8 @@ impl Engine {
             return;
         }
         let now = Utc::now();
+        // A publication frees no place and ends no drain: it allows no new decision.
+        let allows_a_decision = !matches!(done, Done::Published { .. });
         let key = match done {
             Done::Gated { key, vm, result } => {
                 self.gating
@@ -141,9 +155,10 @@ impl Engine {
             return;
         }
         self.dirty = true;
-        // A drain that ended is approved by the decision, which checks the budget again.
-        if self.ready {
-            self.decide(now);
+        // A drain that ended is approved by the decision, which checks the budget again; a
+        // gate passed frees a place.
+        if self.ready && allows_a_decision {
+            self.owe(std::time::Instant::now(), now, paced);
         }
     }
 

@@ -134,7 +134,7 @@ pub fn down_now(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Down {
     };
     // Holding (by the coordinator, anyone else, or Azure) is the event's own state.
     for (name, vm) in &fleet.vms {
-        let g = policy.group_of(fleet, name);
+        let g = policy.group_of_known(name, vm.resource_id.as_deref());
         down.members[g] += 1;
         if vm.silent(now, policy.silent_after) {
             down.causes
