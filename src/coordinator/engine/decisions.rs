@@ -19,7 +19,6 @@ impl Engine {
         if !self.may_act() {
             return;
         }
-        let trigger = owed;
         // Every decision (the tick's and the operator's too) starts the gap before the next
         // one on arrivals, and sets its length ([`Engine::gap`]).
         let started = std::time::Instant::now();
@@ -96,7 +95,7 @@ impl Engine {
         for key in approvals.into_iter().flatten() {
             self.publish(&key);
         }
-        if let Some(trigger) = trigger {
+        if let Some(trigger) = owed {
             // From the message that allowed them (an event, or another's end) to the
             // drains started and the approvals signed and handed to the broker client.
             let took = trigger.elapsed().as_secs_f64();

@@ -66,7 +66,7 @@ impl Engine {
         self.owed.get_or_insert(since);
         let recent = self.decided_at.is_some_and(|at| at.elapsed() < self.gap());
         if !(paced && recent) {
-            self.decide_owed(now);
+            self.decide(now);
         }
     }
 
