@@ -18,6 +18,7 @@ mod contradictions;
 mod controls;
 mod evidence;
 mod model;
+mod pacing;
 mod quiet_day;
 mod trust;
 
