@@ -161,19 +161,21 @@ pub fn decide(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Decisions {
     candidates.sort_by_key(|(key, m, _)| (m.not_before, m.first_seen, (*key).clone()));
     for (key, m, candidate) in candidates {
         match one(fleet, policy, &mut down, key, m, &candidate, now) {
-            Ok(Action::DrainThenApprove) if matches!(candidate, Candidate::New) => {
-                decisions.steps.push(Step::Drain {
-                    key: key.clone(),
-                    vms: m
-                        .affected()
-                        .into_iter()
-                        .filter(|vm| fleet.vms.contains_key(vm))
-                        .collect(),
-                })
-            }
-            Ok(_) => decisions.steps.push(Step::Approve {
+            Ok(Taken {
+                action: Action::DrainThenApprove,
+                placed,
+                ..
+            }) if matches!(candidate, Candidate::New) => decisions.steps.push(Step::Drain {
                 key: key.clone(),
-                approver: approver(fleet, policy, m, now).expect("checked by one()"),
+                vms: placed
+                    .into_iter()
+                    .map(|(vm, _)| vm)
+                    .filter(|vm| fleet.vms.contains_key(vm))
+                    .collect(),
+            }),
+            Ok(Taken { approver, .. }) => decisions.steps.push(Step::Approve {
+                key: key.clone(),
+                approver,
             }),
             Err(wait) => decisions.waits.push((key.clone(), wait)),
         }
@@ -190,18 +192,36 @@ pub fn approver(
     m: &Maintenance,
     now: DateTime<Utc>,
 ) -> Option<String> {
+    approver_among(fleet, policy, m, &m.affected(), now)
+}
+
+/// [`approver`] with the event's affected VMs at hand.
+fn approver_among(
+    fleet: &Fleet,
+    policy: &Policy,
+    m: &Maintenance,
+    affected: &[String],
+    now: DateTime<Utc>,
+) -> Option<String> {
     let live = |vm: &String| {
         fleet
             .vms
             .get(vm)
             .is_some_and(|v| !v.silent(now, policy.silent_after))
     };
-    let affected = m.affected();
     affected
         .iter()
         .find(|vm| live(vm) && m.reports.get(*vm).is_some_and(|r| !r.stage.is_over()))
         .or_else(|| affected.iter().find(|vm| live(vm)))
         .cloned()
+}
+
+/// What [`one`] decided to do for an event: its action, the VMs it takes down (each with its
+/// group), and the agent its approval goes to.
+struct Taken {
+    action: Action,
+    placed: Vec<(String, usize)>,
+    approver: String,
 }
 
 fn one(
@@ -212,17 +232,22 @@ fn one(
     m: &Maintenance,
     candidate: &Candidate,
     now: DateTime<Utc>,
-) -> Result<Action, Wait> {
+) -> Result<Taken, Wait> {
     if let Some(why) = &m.type_conflict {
         return Err(Wait::Never(format!(
             "its agents disagree on its EventType ({why}): left to Azure"
         )));
     }
-    let affected = m.affected();
-    let groups: BTreeSet<usize> = affected
-        .iter()
-        .map(|vm| down.group_of(fleet, policy, vm))
+    // Each affected VM with its group, found once for the whole decision on this event.
+    let placed: Vec<(String, usize)> = m
+        .affected()
+        .into_iter()
+        .map(|vm| {
+            let g = down.group_of(fleet, policy, &vm);
+            (vm, g)
+        })
         .collect();
+    let groups: BTreeSet<usize> = placed.iter().map(|(_, g)| *g).collect();
     // The strictest rule of the groups involved.
     let mut action = Action::Approve;
     for &g in &groups {
@@ -242,7 +267,7 @@ fn one(
         }
         action = action.max(rule.action);
     }
-    if affected.is_empty() {
+    if placed.is_empty() {
         action = Action::Never;
     }
     if action == Action::Never {
@@ -260,9 +285,10 @@ fn one(
     if let Some(&g) = groups.iter().find(|&&g| !policy.groups[g].open(now)) {
         return Err(Wait::Window(policy.groups[g].name.clone()));
     }
-    if approver(fleet, policy, m, now).is_none() {
+    let affected: Vec<String> = placed.iter().map(|(vm, _)| vm.clone()).collect();
+    let Some(approver) = approver_among(fleet, policy, m, &affected, now) else {
         return Err(Wait::NoAgent);
-    }
+    };
     if matches!(candidate, Candidate::New) && now - m.first_seen < policy.report_wait {
         let missing: Vec<String> = affected
             .iter()
@@ -279,17 +305,20 @@ fn one(
             return Err(Wait::Reports(missing));
         }
     }
-    fits(fleet, policy, down, key, m, now)?;
+    fits(fleet, policy, down, key, m, &placed, now)?;
     // Taken: its VMs are down for the events decided after it.
-    for vm in affected {
-        let g = down.group_of(fleet, policy, &vm);
+    for (vm, g) in placed.iter().cloned() {
         let causes = down.causes.entry(vm).or_default();
         if causes.is_empty() {
             down.counts[g] += 1;
         }
         causes.insert(Cause::Held(key.to_owned()));
     }
-    Ok(action)
+    Ok(Taken {
+        action,
+        placed,
+        approver,
+    })
 }
 
 /// The budget check over the time the approval adds to the event's VMs' downtime, for each
@@ -299,12 +328,14 @@ fn one(
 /// The window runs from now to the end of the event's expected outage, but no further than
 /// its own NotBefore: Azure starts it then whoever approves it, so from there on its VMs are
 /// down either way and the approval adds nothing (it only ends their outage sooner).
+/// `placed` is each VM the event takes down, with its group.
 fn fits(
     fleet: &Fleet,
     policy: &Policy,
     down: &Down,
     key: &str,
     m: &Maintenance,
+    placed: &[(String, usize)],
     now: DateTime<Utc>,
 ) -> Result<(), Wait> {
     // Down now for any reason but this event.
@@ -314,7 +345,7 @@ fn fits(
             .is_some_and(|causes| causes.iter().any(|c| c.event() != Some(key)))
     };
     let down_now = |vm: &str| down.causes.contains_key(vm);
-    let affected = m.affected();
+    let affected = |vm: &str| placed.iter().any(|(mine, _)| mine == vm);
     let window_end = |g: usize| -> Option<DateTime<Utc>> {
         // An outage past what a date can hold is "until gone".
         let end = policy.groups[g]
@@ -335,7 +366,7 @@ fn fits(
             .iter()
             .take_while(|(at, ..)| end.is_none_or(|end| *at < end))
         {
-            if event == key || otherwise(vm) || affected.contains(vm) || !vms.insert(vm) {
+            if event == key || otherwise(vm) || affected(vm) || !vms.insert(vm) {
                 continue;
             }
             let id = fleet.events[event].event_id.clone();
@@ -345,17 +376,15 @@ fn fits(
         }
         (vms.len(), events)
     };
-    let groups: BTreeSet<usize> = affected
-        .iter()
-        .map(|vm| down.group_of(fleet, policy, vm))
-        .collect();
+    let groups: BTreeSet<usize> = placed.iter().map(|(_, g)| *g).collect();
     let mut fleet_end = Some(now);
     for &g in &groups {
         let end = window_end(g);
         fleet_end = fleet_end.zip(end).map(|(a, b)| a.max(b));
-        let mine: BTreeSet<&String> = affected
+        let mine: BTreeSet<&String> = placed
             .iter()
-            .filter(|vm| down.group_of(fleet, policy, vm) == g)
+            .filter(|(_, group)| *group == g)
+            .map(|(vm, _)| vm)
             .collect();
         // Down only because of this event: counted among its own VMs, not as down now.
         let only_mine = mine
@@ -377,7 +406,7 @@ fn fits(
         }
     }
     if let Some(limit) = down.fleet_limit(policy) {
-        let mine: BTreeSet<&String> = affected.iter().collect();
+        let mine: BTreeSet<&String> = placed.iter().map(|(vm, _)| vm).collect();
         let only_mine = mine
             .iter()
             .filter(|vm| down_now(vm) && !otherwise(vm))
