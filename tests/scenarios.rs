@@ -68,7 +68,7 @@ fn assert_common_attributes(events: &[Value], source: &str) {
 
 #[test]
 fn live_migration_yields_scheduled_started_completed_with_document_snapshots() {
-    let (sim, agent, events) = play("live-migration", 0.005, "");
+    let (sim, agent, events) = play("live-migration", 0.01, "");
     assert_eq!(
         ids(&events),
         scheduled_started_completed(FREEZE),
@@ -181,7 +181,7 @@ fn user_initiated_reboot_is_approved_at_once_by_policy() {
 #[test]
 fn redeploy_starts_at_not_before_without_approval() {
     let id = "8e6a4b2c-1d3f-4e5a-9b7c-0d1e2f3a4b02";
-    let events = play_full_cycle("redeploy", 0.005, id);
+    let events = play_full_cycle("redeploy", 0.01, id);
     assert_eq!(
         event(&events, &format!("{id}:scheduled"))["eventtype"],
         "Redeploy"
@@ -205,7 +205,7 @@ fn spot_preempt_with_thirty_seconds_notice_is_seen_before_it_starts() {
 #[test]
 fn scale_set_terminate_is_reported_for_the_instance() {
     let id = "d9e8f7a6-b5c4-4d3e-8f2a-1b0c9d8e7f04";
-    let events = play_full_cycle("scaleset-terminate", 0.005, id);
+    let events = play_full_cycle("scaleset-terminate", 0.01, id);
     assert_eq!(
         event(&events, &format!("{id}:scheduled"))["eventtype"],
         "Terminate"
@@ -218,7 +218,7 @@ fn scale_set_terminate_is_reported_for_the_instance() {
 
 #[test]
 fn host_failure_appearing_as_started_yields_started_then_completed_only() {
-    let (_sim, agent, events) = play("host-failure", 0.005, "");
+    let (_sim, agent, events) = play("host-failure", 0.01, "");
     let id = "f0e1d2c3-b4a5-4968-8776-655443322105";
     assert_eq!(
         ids(&events),
@@ -240,7 +240,7 @@ fn host_failure_appearing_as_started_yields_started_then_completed_only() {
 
 #[test]
 fn cancelled_maintenance_yields_scheduled_updated_cancelled() {
-    let (_sim, agent, events) = play("cancelled-maintenance", 0.005, "");
+    let (_sim, agent, events) = play("cancelled-maintenance", 0.01, "");
     let id = "3a2b1c00-0000-4000-8000-00000000c0de";
     assert_eq!(
         ids(&events),
