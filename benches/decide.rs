@@ -12,7 +12,8 @@
 //!   cargo bench --profile dist --bench decide              (500, 2,000 and 10,000 VMs)
 //!   cargo bench --profile dist --bench decide -- 10000     (one size, or a list: 500,2000)
 //!
-//! Nothing is asserted: it measures and prints, one line per fleet size.
+//! Nothing about time is asserted (only the fleet's shape): it measures and prints, one line
+//! per fleet size.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
