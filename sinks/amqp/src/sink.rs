@@ -367,8 +367,9 @@ impl Sink for AmqpSink {
             }
         }
         let timeout = self.config.timeout;
+        let mut confirmations = Vec::with_capacity(confirms.len());
         for (index, (routing_key, confirm)) in confirms.into_iter().enumerate() {
-            let confirmation = match tokio::time::timeout(timeout, confirm).await {
+            match tokio::time::timeout(timeout, confirm).await {
                 Err(_) => {
                     self.forget_connection().await;
                     let error = SinkError::Retriable(format!(
@@ -382,11 +383,38 @@ impl Sink for AmqpSink {
                     let error = self.classify(error, "publish not confirmed");
                     return Err(DeliveryError::at(index, error));
                 }
-                Ok(Ok(confirmation)) => confirmation,
-            };
+                Ok(Ok(confirmation)) => confirmations.push((routing_key, confirmation)),
+            }
+        }
+        // lapin hands a returned (unroutable) message to the first confirmation an ack
+        // completes, and one ack may cover several messages: the returned message's id (the
+        // event's) says which event it was, wherever it surfaced. One without an id (never
+        // ours) counts where it surfaced.
+        let returned: Vec<Option<String>> = confirmations
+            .iter()
+            .filter_map(|(_, confirmation)| match confirmation {
+                Confirmation::Ack(Some(message)) | Confirmation::Nack(Some(message)) => Some(
+                    message
+                        .properties
+                        .message_id()
+                        .as_ref()
+                        .map(|id| id.as_str().to_owned()),
+                ),
+                _ => None,
+            })
+            .collect();
+        for (index, (routing_key, confirmation)) in confirmations.into_iter().enumerate() {
+            let id = batch[index].id();
+            let surfaced_without_id = matches!(
+                &confirmation,
+                Confirmation::Ack(Some(message)) | Confirmation::Nack(Some(message))
+                    if message.properties.message_id().is_none()
+            );
+            let unroutable =
+                surfaced_without_id || returned.iter().flatten().any(|returned| returned == id);
             let error = match confirmation {
-                Confirmation::Ack(None) => continue,
-                Confirmation::Ack(Some(_)) => SinkError::Permanent(format!(
+                Confirmation::Ack(_) if !unroutable => continue,
+                Confirmation::Ack(_) => SinkError::Permanent(format!(
                     "unroutable: no queue is bound to exchange {} for routing key {routing_key} (bind one, or set declare = true with a queue)",
                     self.config.exchange
                 )),
