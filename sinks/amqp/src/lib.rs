@@ -17,6 +17,8 @@ use sched_relay_transport::secret::Secret;
 use serde::{Deserialize, Serialize};
 
 #[cfg(feature = "client")]
+mod confirms;
+#[cfg(feature = "client")]
 mod sink;
 #[cfg(feature = "client")]
 pub mod source;

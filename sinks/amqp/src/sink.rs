@@ -7,9 +7,7 @@ use lapin::options::{
     QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{
-    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
-};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 use sched_relay_transport::binding::{self, expand_template};
 use sched_relay_transport::files::Stamp;
 use sched_relay_transport::{DeliveryError, Event, Sink, SinkError};
@@ -386,46 +384,12 @@ impl Sink for AmqpSink {
                 Ok(Ok(confirmation)) => confirmations.push((routing_key, confirmation)),
             }
         }
-        // lapin hands a returned (unroutable) message to the first confirmation an ack
-        // completes, and one ack may cover several messages: the returned message's id (the
-        // event's) says which event it was, wherever it surfaced. One without an id (never
-        // ours) counts where it surfaced.
-        let returned: Vec<Option<String>> = confirmations
-            .iter()
-            .filter_map(|(_, confirmation)| match confirmation {
-                Confirmation::Ack(Some(message)) | Confirmation::Nack(Some(message)) => Some(
-                    message
-                        .properties
-                        .message_id()
-                        .as_ref()
-                        .map(|id| id.as_str().to_owned()),
-                ),
-                _ => None,
-            })
-            .collect();
-        for (index, (routing_key, confirmation)) in confirmations.into_iter().enumerate() {
-            let id = batch[index].id();
-            let surfaced_without_id = matches!(
-                &confirmation,
-                Confirmation::Ack(Some(message)) | Confirmation::Nack(Some(message))
-                    if message.properties.message_id().is_none()
-            );
-            let unroutable =
-                surfaced_without_id || returned.iter().flatten().any(|returned| returned == id);
-            let error = match confirmation {
-                Confirmation::Ack(_) if !unroutable => continue,
-                Confirmation::Ack(_) => SinkError::Permanent(format!(
-                    "unroutable: no queue is bound to exchange {} for routing key {routing_key} (bind one, or set declare = true with a queue)",
-                    self.config.exchange
-                )),
-                Confirmation::Nack(_) => SinkError::Retriable(format!(
-                    "{} refused to store a message for {routing_key} (nack)",
-                    self.broker()
-                )),
-                Confirmation::NotRequested => {
-                    SinkError::Retriable("publisher confirms are not enabled on the channel".into())
-                }
-            };
+        if let Some((index, error)) = crate::confirms::first_unstored(
+            batch,
+            confirmations,
+            &self.config.exchange,
+            &self.broker(),
+        ) {
             return Err(DeliveryError::at(index, error));
         }
         match stopped {
