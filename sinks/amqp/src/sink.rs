@@ -366,23 +366,38 @@ impl Sink for AmqpSink {
         }
         let timeout = self.config.timeout;
         let mut confirmations = Vec::with_capacity(confirms.len());
+        let mut failed = None;
         for (index, (routing_key, confirm)) in confirms.into_iter().enumerate() {
             match tokio::time::timeout(timeout, confirm).await {
                 Err(_) => {
-                    self.forget_connection().await;
-                    let error = SinkError::Retriable(format!(
-                        "no publisher confirm from {} within {timeout:?}",
-                        self.broker()
+                    failed = Some((
+                        index,
+                        SinkError::Retriable(format!(
+                            "no publisher confirm from {} within {timeout:?}",
+                            self.broker()
+                        )),
                     ));
-                    return Err(DeliveryError::at(index, error));
+                    break;
                 }
                 Ok(Err(error)) => {
-                    self.forget_connection().await;
-                    let error = self.classify(error, "publish not confirmed");
-                    return Err(DeliveryError::at(index, error));
+                    failed = Some((index, self.classify(error, "publish not confirmed")));
+                    break;
                 }
                 Ok(Ok(confirmation)) => confirmations.push((routing_key, confirmation)),
             }
+        }
+        if let Some((index, error)) = failed {
+            self.forget_connection().await;
+            // An event before it may have been returned or nacked: that one is the first
+            // not stored.
+            let (index, error) = crate::confirms::first_unstored(
+                batch,
+                confirmations,
+                &self.config.exchange,
+                &self.broker(),
+            )
+            .unwrap_or((index, error));
+            return Err(DeliveryError::at(index, error));
         }
         if let Some((index, error)) = crate::confirms::first_unstored(
             batch,
