@@ -192,15 +192,16 @@ pub fn approver(
     m: &Maintenance,
     now: DateTime<Utc>,
 ) -> Option<String> {
-    approver_among(fleet, policy, m, &m.affected(), now)
+    let affected = m.affected();
+    approver_among(fleet, policy, m, affected.iter(), now)
 }
 
 /// [`approver`] with the event's affected VMs at hand.
-fn approver_among(
+fn approver_among<'a>(
     fleet: &Fleet,
     policy: &Policy,
     m: &Maintenance,
-    affected: &[String],
+    affected: impl Iterator<Item = &'a String> + Clone,
     now: DateTime<Utc>,
 ) -> Option<String> {
     let live = |vm: &String| {
@@ -210,9 +211,9 @@ fn approver_among(
             .is_some_and(|v| !v.silent(now, policy.silent_after))
     };
     affected
-        .iter()
+        .clone()
         .find(|vm| live(vm) && m.reports.get(*vm).is_some_and(|r| !r.stage.is_over()))
-        .or_else(|| affected.iter().find(|vm| live(vm)))
+        .or_else(|| affected.clone().find(|vm| live(vm)))
         .cloned()
 }
 
@@ -285,13 +286,12 @@ fn one(
     if let Some(&g) = groups.iter().find(|&&g| !policy.groups[g].open(now)) {
         return Err(Wait::Window(policy.groups[g].name.clone()));
     }
-    let affected: Vec<String> = placed.iter().map(|(vm, _)| vm.clone()).collect();
-    let Some(approver) = approver_among(fleet, policy, m, &affected, now) else {
+    let affected = placed.iter().map(|(vm, _)| vm);
+    let Some(approver) = approver_among(fleet, policy, m, affected.clone(), now) else {
         return Err(Wait::NoAgent);
     };
     if matches!(candidate, Candidate::New) && now - m.first_seen < policy.report_wait {
         let missing: Vec<String> = affected
-            .iter()
             .filter(|vm| {
                 fleet
                     .vms
