@@ -154,15 +154,13 @@ fn wave(vms: usize, now: DateTime<Utc>) -> Fleet {
         // The waiting ones (10 to 19) 5 to 9.5 minutes away, inside one another's 10-minute
         // outage window: each checks the earlier ones that Azure starts by itself.
         let not_before = now + chrono::Duration::seconds(300 + 30 * (index % 10) as i64);
+        let reported = now - chrono::Duration::seconds(60);
         let mut m = Maintenance {
-            event_id: event_id.clone(),
             event_type: "Reboot".into(),
             event_source: Some("Platform".into()),
             duration_seconds: Some(-1),
             not_before: Some(not_before),
             resources: vec![name.clone()],
-            first_seen: now - chrono::Duration::seconds(60),
-            last_report: now - chrono::Duration::seconds(60),
             reports: BTreeMap::from([(
                 name.clone(),
                 Report {
@@ -170,18 +168,11 @@ fn wave(vms: usize, now: DateTime<Utc>) -> Fleet {
                     incarnation: 2,
                     epoch: 0,
                     affects: true,
-                    at: now - chrono::Duration::seconds(60),
+                    at: reported,
                     said: None,
                 },
             )]),
-            drain: None,
-            approval: None,
-            verdict: String::new(),
-            approved_elsewhere: false,
-            started_at: None,
-            back: BTreeMap::new(),
-            overdue: false,
-            type_conflict: None,
+            ..Maintenance::new(event_id.clone(), reported)
         };
         match index {
             0..5 => {

@@ -108,6 +108,29 @@ pub struct Maintenance {
 }
 
 impl Maintenance {
+    /// An event first reported at `now`, before anything of it is known but its id.
+    pub fn new(event_id: String, now: DateTime<Utc>) -> Maintenance {
+        Maintenance {
+            event_id,
+            event_type: String::new(),
+            event_source: None,
+            duration_seconds: None,
+            not_before: None,
+            resources: Vec::new(),
+            first_seen: now,
+            last_report: now,
+            reports: BTreeMap::new(),
+            drain: None,
+            approval: None,
+            verdict: String::new(),
+            approved_elsewhere: false,
+            started_at: None,
+            back: BTreeMap::new(),
+            overdue: false,
+            type_conflict: None,
+        }
+    }
+
     /// The VMs it takes down: those in Resources, or, if it lists none, the agents that say
     /// it affects them.
     pub fn affected(&self) -> Vec<String> {
@@ -267,25 +290,7 @@ impl Fleet {
                 let entry = self
                     .events
                     .entry(key.clone())
-                    .or_insert_with(|| Maintenance {
-                        event_id: event_id.clone(),
-                        event_type: String::new(),
-                        event_source: None,
-                        duration_seconds: None,
-                        not_before: None,
-                        resources: Vec::new(),
-                        first_seen: now,
-                        last_report: now,
-                        reports: BTreeMap::new(),
-                        drain: None,
-                        approval: None,
-                        verdict: String::new(),
-                        approved_elsewhere: false,
-                        started_at: None,
-                        back: BTreeMap::new(),
-                        overdue: false,
-                        type_conflict: None,
-                    });
+                    .or_insert_with(|| Maintenance::new(event_id.clone(), now));
                 let event_type = event["EventType"].as_str().unwrap_or_default();
                 // Two EventTypes for one EventId: one of the agents is wrong (or forged),
                 // and which is unknown. Refusing the later report would let whoever spoke
