@@ -14,32 +14,29 @@ use sched_relay_transport::{Event, SinkError};
 /// id (never ours) counts where it surfaced.
 pub(crate) fn first_unstored(
     batch: &[Event],
-    confirmations: Vec<(String, Confirmation)>,
+    confirmations: &[(String, Confirmation)],
     exchange: &str,
     broker: &str,
 ) -> Option<(usize, SinkError)> {
-    let returned: Vec<Option<String>> = confirmations
+    let returned: Vec<&str> = confirmations
         .iter()
         .filter_map(|(_, confirmation)| match confirmation {
-            Confirmation::Ack(Some(message)) | Confirmation::Nack(Some(message)) => Some(
-                message
-                    .properties
-                    .message_id()
-                    .as_ref()
-                    .map(|id| id.as_str().to_owned()),
-            ),
+            Confirmation::Ack(Some(message)) | Confirmation::Nack(Some(message)) => message
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|id| id.as_str()),
             _ => None,
         })
         .collect();
-    for (index, (routing_key, confirmation)) in confirmations.into_iter().enumerate() {
+    for (index, (routing_key, confirmation)) in confirmations.iter().enumerate() {
         let id = batch[index].id();
         let surfaced_without_id = matches!(
-            &confirmation,
+            confirmation,
             Confirmation::Ack(Some(message)) | Confirmation::Nack(Some(message))
                 if message.properties.message_id().is_none()
         );
-        let unroutable =
-            surfaced_without_id || returned.iter().flatten().any(|returned| returned == id);
+        let unroutable = surfaced_without_id || returned.contains(&id);
         let error = match confirmation {
             Confirmation::Ack(_) if !unroutable => continue,
             Confirmation::Ack(_) => SinkError::Permanent(format!(

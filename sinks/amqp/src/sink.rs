@@ -392,7 +392,7 @@ impl Sink for AmqpSink {
             // not stored.
             let (index, error) = crate::confirms::first_unstored(
                 batch,
-                confirmations,
+                &confirmations,
                 &self.config.exchange,
                 &self.broker(),
             )
@@ -401,7 +401,7 @@ impl Sink for AmqpSink {
         }
         if let Some((index, error)) = crate::confirms::first_unstored(
             batch,
-            confirmations,
+            &confirmations,
             &self.config.exchange,
             &self.broker(),
         ) {
