@@ -16,6 +16,7 @@
 //! events (and the input stream it creates when missing).
 
 mod admin;
+pub mod azure;
 pub mod changes;
 pub mod config;
 pub mod drain;
@@ -133,15 +134,26 @@ pub async fn run(
         &config.approvals,
         deliveries,
         Some(progress),
-        stop_rx,
+        stop_rx.clone(),
     )
     .await?;
     let tick_every = config.coordinator.tick;
     let channel_template = config.input.channel_template();
+    let (azure_config, azure_sources) = (config.azure.clone(), config.azure_sources());
     let mut engine = Engine::new(fleet, policy, config, store, signer, publisher, done_tx);
     engine.snapshot = snapshot;
     engine.progress = Some(caught_up);
     engine.channel_template = channel_template;
+    // The groups listed by Azure Resource Manager: a refresher of their inventory.
+    let (azure_tx, mut azure_rx) = mpsc::channel(2);
+    #[cfg(feature = "azure")]
+    if let Some(azure_config) = azure_config.filter(|_| !azure_sources.is_empty()) {
+        let nudge = Arc::new(tokio::sync::Notify::new());
+        engine.azure = Some(engine::AzureView::new(nudge.clone()));
+        azure::refresh::start(&azure_config, azure_sources, azure_tx, nudge, stop_rx)?;
+    }
+    #[cfg(not(feature = "azure"))]
+    let _ = (azure_config, azure_sources, azure_tx, stop_rx);
     #[cfg(feature = "nats")]
     let (kept, holder) = {
         let holder = lease.as_ref().map(|(ha, _)| ha.clone());
@@ -184,6 +196,7 @@ pub async fn run(
                 engine.decide_owed(chrono::Utc::now());
             }
             Some(done) = done_rx.recv() => engine.finished_paced(done),
+            Some(listed) = azure_rx.recv() => engine.azure_listed(listed, chrono::Utc::now()),
             Some((command, answer)) = admin_rx.recv() => {
                 let _ = answer.send(engine.admin(command, chrono::Utc::now()));
             }

@@ -388,10 +388,10 @@ impl CoordinatorConfig {
                 resource_group: group.resource_group.clone(),
                 scale_set: group.scale_set.clone(),
             };
-            if matcher.is_empty() {
+            if matcher.is_empty() && group.azure.is_none() {
                 problems.push(problem(
                     at.clone(),
-                    "matches nothing: set vm_name, resource_group or scale_set",
+                    "matches nothing: set vm_name, resource_group, scale_set or azure.source",
                 ));
             }
             let mut rules = default_actions.clone();
@@ -420,8 +420,10 @@ impl CoordinatorConfig {
                     None => default_windows.clone(),
                 },
                 gated: group.health.is_some() || self.defaults.health.is_some(),
+                azure: group.azure.is_some(),
             });
         }
+        self.check_azure(&mut problems);
         groups.push(Group {
             name: crate::coordinator::policy::DEFAULT_GROUP.into(),
             matcher: Matcher::default(),
@@ -431,6 +433,7 @@ impl CoordinatorConfig {
             outages: default_outages,
             windows: default_windows,
             gated: self.defaults.health.is_some(),
+            azure: false,
         });
         if problems.is_empty() {
             let duration = |d: Duration| chrono::Duration::from_std(d).expect("bounded above");

@@ -13,7 +13,9 @@ use serde::{Deserialize, Serialize};
 use super::policy::Action;
 pub(super) use crate::config::problem;
 
+mod azure;
 mod checks;
+pub use crate::coordinator::azure::{AzureConfig, Credential, GroupAzure};
 use crate::sinks::SinkKind;
 
 /// The prefix of environment overrides of the coordinator's configuration.
@@ -41,6 +43,9 @@ pub struct CoordinatorConfig {
     /// A standby: the lease and the state in NATS JetStream KV instead of `state_dir`.
     #[serde(default)]
     pub ha: Option<HaConfig>,
+    /// How Azure Resource Manager is reached, for the groups with an Azure source.
+    #[serde(default)]
+    pub azure: Option<AzureConfig>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -320,6 +325,9 @@ pub struct GroupConfig {
     /// Overrides `[defaults.health]`.
     #[serde(default)]
     pub health: Option<HealthConfig>,
+    /// The group's VMs as Azure Resource Manager lists them (`[azure]` says how).
+    #[serde(default)]
+    pub azure: Option<GroupAzure>,
 }
 
 impl Input {

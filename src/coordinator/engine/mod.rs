@@ -22,6 +22,7 @@ use super::fleet::{self, Applied, Fleet, Sent};
 use super::policy::Policy;
 use super::store::{Changes, Store};
 
+mod azure;
 mod decisions;
 mod inventory;
 mod pace;
@@ -29,6 +30,7 @@ mod recovery;
 mod results;
 mod tick;
 
+pub use azure::AzureView;
 pub use inventory::Admin;
 pub use pace::{DECISION_GAP, DECISION_GAP_MAX, DECISION_SHARE};
 
@@ -121,6 +123,8 @@ pub struct Engine {
     pub channel_template: Option<String>,
     /// With a standby: whether this instance may act now (it holds a fresh lease).
     pub gate: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
+    /// With groups listed by Azure Resource Manager: their inventory's state.
+    pub azure: Option<AzureView>,
 }
 
 impl Engine {
@@ -164,6 +168,7 @@ impl Engine {
             snapshot_cost: None,
             channel_template: None,
             gate: None,
+            azure: None,
         }
     }
 
@@ -261,6 +266,7 @@ impl Engine {
         // event over): deciding after each would cost a whole decision per VM per interval.
         let routine_beat = matches!(&incoming, fleet::Incoming::Heartbeat { vm, .. }
             if self.fleet.vms.get(vm).is_some_and(|v| v.heartbeat.is_some() && !v.silent(now, self.policy.silent_after)));
+        let new_vm = vm.clone().filter(|vm| !self.fleet.vms.contains_key(vm));
         let applied = self.fleet.apply(incoming, now);
         let routine_beat =
             routine_beat && matches!(&applied, Applied::Heartbeat(back) if back.is_empty());
@@ -336,6 +342,9 @@ impl Engine {
             return;
         }
         let _ = delivery.handled.send(reply("accepted"));
+        if let Some(vm) = new_vm.filter(|vm| self.fleet.vms.contains_key(vm)) {
+            self.azure_new_agent(&vm);
+        }
         if let Applied::Outcome(event_key) = &applied {
             self.outcome(event_key);
         }

@@ -278,8 +278,10 @@ impl Engine {
                 .set(u.size as f64);
             metrics::gauge!("sched_relay_coordinator_silent_vms", "group" => group.clone())
                 .set(u.silent.len() as f64);
-            metrics::gauge!("sched_relay_coordinator_holds_overdue", "group" => group)
+            metrics::gauge!("sched_relay_coordinator_holds_overdue", "group" => group.clone())
                 .set(u.overdue.len() as f64);
+            metrics::gauge!("sched_relay_coordinator_vms_without_agent", "group" => group)
+                .set(u.without_agent.len() as f64);
         }
         metrics::gauge!("sched_relay_coordinator_conflicting_vms")
             .set(self.fleet.conflicts.len() as f64);
@@ -302,6 +304,7 @@ impl Engine {
                 (name.clone(), value)
             }).collect::<serde_json::Map<_, _>>(),
             "events": self.fleet.events.values().collect::<Vec<_>>(),
+            "azure": self.azure_json(now),
         });
         *self.snapshot.write().unwrap_or_else(|e| e.into_inner()) = snapshot;
         self.snapshot_cost = Some((std::time::Instant::now(), started.elapsed()));

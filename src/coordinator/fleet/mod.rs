@@ -233,6 +233,10 @@ pub struct Fleet {
     /// shown in `/fleet`, not stored.
     #[serde(skip)]
     pub conflicts: BTreeMap<String, String>,
+    /// The VMs Azure Resource Manager lists for the groups with an Azure source, by name:
+    /// listed again at every refresh, not stored.
+    #[serde(skip)]
+    pub azure: BTreeMap<String, crate::coordinator::azure::AzureVm>,
 }
 
 pub fn key_of(event_id: &str) -> String {

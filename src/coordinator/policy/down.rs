@@ -25,6 +25,8 @@ pub enum Cause {
     Starting(String),
     /// Its agent missed `silent_after` heartbeats.
     Silent,
+    /// Azure Resource Manager shows it stopped, deallocated, failed or being updated.
+    Azure(String),
 }
 
 impl Cause {
@@ -33,6 +35,7 @@ impl Cause {
             Cause::Held(key) => format!("held by {key}"),
             Cause::Starting(key) => format!("{key} starts at NotBefore"),
             Cause::Silent => "agent silent".into(),
+            Cause::Azure(why) => why.clone(),
         }
     }
 
@@ -40,7 +43,7 @@ impl Cause {
     pub fn event(&self) -> Option<&str> {
         match self {
             Cause::Held(key) | Cause::Starting(key) => Some(key),
-            Cause::Silent => None,
+            Cause::Silent | Cause::Azure(_) => None,
         }
     }
 }
@@ -64,6 +67,8 @@ pub struct Down {
     pub members: Vec<usize>,
     /// Per group, the VMs held past `max_hold` without evidence that they are back.
     pub overdue: Vec<BTreeSet<String>>,
+    /// Per group, the VMs of its Azure source that no agent speaks for.
+    pub without_agent: Vec<BTreeSet<String>>,
     /// Scheduled events nobody holds, earliest NotBefore first.
     pub pending: Vec<Pending>,
     /// Per group, how many of its VMs are down (the VMs of `causes` in it).
@@ -130,17 +135,47 @@ pub fn down_now(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Down {
     let mut down = Down {
         members: vec![0; groups],
         overdue: vec![BTreeSet::new(); groups],
+        without_agent: vec![BTreeSet::new(); groups],
         ..Down::default()
     };
     // Holding (by the coordinator, anyone else, or Azure) is the event's own state.
     for (name, vm) in &fleet.vms {
-        let g = policy.group_of_known(name, vm.resource_id.as_deref());
+        let azure = fleet.azure.get(name);
+        let resource_id = vm
+            .resource_id
+            .as_deref()
+            .or(azure.map(|a| a.resource_id.as_str()));
+        let g = policy.group_of_known(name, resource_id, azure.map(|a| a.group));
         down.members[g] += 1;
-        if vm.silent(now, policy.silent_after) {
+        let silent = vm.silent(now, policy.silent_after);
+        if silent {
             down.causes
                 .entry(name.clone())
                 .or_default()
                 .insert(Cause::Silent);
+        }
+        // Azure's own word that the VM is not serving.
+        if let Some(why) = azure.and_then(|a| a.down(!silent)) {
+            down.causes
+                .entry(name.clone())
+                .or_default()
+                .insert(Cause::Azure(why));
+        }
+    }
+    // The VMs Azure lists that no agent speaks for: each is one of its group's, down when
+    // Azure says so.
+    for (name, azure) in &fleet.azure {
+        if fleet.vms.contains_key(name) {
+            continue;
+        }
+        let g = policy.group_of_known(name, Some(&azure.resource_id), Some(azure.group));
+        down.members[g] += 1;
+        down.without_agent[g].insert(name.clone());
+        if let Some(why) = azure.down(false) {
+            down.causes
+                .entry(name.clone())
+                .or_default()
+                .insert(Cause::Azure(why));
         }
     }
     for (key, m) in &fleet.events {
@@ -211,7 +246,8 @@ pub struct Usage {
     pub group: String,
     /// The larger of the VMs known and `expected_size`: what a percentage is of.
     pub size: usize,
-    /// VMs in the inventory (agents that spoke), silent ones included.
+    /// VMs in the inventory (agents that spoke, and the VMs of its Azure source), silent
+    /// ones included.
     pub known: usize,
     pub expected_size: Option<u32>,
     pub limit: usize,
@@ -220,6 +256,9 @@ pub struct Usage {
     pub silent: BTreeSet<String>,
     /// Held past `max_hold` without evidence that they are back: look at them.
     pub overdue: BTreeSet<String>,
+    /// Of its Azure source's VMs, those no agent speaks for (counted, approved only
+    /// through Azure).
+    pub without_agent: BTreeSet<String>,
     /// Why each VM of `down` is down.
     pub why: BTreeMap<String, Vec<String>>,
 }
@@ -246,6 +285,7 @@ pub fn usage(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Budgets {
             down: BTreeSet::new(),
             silent: BTreeSet::new(),
             overdue: down.overdue[g].clone(),
+            without_agent: down.without_agent[g].clone(),
             why: BTreeMap::new(),
         })
         .collect();
@@ -274,6 +314,10 @@ pub fn usage(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Budgets {
         overdue: groups
             .iter()
             .flat_map(|u| u.overdue.iter().cloned())
+            .collect(),
+        without_agent: groups
+            .iter()
+            .flat_map(|u| u.without_agent.iter().cloned())
             .collect(),
         why: BTreeMap::new(),
     });

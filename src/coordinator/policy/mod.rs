@@ -185,16 +185,24 @@ fn glob_in<T: PartialEq + Copy>(p: &[T], t: &[T], any_run: T, any_one: T) -> boo
 /// every decision: at 10,000 VMs in 100 groups, a million matches per message. A cache,
 /// not state: a clone starts empty, and two policies compare equal whatever they hold.
 #[derive(Default)]
-pub struct GroupMemo(std::sync::Mutex<HashMap<String, (Option<String>, usize)>>);
+#[allow(clippy::type_complexity)]
+pub struct GroupMemo(std::sync::Mutex<HashMap<String, (Option<String>, Option<usize>, usize)>>);
 
 /// The most VMs remembered; past it the memo starts again (VMs come and go).
 const GROUP_MEMO_LIMIT: usize = 200_000;
 
 impl GroupMemo {
-    fn group(&self, vm: &str, resource_id: Option<&str>, find: impl FnOnce() -> usize) -> usize {
+    fn group(
+        &self,
+        vm: &str,
+        resource_id: Option<&str>,
+        listed: Option<usize>,
+        find: impl FnOnce() -> usize,
+    ) -> usize {
         let mut memo = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((id, group)) = memo.get(vm)
+        if let Some((id, in_list, group)) = memo.get(vm)
             && id.as_deref() == resource_id
+            && *in_list == listed
         {
             return *group;
         }
@@ -202,7 +210,10 @@ impl GroupMemo {
         if memo.len() >= GROUP_MEMO_LIMIT {
             memo.clear();
         }
-        memo.insert(vm.to_owned(), (resource_id.map(str::to_owned), group));
+        memo.insert(
+            vm.to_owned(),
+            (resource_id.map(str::to_owned), listed, group),
+        );
         group
     }
 }
@@ -241,6 +252,9 @@ pub struct Group {
     pub windows: Vec<Window>,
     /// A health gate runs after an event is over for a VM before its place is freed.
     pub gated: bool,
+    /// It has an Azure source (`[groups.azure]`): the VMs it lists are the group's, and
+    /// with no other part set, only they are.
+    pub azure: bool,
 }
 
 impl Group {
@@ -306,19 +320,36 @@ impl Policy {
     /// The first group whose matcher takes `vm` (with its resource id, when the fleet knows
     /// one); the default group when none does.
     pub fn group_of(&self, fleet: &Fleet, vm: &str) -> usize {
-        let resource_id = fleet.vms.get(vm).and_then(|v| v.resource_id.as_deref());
-        self.group_of_known(vm, resource_id)
+        let azure = fleet.azure.get(vm);
+        let resource_id = fleet
+            .vms
+            .get(vm)
+            .and_then(|v| v.resource_id.as_deref())
+            .or(azure.map(|a| a.resource_id.as_str()));
+        self.group_of_known(vm, resource_id, azure.map(|a| a.group))
     }
 
     /// [`Policy::group_of`] for a VM whose resource id is at hand (`None` when the fleet
-    /// knows none): a walk over the fleet's VMs looks none of them up again, which at
-    /// 10,000 VMs was most of the string comparisons, themselves a fifth of the coordinator's
-    /// CPU (benches/profiling.md, section 25).
-    pub fn group_of_known(&self, vm: &str, resource_id: Option<&str>) -> usize {
-        self.memo.group(vm, resource_id, || {
+    /// knows none), and the group whose Azure source lists it, if one does: a walk over the
+    /// fleet's VMs looks none of them up again, which at 10,000 VMs was most of the string
+    /// comparisons, themselves a fifth of the coordinator's CPU (benches/profiling.md,
+    /// section 25). A group takes the VMs its Azure source lists, and (unless it has no
+    /// other part) those its matcher takes.
+    pub fn group_of_known(
+        &self,
+        vm: &str,
+        resource_id: Option<&str>,
+        listed: Option<usize>,
+    ) -> usize {
+        self.memo.group(vm, resource_id, listed, || {
             self.groups
                 .iter()
-                .position(|g| g.matcher.matches(vm, resource_id))
+                .enumerate()
+                .position(|(index, g)| {
+                    listed == Some(index)
+                        || (!(g.azure && g.matcher.is_empty())
+                            && g.matcher.matches(vm, resource_id))
+                })
                 .unwrap_or(self.groups.len() - 1)
         })
     }

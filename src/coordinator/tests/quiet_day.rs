@@ -22,7 +22,7 @@ use crate::coordinator::store::Store;
 
 /// Keeps every approval the engine publishes.
 #[derive(Default)]
-pub(super) struct Recorder(Mutex<Vec<Event>>);
+pub(crate) struct Recorder(Mutex<Vec<Event>>);
 
 #[async_trait::async_trait]
 impl Sink for Recorder {
@@ -34,7 +34,7 @@ impl Sink for Recorder {
 
 impl Recorder {
     /// The EventIds approved so far.
-    pub(super) fn approved(&self) -> Vec<String> {
+    pub(crate) fn approved(&self) -> Vec<String> {
         self.0
             .lock()
             .unwrap()
@@ -50,9 +50,9 @@ impl Recorder {
     }
 }
 
-pub(super) struct World {
-    pub(super) engine: Engine,
-    pub(super) recorder: Arc<Recorder>,
+pub(crate) struct World {
+    pub(crate) engine: Engine,
+    pub(crate) recorder: Arc<Recorder>,
     done: mpsc::UnboundedReceiver<Done>,
     _dir: tempfile::TempDir,
 }
@@ -62,6 +62,11 @@ fn minutes(n: i64) -> chrono::Duration {
 }
 
 pub(super) fn start(dir: tempfile::TempDir) -> World {
+    start_with(dir, "")
+}
+
+/// [`start`] with `extra` at the end of the configuration (more groups, `[azure]`).
+pub(crate) fn start_with(dir: tempfile::TempDir, extra: &str) -> World {
     crate::install_crypto_provider();
     let key_file = dir.path().join("key");
     std::fs::write(&key_file, SigningKey::generate_ed25519().unwrap()).unwrap();
@@ -91,6 +96,7 @@ max_down = 1
 name = "db"
 vm_name = "db-*"
 max_down_percent = 34
+{extra}
 "#,
         state = dir.path().join("state").display(),
         key = key_file.display()
@@ -124,7 +130,7 @@ max_down_percent = 34
 
 impl World {
     /// Delivers `event` on the subject its agent publishes it on.
-    pub(super) fn deliver(&mut self, event: &Value, now: DateTime<Utc>) {
+    pub(crate) fn deliver(&mut self, event: &Value, now: DateTime<Utc>) {
         let subject = format!(
             "scheduledevents.{}.{}",
             event["vmname"].as_str().unwrap_or_default(),
@@ -180,7 +186,7 @@ impl World {
     }
 
     /// Lets the publications finish and hands their results to the engine.
-    pub(super) async fn settle(&mut self) {
+    pub(crate) async fn settle(&mut self) {
         tokio::task::yield_now().await;
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         while let Ok(done) = self.done.try_recv() {
@@ -188,7 +194,7 @@ impl World {
         }
     }
 
-    fn group(&self, name: &str) -> Value {
+    pub(crate) fn group(&self, name: &str) -> Value {
         let snapshot = self.engine.snapshot.read().unwrap().clone();
         snapshot["groups"]
             .as_array()

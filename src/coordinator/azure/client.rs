@@ -1,0 +1,138 @@
+//! Calls to Azure Resource Manager with a token of the coordinator's credential: each
+//! listing followed page by page through `nextLink` (only on ARM's own origin: the token is
+//! never sent to another host), a throttled call (429) tried again after its
+//! `Retry-After`, and every refusal said with ARM's own error code.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use azure_core::credentials::TokenCredential;
+use serde_json::Value;
+use url::Url;
+
+use super::AzureConfig;
+
+/// At most this many pages per listing (100,000 VMs at ARM's page size of 1,000).
+const MAX_PAGES: usize = 100;
+/// A throttled call is tried again at most this many times in a row.
+const MAX_THROTTLED: u32 = 5;
+/// The wait after a 429 without `Retry-After`, and the longest one honoured.
+const THROTTLE_WAIT: Duration = Duration::from_secs(10);
+const THROTTLE_WAIT_MAX: Duration = Duration::from_secs(300);
+
+pub struct Arm {
+    http: reqwest::Client,
+    credential: Arc<dyn TokenCredential>,
+    base: Url,
+    scope: String,
+}
+
+impl Arm {
+    pub fn new(config: &AzureConfig) -> Result<Arm, String> {
+        let http = reqwest::Client::builder()
+            .timeout(config.timeout)
+            .build()
+            .map_err(|e| format!("azure: an HTTP client: {e}"))?;
+        let credential = super::credential::build(config, http.clone())?;
+        let base = Url::parse(&config.resource_manager)
+            .map_err(|e| format!("azure.resource_manager: {e}"))?;
+        let scope = format!("{}/.default", config.resource_manager.trim_end_matches('/'));
+        Ok(Arm {
+            http,
+            credential,
+            base,
+            scope,
+        })
+    }
+
+    /// Every item of the listing at `path` (with `query`), over all its pages.
+    pub async fn list(&self, path: &str, query: &[(&str, &str)]) -> Result<Vec<Value>, String> {
+        let mut url = self.base.join(path).map_err(|e| format!("{path}: {e}"))?;
+        url.query_pairs_mut().extend_pairs(query);
+        let mut items = Vec::new();
+        for _ in 0..MAX_PAGES {
+            let mut page = self.get(&url).await?;
+            match page["value"].take() {
+                Value::Array(values) => items.extend(values),
+                _ => return Err(format!("GET {path}: an answer without a \"value\" list")),
+            }
+            let Some(next) = page["nextLink"].as_str().filter(|s| !s.is_empty()) else {
+                return Ok(items);
+            };
+            let next =
+                Url::parse(next).map_err(|e| format!("GET {path}: nextLink {next:?}: {e}"))?;
+            if next.origin() != self.base.origin() {
+                return Err(format!(
+                    "GET {path}: nextLink {next} is not on {}; not followed (the token is for Resource Manager only)",
+                    self.base
+                ));
+            }
+            url = next;
+        }
+        Err(format!("GET {path}: more than {MAX_PAGES} pages"))
+    }
+
+    async fn get(&self, url: &Url) -> Result<Value, String> {
+        let what = format!("GET {}", url.path());
+        let mut throttled = 0;
+        loop {
+            let token = self
+                .credential
+                .get_token(&[&self.scope], None)
+                .await
+                .map_err(|e| format!("azure: no token for {}: {e}", self.scope))?;
+            let response = self
+                .http
+                .get(url.clone())
+                .bearer_auth(token.token.secret())
+                .send()
+                .await
+                .map_err(|e| format!("{what}: {e}"))?;
+            let status = response.status();
+            let retry_after = response
+                .headers()
+                .get(reqwest::header::RETRY_AFTER)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .map(Duration::from_secs);
+            let body = response.text().await.map_err(|e| format!("{what}: {e}"))?;
+            if status.is_success() {
+                return serde_json::from_str(&body).map_err(|e| format!("{what}: not JSON ({e})"));
+            }
+            if status == reqwest::StatusCode::TOO_MANY_REQUESTS && throttled < MAX_THROTTLED {
+                throttled += 1;
+                let wait = retry_after.unwrap_or(THROTTLE_WAIT).min(THROTTLE_WAIT_MAX);
+                tracing::warn!(call = %what, wait_s = wait.as_secs(), "Azure Resource Manager throttles the coordinator (429); waiting as it asks");
+                tokio::time::sleep(wait).await;
+                continue;
+            }
+            return Err(format!("{what}: {status} {}", arm_error(&body)));
+        }
+    }
+}
+
+/// ARM's error (`{"error": {"code", "message"}}`), or the body's start.
+fn arm_error(body: &str) -> String {
+    let parsed: Option<Value> = serde_json::from_str(body).ok();
+    match parsed.as_ref().map(|v| &v["error"]) {
+        Some(error) if error["code"].is_string() => format!(
+            "{}: {}",
+            error["code"].as_str().unwrap_or_default(),
+            error["message"].as_str().unwrap_or_default()
+        ),
+        _ => crate::watch::printable(&body.chars().take(200).collect::<String>()).into_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn arms_error_code_is_what_a_refusal_says() {
+        let body = r#"{"error":{"code":"ExpiredAuthenticationToken","message":"The access token expiry UTC time is earlier than current UTC time."}}"#;
+        assert_eq!(
+            super::arm_error(body),
+            "ExpiredAuthenticationToken: The access token expiry UTC time is earlier than current UTC time."
+        );
+        assert_eq!(super::arm_error("<html>bad gateway"), "<html>bad gateway");
+    }
+}

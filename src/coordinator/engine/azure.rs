@@ -1,0 +1,126 @@
+//! The Azure inventory in the loop: each refresh replaces the VMs Azure lists (the fleet's
+//! `azure`), nothing is decided before every source has been listed whole once (a group's
+//! size and who of it is down are not known before), and an agent that speaks for a VM the
+//! inventory lacks asks for a listing soon (a scale-out).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use chrono::{DateTime, Utc};
+use tokio::sync::Notify;
+
+use super::Engine;
+use crate::coordinator::azure::{Snapshot, SourceStatus};
+
+/// While the first listing is missing, how often the coordinator says so.
+const WAITING_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// What the loop knows of the Azure inventory besides its VMs.
+pub struct AzureView {
+    /// Every source has been listed whole at least once.
+    pub complete: bool,
+    pub sources: Vec<SourceStatus>,
+    /// Wakes the refresher for a listing soon.
+    pub nudge: Arc<Notify>,
+    /// When the missing first listing was last logged.
+    logged: Option<Instant>,
+}
+
+impl AzureView {
+    pub fn new(nudge: Arc<Notify>) -> AzureView {
+        AzureView {
+            complete: false,
+            sources: Vec::new(),
+            nudge,
+            logged: None,
+        }
+    }
+}
+
+impl Engine {
+    /// Tests: the decision policy.
+    #[cfg(all(test, feature = "azure"))]
+    pub(crate) fn policy(&self) -> &crate::coordinator::policy::Policy {
+        &self.policy
+    }
+
+    /// A refresh of the Azure inventory.
+    pub fn azure_listed(&mut self, snapshot: Snapshot, now: DateTime<Utc>) {
+        let Some(view) = self.azure.as_mut() else {
+            return;
+        };
+        let complete = snapshot.complete();
+        if complete && !view.complete {
+            tracing::info!(
+                vms = snapshot.vms.len(),
+                sources = snapshot.sources.len(),
+                "Azure inventory complete; deciding"
+            );
+        }
+        view.complete = complete;
+        view.sources = snapshot.sources;
+        self.fleet.azure = snapshot.vms;
+        self.dirty = true;
+        if self.ready && complete {
+            self.owe(Instant::now(), now, false);
+        }
+    }
+
+    /// Decisions wait for the Azure inventory: without it a group's size, and who of it is
+    /// down, are not known. Says so every little while.
+    pub(super) fn azure_missing(&mut self) -> bool {
+        let Some(view) = self.azure.as_mut() else {
+            return false;
+        };
+        if view.complete {
+            return false;
+        }
+        if view
+            .logged
+            .is_none_or(|at| at.elapsed() >= WAITING_LOG_EVERY)
+        {
+            view.logged = Some(Instant::now());
+            let failing: Vec<String> = view
+                .sources
+                .iter()
+                .filter(|s| s.listed_at.is_none())
+                .map(|s| match &s.error {
+                    Some(error) => format!("{}: {error}", s.source),
+                    None => s.source.clone(),
+                })
+                .collect();
+            tracing::warn!(sources = ?failing, "Nothing is decided until every Azure source has been listed once (Azure starts events at NotBefore meanwhile)");
+        }
+        true
+    }
+
+    /// An agent spoke for `vm`, new to the fleet: a VM the Azure inventory lacks (a
+    /// scale-out since the last listing) asks for a listing soon.
+    pub(super) fn azure_new_agent(&mut self, vm: &str) {
+        if let Some(view) = &self.azure
+            && !self.fleet.azure.contains_key(vm)
+        {
+            view.nudge.notify_one();
+        }
+    }
+
+    /// `/fleet`'s `azure`.
+    pub(super) fn azure_json(&self, now: DateTime<Utc>) -> serde_json::Value {
+        let Some(view) = &self.azure else {
+            return serde_json::Value::Null;
+        };
+        for source in &view.sources {
+            let age = source
+                .listed_at
+                .map_or(-1.0, |at| (now - at).num_milliseconds() as f64 / 1000.0);
+            let group = self.policy.groups[source.group].name.clone();
+            metrics::gauge!("sched_relay_coordinator_azure_listing_age_seconds", "group" => group)
+                .set(age);
+        }
+        serde_json::json!({
+            "complete": view.complete,
+            "sources": view.sources,
+            "vms": self.fleet.azure,
+        })
+    }
+}

@@ -1,0 +1,213 @@
+//! The Azure inventory in the engine (on the shipped defaults, a recording publisher, the
+//! test's clock): its VMs count in their group's size and budget with or without an agent,
+//! Azure's word that one is not serving counts it down, nothing is decided before every
+//! source was listed; and `[azure]` is checked with its key paths.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use chrono::Utc;
+
+use super::quiet_day::{World, start_with};
+use super::{document, published, t0};
+use crate::coordinator::azure::{AzureVm, Snapshot, SourceStatus};
+use crate::coordinator::engine::AzureView;
+
+pub(super) const BATCH: &str = r#"
+[azure]
+resource_manager = "http://127.0.0.1:9"
+[[groups]]
+name = "batch"
+max_down = 1
+[groups.azure]
+source = "/subscriptions/s/resourceGroups/rg-batch"
+"#;
+
+pub(super) fn listed(vms: &[(&str, &str)]) -> Snapshot {
+    let vms: BTreeMap<String, AzureVm> = vms
+        .iter()
+        .map(|(name, power)| {
+            let vm = AzureVm {
+                resource_id: format!("/subscriptions/s/resourceGroups/rg-batch/providers/Microsoft.Compute/virtualMachines/{name}"),
+                group: 2,
+                provisioning: Some("succeeded".into()),
+                power: Some((*power).into()),
+            };
+            ((*name).to_owned(), vm)
+        })
+        .collect();
+    Snapshot {
+        sources: vec![SourceStatus {
+            group: 2,
+            source: "/subscriptions/s/resourceGroups/rg-batch".into(),
+            listed_at: Some(Utc::now()),
+            vms: vms.len(),
+            error: None,
+        }],
+        vms,
+    }
+}
+
+fn batch_world() -> World {
+    let mut world = start_with(tempfile::tempdir().unwrap(), BATCH);
+    world.engine.azure = Some(AzureView::new(Arc::new(tokio::sync::Notify::new())));
+    world
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vms_azure_lists_count_in_their_group_with_or_without_an_agent_and_nothing_is_decided_before_the_listing()
+ {
+    let mut world = batch_world();
+    // batch-0's agent reports a Reboot an hour away; Reboot is approved by default.
+    let reboot = document(2, &[("E1", "Reboot", "Scheduled", &["batch-0"], 3600, -1)]);
+    for event in published("batch-0", Some(&document(1, &[])), &reboot) {
+        world.deliver(&event, t0());
+    }
+    world.engine.tick(t0());
+    world.settle().await;
+    assert!(
+        world.recorder.approved().is_empty(),
+        "approved before Azure listed the group"
+    );
+    let snapshot = world.engine.snapshot.read().unwrap().clone();
+    assert_eq!(snapshot["azure"]["complete"], false, "{snapshot}");
+
+    // Azure lists three VMs: batch-1 and batch-2 have no agent, batch-2 is deallocated:
+    // the group (max_down 1) is full.
+    world.engine.azure_listed(
+        listed(&[
+            ("batch-0", "running"),
+            ("batch-1", "running"),
+            ("batch-2", "deallocated"),
+        ]),
+        t0(),
+    );
+    world.engine.tick(t0());
+    world.settle().await;
+    assert!(
+        world.recorder.approved().is_empty(),
+        "approved past the budget"
+    );
+    let batch = world.group("batch");
+    assert_eq!(batch["known"], 3, "{batch}");
+    assert_eq!(batch["size"], 3, "{batch}");
+    assert_eq!(
+        batch["without_agent"],
+        serde_json::json!(["batch-1", "batch-2"]),
+        "{batch}"
+    );
+    assert_eq!(batch["down"], serde_json::json!(["batch-2"]), "{batch}");
+    assert_eq!(
+        batch["why"]["batch-2"],
+        serde_json::json!(["Azure: power deallocated"]),
+        "{batch}"
+    );
+
+    // batch-2 is running again: there is room, and the Reboot is approved.
+    world.engine.azure_listed(
+        listed(&[
+            ("batch-0", "running"),
+            ("batch-1", "running"),
+            ("batch-2", "running"),
+        ]),
+        t0(),
+    );
+    world.engine.tick(t0());
+    // The publication runs on a task of its own: on a loaded machine, give it time.
+    for _ in 0..100 {
+        world.settle().await;
+        if !world.recorder.approved().is_empty() {
+            break;
+        }
+    }
+    assert_eq!(world.recorder.approved(), vec!["E1".to_owned()]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vm_azure_shows_updating_counts_down_while_its_agent_still_speaks() {
+    let mut world = batch_world();
+    for vm in ["batch-0", "batch-1"] {
+        for event in published(vm, None, &document(1, &[])) {
+            world.deliver(&event, t0());
+        }
+    }
+    let mut snapshot = listed(&[("batch-0", "running"), ("batch-1", "starting")]);
+    snapshot.vms.get_mut("batch-1").unwrap().provisioning = Some("updating".into());
+    world.engine.azure_listed(snapshot, t0());
+    world.engine.tick(t0());
+    let batch = world.group("batch");
+    assert_eq!(batch["without_agent"], serde_json::json!([]), "{batch}");
+    assert_eq!(batch["down"], serde_json::json!(["batch-1"]), "{batch}");
+    assert_eq!(
+        batch["why"]["batch-1"],
+        serde_json::json!(["Azure: provisioning updating"]),
+        "{batch}"
+    );
+}
+
+mod config {
+    use std::path::Path;
+
+    use figment::providers::Env;
+
+    use crate::coordinator::config::CoordinatorConfig;
+
+    const BASE: &str = r#"
+[input]
+kind = "nats"
+url = "nats://127.0.0.1:4222"
+stream = "SCHEDULEDEVENTS"
+[approvals]
+kind = "nats"
+url = "nats://127.0.0.1:4222"
+subject = "scheduledapprovals.{vmname}"
+[signing]
+key_file = "/etc/sched-relay/coordinator.key"
+key_id = "fleet-1"
+[coordinator]
+"#;
+
+    fn problems(extra: &str) -> String {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("coordinator.toml");
+        std::fs::write(&path, format!("{BASE}{extra}")).unwrap();
+        match CoordinatorConfig::load_with(
+            Path::new(&path),
+            Env::prefixed("SCHED_RELAY_COORDINATOR_TEST_NONE_"),
+        ) {
+            Ok(_) => String::new(),
+            Err(errors) => errors.to_string(),
+        }
+    }
+
+    #[test]
+    fn azure_settings_are_checked_with_their_key_paths() {
+        let errors = problems(
+            "[[groups]]\nname = \"web\"\nmax_down = 1\n[groups.azure]\nsource = \"/subscriptions/s/resourceGroups/rg/providers/Microsoft.Compute/virtualMachines/vm1\"\n",
+        );
+        for expected in [
+            "groups[0].azure.source: \"/subscriptions/s/resourceGroups/rg/providers/Microsoft.Compute/virtualMachines/vm1\" is not a scale set",
+            "azure: a group has an Azure source ([groups.azure]) but there is no [azure] section",
+        ] {
+            assert!(errors.contains(expected), "{expected:?} not in:\n{errors}");
+        }
+        let errors = problems(
+            "[azure]\ncredential = \"client_secret\"\nclient_id = \"x\"\nrefresh = \"0s\"\nresource_manager = \"management.azure.com\"\n",
+        );
+        for expected in [
+            "azure.client_id: names a user-assigned managed identity",
+            "azure.refresh: must be between 1s and 1h",
+            "azure.resource_manager: \"management.azure.com\" is not an http(s) URL",
+        ] {
+            assert!(errors.contains(expected), "{expected:?} not in:\n{errors}");
+        }
+        let errors = problems("[azure]\ncredential = \"certificate\"\n");
+        assert!(errors.contains("azure.credential"), "{errors}");
+        assert_eq!(
+            problems(
+                "[azure]\n[[groups]]\nname = \"web\"\nmax_down = 1\n[groups.azure]\nsource = \"/subscriptions/s/resourceGroups/rg\"\n"
+            ),
+            ""
+        );
+    }
+}
