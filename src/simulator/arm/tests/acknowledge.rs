@@ -58,10 +58,15 @@ async fn simulator_arm_acknowledge_through_the_scale_set_starts_the_event_on_eve
 
 #[tokio::test]
 async fn simulator_arm_acknowledging_an_event_unknown_to_the_resource_is_404() {
+    let d = reboot("D", &["db-1"], "15m", "10m");
+    // web_0's document shows D too (as a document shows its neighbours' events), and C,
+    // which Azure cancelled at once.
+    let cancelled =
+        "[[events]]\nid = 'C'\ntype = 'Reboot'\nresources = ['web_0']\ncancel_after = '1ms'\n";
     let fleet = fleet(
         &[
-            web(0, ""),
-            standalone("db-1", "", &reboot("D", &["db-1"], "15m", "10m")),
+            web(0, &format!("{d}{cancelled}")),
+            standalone("db-1", "", &d),
         ],
         ArmOptions::default(),
     )
@@ -74,7 +79,14 @@ async fn simulator_arm_acknowledging_an_event_unknown_to_the_resource_is_404() {
         )
         .await;
     assert_eq!((never.status, never.code()), (404, "NotFound"));
-    // D exists, but lists no VM of the scale set.
+    let gone = fleet
+        .post(
+            &acknowledge_path("virtualMachineScaleSets/web", "C", ACK_VERSION),
+            &token,
+        )
+        .await;
+    assert_eq!((gone.status, gone.code()), (404, "NotFound"));
+    // D is in the document of a VM of the scale set, but lists none of them.
     let elsewhere = fleet
         .post(
             &acknowledge_path("virtualMachineScaleSets/web", "D", ACK_VERSION),
