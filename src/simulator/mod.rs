@@ -13,12 +13,13 @@
 //! `GET /__sim/state` tells the incarnation and each event's phase.
 //!
 //! Layout: `state` is the per-VM state machine and its fault injection, `server` the HTTP
-//! route, `scenario` the TOML scenarios, `arm` the Azure Resource Manager stand-in that serves
+//! route, `scenario` the TOML scenarios, `serve` the `simulate` command, `arm` the Azure Resource Manager stand-in that serves
 //! every VM of a fleet from their live states; this module is the handle that starts,
 //! inspects and stops a running simulator.
 
 pub mod arm;
 mod scenario;
+mod serve;
 mod server;
 mod state;
 #[cfg(test)]
@@ -35,6 +36,7 @@ pub use scenario::{
     BUILTIN, Fault, FaultEndpoint, FaultKind, Scenario, SimEvent, SimEventsPolicy, SimPowerState,
     SimProvisioningState, SimUpdate, SimVm,
 };
+pub use serve::{ServeError, ServePlan, serve};
 pub use state::{Phase, RecordedRequest};
 
 use state::{State, lock};
