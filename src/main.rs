@@ -10,7 +10,6 @@ use sched_relay::config::Config;
 use sched_relay::imds::ImdsClient;
 use sched_relay::logging::{self, LogFormat};
 use sched_relay::orphans::OutboxCommand;
-use sched_relay::simulator::{Scenario, Simulator};
 use sched_relay::store::StoreError;
 
 #[derive(Parser)]
@@ -71,6 +70,17 @@ enum Command {
         /// Multiplies every offset of the scenario (0.01 plays 15 minutes in 9 seconds).
         #[arg(long)]
         time_scale: Option<f64>,
+        /// Also serve an Azure Resource Manager stand-in for every VM with a `[vm]
+        /// resource_id` (scale sets, VMs, availability sets, acknowledging their events) and
+        /// the IMDS managed-identity token endpoint, on this address.
+        #[arg(long)]
+        arm_listen: Option<SocketAddr>,
+        /// Items per page of the stand-in's lists (more through `nextLink`).
+        #[arg(long, default_value_t = 100, requires = "arm_listen")]
+        arm_page_size: usize,
+        /// How long a token the stand-in issues is accepted.
+        #[arg(long, default_value = "1h", value_parser = humantime::parse_duration, requires = "arm_listen")]
+        arm_token_lifetime: std::time::Duration,
     },
     /// A live table of the fleet's events, from the stream the agents publish.
     Watch {
@@ -299,48 +309,33 @@ async fn run_command() -> ExitCode {
             listen,
             scenario,
             time_scale,
+            arm_listen,
+            arm_page_size,
+            arm_token_lifetime,
         } => {
             let _log = logging::init("info", format);
-            let mut scenarios = Vec::with_capacity(scenario.len());
-            for name in &scenario {
-                match Scenario::load(name) {
-                    Ok(scenario) => scenarios.push(scenario),
-                    Err(error) => {
-                        eprintln!("error: {error}");
-                        return ExitCode::from(2);
-                    }
-                }
-            }
-            if let Some(scale) = time_scale {
-                if !(scale > 0.0 && scale.is_finite()) {
-                    eprintln!("error: --time-scale {scale} must be a positive number");
-                    return ExitCode::from(2);
-                }
-                for scenario in &mut scenarios {
-                    scenario.time_scale = scale;
-                }
-            }
-            let simulators = match Simulator::start_fleet(scenarios, listen).await {
-                Ok(simulators) => simulators,
-                Err(error @ sched_relay::simulator::FleetError::SharedEventDiffers { .. }) => {
-                    eprintln!("error: {error}");
-                    return ExitCode::from(2);
-                }
-                Err(error) => {
-                    eprintln!("error: {error}");
-                    return ExitCode::FAILURE;
-                }
+            let plan = sched_relay::simulator::ServePlan {
+                listen,
+                scenarios: scenario,
+                time_scale,
+                arm: arm_listen.map(|arm_listen| {
+                    let options = sched_relay::simulator::ArmOptions {
+                        page_size: arm_page_size,
+                        token_lifetime: arm_token_lifetime,
+                        ..Default::default()
+                    };
+                    (arm_listen, options)
+                }),
             };
-            // Tests and scripts read these lines (one per VM, in --scenario order) to find
-            // the ports.
-            for simulator in &simulators {
-                println!("sched-relay simulator listening on {}", simulator.url());
+            // Tests and scripts read its lines (one per VM, in --scenario order, then the ARM
+            // stand-in's) to find the ports.
+            match sched_relay::simulator::serve(plan, sched_relay::signals::shutdown()).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(error) => {
+                    eprintln!("error: {}", error.message);
+                    ExitCode::from(if error.usage { 2 } else { 1 })
+                }
             }
-            sched_relay::signals::shutdown().await;
-            for simulator in simulators {
-                simulator.stop().await;
-            }
-            ExitCode::SUCCESS
         }
         Command::Watch {
             from,

@@ -229,3 +229,108 @@ fn demo_narrates_with_the_agent_log_when_asked() {
     assert!(output.status.success(), "{stderr}");
     assert!(stderr.contains("Transition"), "{stderr}");
 }
+
+/// A scale-set VM of scale set `web` for `simulate --arm-listen`, with `more` TOML.
+fn arm_scenario(dir: &std::path::Path, n: usize, more: &str) -> String {
+    let path = dir.join(format!("web_{n}.toml"));
+    std::fs::write(
+        &path,
+        format!(
+            "[vm]\nname = 'web_{n}'\nresource_id = '/subscriptions/s/resourceGroups/rg/providers/Microsoft.Compute/virtualMachineScaleSets/web/virtualMachines/{n}'\n{more}"
+        ),
+    )
+    .unwrap();
+    path.display().to_string()
+}
+
+/// A child process killed when the test ends, however it ends.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn simulator_with_arm_listen_prints_where_arm_listens_and_serves_the_scale_set() {
+    use std::io::BufRead as _;
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (
+        arm_scenario(dir.path(), 0, ""),
+        arm_scenario(dir.path(), 1, ""),
+    );
+    let mut child = Killed(
+        Command::new(BINARY)
+            .args([
+                "simulate",
+                "--listen",
+                "127.0.0.1:0",
+                "--arm-listen",
+                "127.0.0.1:0",
+            ])
+            .args(["--arm-page-size", "1", "--scenario", &a, "--scenario", &b])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut stdout = std::io::BufReader::new(child.0.stdout.take().unwrap());
+    let mut lines = Vec::new();
+    for _ in 0..3 {
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        lines.push(line.trim().to_owned());
+    }
+    let arm = lines[2]
+        .strip_prefix("sched-relay simulator ARM listening on ")
+        .unwrap_or_else(|| panic!("{lines:?}"))
+        .to_owned();
+    assert!(
+        lines[..2]
+            .iter()
+            .all(|l| l.starts_with("sched-relay simulator listening on "))
+    );
+    let (status, body) = common::blocking_get(
+        &format!(
+            "{arm}/metadata/identity/oauth2/token?api-version=2019-08-01&resource=https://management.azure.com/"
+        ),
+        &[("Metadata", "true")],
+    );
+    assert_eq!(status, 200, "{body}");
+    let token: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let bearer = format!("Bearer {}", token["access_token"].as_str().unwrap());
+    let (status, body) = common::blocking_get(
+        &format!(
+            "{arm}/subscriptions/s/resourceGroups/rg/providers/Microsoft.Compute/virtualMachineScaleSets/web/virtualMachines?api-version=2024-07-01"
+        ),
+        &[("Authorization", &bearer)],
+    );
+    drop(child);
+    assert_eq!(status, 200, "{body}");
+    let page: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(page["value"].as_array().unwrap().len(), 1, "{page}");
+    assert!(page["nextLink"].as_str().unwrap().starts_with(&arm));
+
+    // A scale set whose VMs disagree on its policy: exit 2, naming both.
+    let policy = "[vm.scheduled_events_policy]\nall_instances_down_auto_approve = true\n";
+    let b = arm_scenario(dir.path(), 1, policy);
+    let output = Command::new(BINARY)
+        .args([
+            "simulate",
+            "--listen",
+            "127.0.0.1:0",
+            "--arm-listen",
+            "127.0.0.1:0",
+        ])
+        .args(["--scenario", &a, "--scenario", &b])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("web_0") && stderr.contains("web_1"),
+        "{stderr}"
+    );
+}

@@ -13,10 +13,13 @@
 //! `GET /__sim/state` tells the incarnation and each event's phase.
 //!
 //! Layout: `state` is the per-VM state machine and its fault injection, `server` the HTTP
-//! route, `scenario` the TOML scenarios; this module is the handle that starts, inspects and
-//! stops a running simulator.
+//! route, `scenario` the TOML scenarios, `serve` the `simulate` command, `arm` the Azure Resource Manager stand-in that serves
+//! every VM of a fleet from their live states; this module is the handle that starts,
+//! inspects and stops a running simulator.
 
+pub mod arm;
 mod scenario;
+mod serve;
 mod server;
 mod state;
 #[cfg(test)]
@@ -28,9 +31,12 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+pub use arm::{ArmError, ArmOptions, ArmRequest, ArmStandIn};
 pub use scenario::{
-    BUILTIN, Fault, FaultEndpoint, FaultKind, Scenario, SimEvent, SimUpdate, SimVm,
+    BUILTIN, Fault, FaultEndpoint, FaultKind, Scenario, SimEvent, SimEventsPolicy, SimPowerState,
+    SimProvisioningState, SimUpdate, SimVm,
 };
+pub use serve::{ServeError, ServePlan, serve};
 pub use state::{Phase, RecordedRequest};
 
 use state::{State, lock};

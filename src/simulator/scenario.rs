@@ -44,6 +44,54 @@ pub struct SimVm {
     pub vm_id: Option<String>,
     #[serde(default)]
     pub resource_id: Option<String>,
+    /// The availability set (same resource group) this standalone VM is in, for the ARM
+    /// stand-in.
+    #[serde(default)]
+    pub availability_set: Option<String>,
+    /// The power state ARM reports while no event holds the VM.
+    #[serde(default)]
+    pub power_state: SimPowerState,
+    /// The provisioning state ARM reports while no event holds the VM.
+    #[serde(default)]
+    pub provisioning_state: SimProvisioningState,
+    /// Azure's own auto-approval of this VM's events (for a scale-set VM: its scale set's).
+    #[serde(default)]
+    pub scheduled_events_policy: Option<SimEventsPolicy>,
+}
+
+/// A VM's power state as the scenario sets it (events change it for a while).
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum SimPowerState {
+    #[default]
+    Running,
+    Stopped,
+    Deallocated,
+}
+
+/// A VM's provisioning state as the scenario sets it.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum SimProvisioningState {
+    #[default]
+    Succeeded,
+    Failed,
+}
+
+/// Azure's `scheduledEventsPolicy`: which events Azure approves by itself. A key left out is
+/// left out of what ARM shows too.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct SimEventsPolicy {
+    /// `userInitiatedReboot.automaticallyApprove`.
+    #[serde(default)]
+    pub user_initiated_reboot_auto_approve: Option<bool>,
+    /// `userInitiatedRedeploy.automaticallyApprove`.
+    #[serde(default)]
+    pub user_initiated_redeploy_auto_approve: Option<bool>,
+    /// `allInstancesDown.automaticallyApprove`.
+    #[serde(default)]
+    pub all_instances_down_auto_approve: Option<bool>,
 }
 
 impl Default for SimVm {
@@ -54,6 +102,10 @@ impl Default for SimVm {
             resource_id: Some(
                 "/subscriptions/00000000-0000-0000-0000-000000000000/resourceGroups/demo/providers/Microsoft.Compute/virtualMachines/WestNO_0".into(),
             ),
+            availability_set: None,
+            power_state: SimPowerState::default(),
+            provisioning_state: SimProvisioningState::default(),
+            scheduled_events_policy: None,
         }
     }
 }

@@ -50,7 +50,7 @@ pub(super) struct EventState {
     /// When a started event ended (the VM back up; for a Terminate, deleted).
     pub(super) ended_at: Option<Instant>,
     updates_applied: usize,
-    resources: Vec<String>,
+    pub(super) resources: Vec<String>,
     duration_in_seconds: i64,
     description: Option<String>,
 }
