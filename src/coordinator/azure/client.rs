@@ -36,7 +36,11 @@ impl Arm {
         let credential = super::credential::build(config, http.clone())?;
         let base = Url::parse(&config.resource_manager)
             .map_err(|e| format!("azure.resource_manager: {e}"))?;
-        let scope = format!("{}/.default", config.resource_manager.trim_end_matches('/'));
+        let audience = config
+            .audience
+            .as_deref()
+            .unwrap_or(&config.resource_manager);
+        let scope = format!("{}/.default", audience.trim_end_matches('/'));
         Ok(Arm {
             http,
             credential,
@@ -70,6 +74,13 @@ impl Arm {
             url = next;
         }
         Err(format!("GET {path}: more than {MAX_PAGES} pages"))
+    }
+
+    /// One resource at `path` (with `query`).
+    pub async fn resource(&self, path: &str, query: &[(&str, &str)]) -> Result<Value, String> {
+        let mut url = self.base.join(path).map_err(|e| format!("{path}: {e}"))?;
+        url.query_pairs_mut().extend_pairs(query);
+        self.get(&url).await
     }
 
     async fn get(&self, url: &Url) -> Result<Value, String> {

@@ -40,6 +40,49 @@ impl AzureVm {
     }
 }
 
+/// What Azure approves by itself (`scheduledEventsPolicy`): user-initiated Reboots and
+/// Redeploys, and any event while every instance is down.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AutoApprove {
+    pub user_initiated_reboot: bool,
+    pub user_initiated_redeploy: bool,
+    /// Azure's default is on: only an explicit `false` turns it off.
+    pub all_instances_down: bool,
+}
+
+impl AutoApprove {
+    /// Reads a VM's or scale set's `scheduledEventsPolicy` (absent: Azure's defaults).
+    pub fn read(policy: &Value) -> AutoApprove {
+        let on = |part: &str| policy[part]["automaticallyApprove"].as_bool();
+        AutoApprove {
+            user_initiated_reboot: on("userInitiatedReboot").unwrap_or(false),
+            user_initiated_redeploy: on("userInitiatedRedeploy").unwrap_or(false),
+            all_instances_down: on("allInstancesDown").unwrap_or(true),
+        }
+    }
+
+    /// Either says Azure approves it.
+    pub fn or(self, other: AutoApprove) -> AutoApprove {
+        AutoApprove {
+            user_initiated_reboot: self.user_initiated_reboot || other.user_initiated_reboot,
+            user_initiated_redeploy: self.user_initiated_redeploy || other.user_initiated_redeploy,
+            all_instances_down: self.all_instances_down || other.all_instances_down,
+        }
+    }
+
+    /// The EventTypes whose user-initiated events Azure approves by itself.
+    pub fn user_initiated(self) -> Vec<&'static str> {
+        [
+            (self.user_initiated_reboot, "Reboot"),
+            (self.user_initiated_redeploy, "Redeploy"),
+        ]
+        .into_iter()
+        .filter_map(|(on, ty)| on.then_some(ty))
+        .collect()
+    }
+}
+
 /// A VM as one ARM listing gives it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Listed {
@@ -50,6 +93,8 @@ pub struct Listed {
     pub availability_set: Option<String>,
     pub provisioning: Option<String>,
     pub power: Option<String>,
+    /// Its own `scheduledEventsPolicy` (a standalone VM's).
+    pub auto_approve: AutoApprove,
 }
 
 /// Reads one VM of a listing (a scale set's VMs, or a resource group's).
@@ -68,6 +113,7 @@ pub fn read_vm(item: &Value) -> Result<Listed, String> {
         availability_set: text(&properties["availabilitySet"]["id"]),
         provisioning,
         power,
+        auto_approve: AutoApprove::read(&properties["scheduledEventsPolicy"]),
     })
 }
 
@@ -144,6 +190,9 @@ pub struct SourceStatus {
     pub vms: usize,
     /// Why its last listing failed (the previous one is used meanwhile).
     pub error: Option<String>,
+    /// What Azure approves by itself for its VMs (a scale set's policy, or any of a
+    /// resource group's or availability set's VMs').
+    pub auto_approve: AutoApprove,
 }
 
 /// One refresh of every source: the inventory (each source's last whole listing) and how
@@ -254,6 +303,21 @@ mod tests {
         with_states(&mut listed, &states);
         assert_eq!(listed[0].power.as_deref(), Some("deallocated"));
         assert_eq!(listed[0].provisioning.as_deref(), Some("succeeded"));
+    }
+
+    #[test]
+    fn azures_own_approvals_are_read_with_its_defaults() {
+        let none = AutoApprove::read(&Value::Null);
+        assert_eq!(none.user_initiated(), Vec::<&str>::new());
+        assert!(none.all_instances_down, "Azure's default");
+        let policy = AutoApprove::read(&json!({
+            "userInitiatedReboot": {"automaticallyApprove": true},
+            "userInitiatedRedeploy": {"automaticallyApprove": false},
+            "allInstancesDown": {"automaticallyApprove": false},
+        }));
+        assert_eq!(policy.user_initiated(), vec!["Reboot"]);
+        assert!(!policy.all_instances_down);
+        assert_eq!(none.or(policy).user_initiated(), vec!["Reboot"]);
     }
 
     #[test]

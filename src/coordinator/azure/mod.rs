@@ -15,6 +15,8 @@ pub mod inventory;
 pub mod refresh;
 mod settings;
 mod source;
+#[cfg(all(test, feature = "azure"))]
+mod tests;
 
 pub use inventory::{AzureVm, Snapshot, SourceStatus};
 pub use settings::{AZURE_IDENTITY_ENDPOINT, AzureConfig, Credential, GroupAzure};

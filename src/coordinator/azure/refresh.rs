@@ -14,7 +14,9 @@ use tokio::sync::{Notify, mpsc, watch};
 
 use super::AzureConfig;
 use super::client::Arm;
-use super::inventory::{Listed, Snapshot, SourceStatus, merge, read_states, read_vm, with_states};
+use super::inventory::{
+    AutoApprove, Listed, Snapshot, SourceStatus, merge, read_states, read_vm, with_states,
+};
 use super::source::Source;
 
 /// A listing asked for by the engine waits at least this long after the last one.
@@ -76,10 +78,21 @@ impl Refresher {
             let listed = match source {
                 Source::ScaleSet { .. } => {
                     let query = [api, ("$expand", "instanceView")];
-                    self.arm
+                    let vms: Result<Vec<Listed>, String> = self
+                        .arm
                         .list(&source.list_path(), &query)
                         .await
-                        .and_then(|items| items.iter().map(read_vm).collect())
+                        .and_then(|items| items.iter().map(read_vm).collect());
+                    // The scale set's own policy says what Azure approves by itself.
+                    match (vms, self.arm.resource(&source.to_string(), &[api]).await) {
+                        (Ok(mut vms), Ok(set)) => {
+                            let policy =
+                                AutoApprove::read(&set["properties"]["scheduledEventsPolicy"]);
+                            vms.iter_mut().for_each(|vm| vm.auto_approve = policy);
+                            Ok(vms)
+                        }
+                        (Err(error), _) | (_, Err(error)) => Err(error),
+                    }
                 }
                 Source::ResourceGroup { .. } | Source::AvailabilitySet { .. } => {
                     let key = (
@@ -159,6 +172,13 @@ impl Refresher {
                 listed_at: self.last.get(index).map(|(_, at)| *at),
                 vms: self.last.get(index).map_or(0, |(vms, _)| vms.len()),
                 error: self.errors.get(index).cloned(),
+                auto_approve: self
+                    .last
+                    .get(index)
+                    .map_or_else(AutoApprove::default, |(vms, _)| {
+                        vms.iter()
+                            .fold(AutoApprove::default(), |all, vm| all.or(vm.auto_approve))
+                    }),
             })
             .collect();
         Snapshot {

@@ -23,6 +23,11 @@ pub struct AzureConfig {
     /// Azure Resource Manager (a sovereign cloud's, or the simulator's).
     #[serde(default = "default_resource_manager")]
     pub resource_manager: String,
+    /// The audience of the tokens asked for (default: `resource_manager`'s origin, as in
+    /// Azure's public and sovereign clouds; `https://management.azure.com` for the
+    /// simulator).
+    #[serde(default)]
+    pub audience: Option<String>,
     /// Where the metadata service's token endpoint is reached (the simulator's in tests;
     /// Azure's own is `http://169.254.169.254`).
     #[serde(default = "default_identity_endpoint")]

@@ -44,12 +44,14 @@ impl CoordinatorConfig {
             ));
         }
         for (key, value) in [
-            ("resource_manager", &config.resource_manager),
+            ("resource_manager", Some(&config.resource_manager)),
             (
                 "managed_identity_endpoint",
-                &config.managed_identity_endpoint,
+                Some(&config.managed_identity_endpoint),
             ),
+            ("audience", config.audience.as_ref()),
         ] {
+            let Some(value) = value else { continue };
             match url::Url::parse(value) {
                 Ok(url) if matches!(url.scheme(), "http" | "https") && url.host().is_some() => {}
                 _ => problems.push(problem(

@@ -11,6 +11,7 @@ use tokio::sync::Notify;
 
 use super::Engine;
 use crate::coordinator::azure::{Snapshot, SourceStatus};
+use crate::coordinator::policy::Action;
 
 /// While the first listing is missing, how often the coordinator says so.
 const WAITING_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
@@ -24,6 +25,8 @@ pub struct AzureView {
     pub nudge: Arc<Notify>,
     /// When the missing first listing was last logged.
     logged: Option<Instant>,
+    /// Where Azure approves by itself what a group's rule drains first.
+    pub warnings: Vec<String>,
 }
 
 impl AzureView {
@@ -33,6 +36,7 @@ impl AzureView {
             sources: Vec::new(),
             nudge,
             logged: None,
+            warnings: Vec::new(),
         }
     }
 }
@@ -58,6 +62,24 @@ impl Engine {
             );
         }
         view.complete = complete;
+        // Azure approves some events by itself (scheduledEventsPolicy): where a group's rule
+        // says to drain first, such an event would start without the drain.
+        let mut warnings = Vec::new();
+        for source in &snapshot.sources {
+            let group = &self.policy.groups[source.group];
+            for ty in source.auto_approve.user_initiated() {
+                if group.rule(ty).action == Action::DrainThenApprove {
+                    warnings.push(format!(
+                        "Azure approves user-initiated {ty}s of {} by itself (its scheduledEventsPolicy): they start without group {}'s drain",
+                        source.source, group.name
+                    ));
+                }
+            }
+        }
+        for warning in warnings.iter().filter(|w| !view.warnings.contains(w)) {
+            tracing::warn!(warning = %warning, "Azure's own approvals bypass a drain");
+        }
+        view.warnings = warnings;
         view.sources = snapshot.sources;
         self.fleet.azure = snapshot.vms;
         self.dirty = true;
@@ -120,6 +142,7 @@ impl Engine {
         serde_json::json!({
             "complete": view.complete,
             "sources": view.sources,
+            "warnings": view.warnings,
             "vms": self.fleet.azure,
         })
     }

@@ -263,7 +263,7 @@ impl Engine {
     }
 
     /// Refreshes `/fleet` and the budget gauges.
-    pub(super) fn publish_snapshot(&mut self, now: DateTime<Utc>) {
+    pub(crate) fn publish_snapshot(&mut self, now: DateTime<Utc>) {
         let started = std::time::Instant::now();
         self.dirty = false;
         self.snapshot_at = Some(now);

@@ -10,6 +10,7 @@ use chrono::Utc;
 
 use super::quiet_day::{World, start_with};
 use super::{document, published, t0};
+use crate::coordinator::azure::inventory::AutoApprove;
 use crate::coordinator::azure::{AzureVm, Snapshot, SourceStatus};
 use crate::coordinator::engine::AzureView;
 
@@ -43,6 +44,7 @@ pub(super) fn listed(vms: &[(&str, &str)]) -> Snapshot {
             listed_at: Some(Utc::now()),
             vms: vms.len(),
             error: None,
+            auto_approve: Default::default(),
         }],
         vms,
     }
@@ -64,6 +66,7 @@ async fn vms_azure_lists_count_in_their_group_with_or_without_an_agent_and_nothi
         world.deliver(&event, t0());
     }
     world.engine.tick(t0());
+    world.engine.publish_snapshot(t0());
     world.settle().await;
     assert!(
         world.recorder.approved().is_empty(),
@@ -83,6 +86,7 @@ async fn vms_azure_lists_count_in_their_group_with_or_without_an_agent_and_nothi
         t0(),
     );
     world.engine.tick(t0());
+    world.engine.publish_snapshot(t0());
     world.settle().await;
     assert!(
         world.recorder.approved().is_empty(),
@@ -113,6 +117,7 @@ async fn vms_azure_lists_count_in_their_group_with_or_without_an_agent_and_nothi
         t0(),
     );
     world.engine.tick(t0());
+    world.engine.publish_snapshot(t0());
     // The publication runs on a task of its own: on a loaded machine, give it time.
     for _ in 0..100 {
         world.settle().await;
@@ -135,6 +140,7 @@ async fn a_vm_azure_shows_updating_counts_down_while_its_agent_still_speaks() {
     snapshot.vms.get_mut("batch-1").unwrap().provisioning = Some("updating".into());
     world.engine.azure_listed(snapshot, t0());
     world.engine.tick(t0());
+    world.engine.publish_snapshot(t0());
     let batch = world.group("batch");
     assert_eq!(batch["without_agent"], serde_json::json!([]), "{batch}");
     assert_eq!(batch["down"], serde_json::json!(["batch-1"]), "{batch}");
@@ -142,6 +148,36 @@ async fn a_vm_azure_shows_updating_counts_down_while_its_agent_still_speaks() {
         batch["why"]["batch-1"],
         serde_json::json!(["Azure: provisioning updating"]),
         "{batch}"
+    );
+}
+
+#[test]
+fn a_drain_azure_would_bypass_by_approving_by_itself_is_warned_about_in_fleet() {
+    let extra = BATCH.replace(
+        "max_down = 1\n",
+        "max_down = 1\n[groups.actions]\nReboot = \"drain_then_approve\"\n",
+    );
+    let mut world = start_with(
+        tempfile::tempdir().unwrap(),
+        &format!("[drain]\ncommand = [\"true\"]\n{extra}"),
+    );
+    world.engine.azure = Some(AzureView::new(Arc::new(tokio::sync::Notify::new())));
+    let mut snapshot = listed(&[("batch-0", "running")]);
+    snapshot.sources[0].auto_approve = AutoApprove {
+        user_initiated_reboot: true,
+        user_initiated_redeploy: true,
+        all_instances_down: true,
+    };
+    world.engine.azure_listed(snapshot, t0());
+    world.engine.tick(t0());
+    world.engine.publish_snapshot(t0());
+    let fleet = world.engine.snapshot.read().unwrap().clone();
+    assert_eq!(
+        fleet["azure"]["warnings"],
+        serde_json::json!([
+            "Azure approves user-initiated Reboots of /subscriptions/s/resourceGroups/rg-batch by itself (its scheduledEventsPolicy): they start without group batch's drain"
+        ]),
+        "{fleet}"
     );
 }
 

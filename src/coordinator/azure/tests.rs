@@ -1,0 +1,247 @@
+//! The refresher against the simulator's Azure Resource Manager stand-in over real TCP,
+//! with Microsoft's `azure_identity` getting its managed-identity token from the stand-in
+//! (through `managed_identity_endpoint`): every source listed whole, pages followed, reads
+//! batched, Azure's own approvals read, a throttled call waited out, a failing source said.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{Notify, mpsc, watch};
+
+use super::{AzureConfig, Credential, Snapshot, Source, refresh};
+use crate::simulator::{ArmOptions, ArmRequest, ArmStandIn, Scenario, Simulator};
+
+const SUB: &str = "0b1f6471-1bf0-4dda-aec3-111122223333";
+
+fn vm(name: &str, id: &str, keys: &str) -> String {
+    format!(
+        "[vm]\nname = '{name}'\nresource_id = '/subscriptions/{SUB}/resourceGroups/{id}'\n{keys}\n"
+    )
+}
+
+/// Five VMs of scale set `web` (Azure approves their user-initiated Reboots by itself); in
+/// resource group `rg-db`, db1 and db2 in availability set `db-as`, db3 deallocated.
+async fn fleet() -> (Vec<Simulator>, ArmStandIn) {
+    let mut scenarios: Vec<String> = (0..5)
+        .map(|n| {
+            vm(
+                &format!("web_{n}"),
+                &format!("rg-web/providers/Microsoft.Compute/virtualMachineScaleSets/web/virtualMachines/{n}"),
+                "[vm.scheduled_events_policy]\nuser_initiated_reboot_auto_approve = true",
+            )
+        })
+        .collect();
+    for (name, keys) in [
+        ("db1", "availability_set = 'db-as'"),
+        ("db2", "availability_set = 'db-as'"),
+        ("db3", "power_state = 'deallocated'"),
+    ] {
+        scenarios.push(vm(
+            name,
+            &format!("rg-db/providers/Microsoft.Compute/virtualMachines/{name}"),
+            keys,
+        ));
+    }
+    let scenarios = scenarios
+        .iter()
+        .map(|t| Scenario::from_toml(t).unwrap())
+        .collect();
+    let listen = "127.0.0.1:0".parse().unwrap();
+    let vms = Simulator::start_fleet(scenarios, listen).await.unwrap();
+    let handles: Vec<&Simulator> = vms.iter().collect();
+    let options = ArmOptions {
+        page_size: 2,
+        ..ArmOptions::default()
+    };
+    let arm = ArmStandIn::start(&handles, listen, options).await.unwrap();
+    (vms, arm)
+}
+
+fn config(arm: &ArmStandIn) -> AzureConfig {
+    let text = format!(
+        "resource_manager = '{url}'\nmanaged_identity_endpoint = '{url}'\naudience = 'https://management.azure.com'\nrefresh = '1h'\ntimeout = '10s'\n",
+        url = arm.url()
+    );
+    let config: AzureConfig = toml::from_str(&text).unwrap();
+    assert_eq!(
+        config.credential,
+        Credential::ManagedIdentity,
+        "the shipped default"
+    );
+    config
+}
+
+fn sources(names: &[&str]) -> Vec<(usize, Source)> {
+    names
+        .iter()
+        .enumerate()
+        .map(|(index, path)| {
+            (
+                index,
+                Source::parse(&format!("/subscriptions/{SUB}/resourceGroups/{path}")).unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// One refresh of `sources`: the refresher's first round.
+async fn first_round(config: &AzureConfig, sources: Vec<(usize, Source)>) -> Snapshot {
+    crate::install_crypto_provider();
+    let (tx, mut rx) = mpsc::channel(1);
+    let (stop, stopped) = watch::channel(false);
+    refresh::start(config, sources, tx, Arc::new(Notify::new()), stopped).unwrap();
+    let snapshot = tokio::time::timeout(Duration::from_secs(60), rx.recv())
+        .await
+        .expect("a round within a minute")
+        .unwrap();
+    let _ = stop.send(true);
+    snapshot
+}
+
+fn calls<'a>(requests: &'a [ArmRequest], path_end: &str) -> Vec<&'a ArmRequest> {
+    requests
+        .iter()
+        .filter(|r| r.path.ends_with(path_end))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_source_is_listed_whole_with_one_token_pages_followed_and_reads_batched() {
+    let (_vms, arm) = fleet().await;
+    let sources = sources(&[
+        "rg-web/providers/Microsoft.Compute/virtualMachineScaleSets/web",
+        "rg-db/providers/Microsoft.Compute/availabilitySets/db-as",
+        "rg-db",
+    ]);
+    let snapshot = first_round(&config(&arm), sources).await;
+    assert!(snapshot.complete(), "{:?}", snapshot.sources);
+    let group_of = |name: &str| snapshot.vms.get(name).map(|vm| vm.group);
+    for n in 0..5 {
+        assert_eq!(group_of(&format!("web_{n}")), Some(0));
+    }
+    assert_eq!(
+        (group_of("db1"), group_of("db2"), group_of("db3")),
+        (Some(1), Some(1), Some(2))
+    );
+    assert_eq!(
+        snapshot.vms["web_3"].down(false),
+        None,
+        "{:?}",
+        snapshot.vms["web_3"]
+    );
+    assert_eq!(
+        snapshot.vms["db1"].down(false),
+        None,
+        "{:?}",
+        snapshot.vms["db1"]
+    );
+    assert_eq!(
+        snapshot.vms["db3"].down(false).as_deref(),
+        Some("Azure: power deallocated")
+    );
+    assert!(snapshot.sources[0].auto_approve.user_initiated_reboot);
+    assert!(!snapshot.sources[2].auto_approve.user_initiated_reboot);
+
+    let requests = arm.requests();
+    assert!(
+        requests.iter().all(|r| r.status == Some(200)),
+        "{requests:#?}"
+    );
+    // One token (azure_identity caches it); five scale-set VMs over three pages of two; the
+    // resource group's three VMs listed once (two pages) for two sources; the
+    // subscription's states once (the same three VMs: two pages).
+    assert_eq!(calls(&requests, "/oauth2/token").len(), 1, "{requests:#?}");
+    assert_eq!(
+        calls(&requests, "/virtualMachineScaleSets/web/virtualMachines").len(),
+        3
+    );
+    assert_eq!(
+        calls(
+            &requests,
+            "/resourceGroups/rg-db/providers/Microsoft.Compute/virtualMachines"
+        )
+        .len(),
+        2
+    );
+    let states = calls(
+        &requests,
+        &format!("/subscriptions/{SUB}/providers/Microsoft.Compute/virtualMachines"),
+    );
+    assert_eq!(states.len(), 2, "{requests:#?}");
+    assert!(
+        states[0]
+            .query
+            .as_deref()
+            .unwrap_or_default()
+            .contains("statusOnly=true")
+    );
+    assert!(
+        requests
+            .iter()
+            .filter(|r| r.path.starts_with("/subscriptions"))
+            .all(|r| r.bearer_valid == Some(true))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_throttled_listing_is_tried_again_after_its_retry_after() {
+    let (_vms, arm) = fleet().await;
+    crate::install_crypto_provider();
+    let throttled = reqwest::Client::new()
+        .post(format!("{}/__arm/throttle", arm.url()))
+        .header("content-type", "application/json")
+        .body(r#"{"count": 1, "retry_after": 1}"#)
+        .send()
+        .await
+        .unwrap();
+    assert!(throttled.status().is_success());
+    let started = std::time::Instant::now();
+    let snapshot = first_round(&config(&arm), sources(&["rg-db"])).await;
+    assert!(snapshot.complete(), "{:?}", snapshot.sources);
+    assert!(
+        started.elapsed() >= Duration::from_secs(1),
+        "Retry-After not waited for"
+    );
+    let statuses: Vec<Option<u16>> = arm
+        .requests()
+        .iter()
+        .filter(|r| r.path.starts_with("/subscriptions"))
+        .map(|r| r.status)
+        .collect();
+    assert_eq!(statuses.first(), Some(&Some(429)), "{statuses:?}");
+    assert_eq!(snapshot.vms.len(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_azure_does_not_know_is_said_and_keeps_the_inventory_incomplete() {
+    let (_vms, arm) = fleet().await;
+    let snapshot = first_round(
+        &config(&arm),
+        sources(&[
+            "rg-web/providers/Microsoft.Compute/virtualMachineScaleSets/api",
+            "rg-db",
+        ]),
+    )
+    .await;
+    assert!(!snapshot.complete());
+    let error = snapshot.sources[0].error.clone().unwrap_or_default();
+    assert!(
+        error.contains("404") && error.contains("NotFound"),
+        "{error}"
+    );
+    assert_eq!(snapshot.sources[1].error, None);
+    assert_eq!(snapshot.vms.len(), 3, "the other source's VMs");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_for_another_audience_is_refused_and_said() {
+    let (_vms, arm) = fleet().await;
+    let mut config = config(&arm);
+    config.audience = None;
+    let snapshot = first_round(&config, sources(&["rg-db"])).await;
+    let error = snapshot.sources[0].error.clone().unwrap_or_default();
+    assert!(
+        error.contains("401") && error.contains("InvalidAuthenticationTokenAudience"),
+        "{error}"
+    );
+}
