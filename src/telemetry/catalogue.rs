@@ -240,6 +240,16 @@ pub const METRICS: &[(&str, &str, &str)] = &[
         "VMs of the group whose agent missed silent_after heartbeats (counted as down).",
     ),
     (
+        "sched_relay_coordinator_vms_without_agent",
+        "gauge",
+        "VMs of the group's Azure source that no agent speaks for (counted in its size).",
+    ),
+    (
+        "sched_relay_coordinator_azure_listing_age_seconds",
+        "gauge",
+        "Age of the group's last whole Azure listing (-1 before the first; alert when it grows).",
+    ),
+    (
         "sched_relay_coordinator_holds_overdue",
         "gauge",
         "VMs of the group held past max_hold with no evidence that they are back (alert on it).",
