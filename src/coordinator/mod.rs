@@ -147,13 +147,36 @@ pub async fn run(
     // The groups listed by Azure Resource Manager: a refresher of their inventory.
     let (azure_tx, mut azure_rx) = mpsc::channel(2);
     #[cfg(feature = "azure")]
-    if let Some(azure_config) = azure_config.filter(|_| !azure_sources.is_empty()) {
-        let nudge = Arc::new(tokio::sync::Notify::new());
-        engine.azure = Some(engine::AzureView::new(nudge.clone()));
-        azure::refresh::start(&azure_config, azure_sources, azure_tx, nudge, stop_rx)?;
-    }
+    let refresher = match azure_config.filter(|_| !azure_sources.is_empty()) {
+        Some(azure_config) => {
+            let nudge = Arc::new(tokio::sync::Notify::new());
+            engine.azure = Some(engine::AzureView::new(nudge.clone(), azure_config.max_age));
+            Some(azure::refresh::start(
+                &azure_config,
+                azure_sources,
+                azure_tx,
+                nudge,
+                stop_rx,
+            )?)
+        }
+        None => None,
+    };
     #[cfg(not(feature = "azure"))]
-    let _ = (azure_config, azure_sources, azure_tx, stop_rx);
+    let refresher: Option<tokio::task::JoinHandle<()>> = {
+        let _ = (azure_config, azure_sources, azure_tx, stop_rx);
+        None
+    };
+    // A refresher that ends (it never should) stops the coordinator: its supervisor starts
+    // it again, rather than it deciding on a listing that ages.
+    let refresher_ended = async move {
+        match refresher {
+            Some(task) => task
+                .await
+                .map_or_else(|e| e.to_string(), |()| "ended".to_owned()),
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(refresher_ended);
     #[cfg(feature = "nats")]
     let (kept, holder) = {
         let holder = lease.as_ref().map(|(ha, _)| ha.clone());
@@ -185,6 +208,11 @@ pub async fn run(
         let owed_at = engine.owed_at();
         tokio::select! {
             _ = &mut stop => break,
+            why = &mut refresher_ended => {
+                tracing::error!(error = %why, "The Azure inventory's refresher stopped; stopping");
+                result = Err(format!("the Azure inventory's refresher stopped: {why}"));
+                break;
+            }
             why = &mut kept => {
                 *role.write().unwrap_or_else(|e| e.into_inner()) = "standby";
                 tracing::error!(error = %why, "Lease lost; stopping so that only one coordinator acts");

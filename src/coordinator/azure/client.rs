@@ -56,11 +56,14 @@ impl Arm {
         let mut items = Vec::new();
         for _ in 0..MAX_PAGES {
             let mut page = self.get(&url).await?;
-            match page["value"].take() {
-                Value::Array(values) => items.extend(values),
+            // Anything but an object with a "value" list is refused (never indexed into: a
+            // JSON array or string would panic the refresher).
+            match page.get_mut("value").map(Value::take) {
+                Some(Value::Array(values)) => items.extend(values),
                 _ => return Err(format!("GET {path}: an answer without a \"value\" list")),
             }
-            let Some(next) = page["nextLink"].as_str().filter(|s| !s.is_empty()) else {
+            let next = page.get("nextLink").and_then(Value::as_str);
+            let Some(next) = next.filter(|s| !s.is_empty()) else {
                 return Ok(items);
             };
             let next =

@@ -160,10 +160,28 @@ pub fn with_states(vms: &mut [Listed], states: &HashMap<String, (Option<String>,
 }
 
 /// Every source's VMs as one inventory, by name: a VM several sources list is the first
-/// group's (the file's order, as for matching by name).
-pub fn merge(per_group: &[(usize, Vec<Listed>)]) -> BTreeMap<String, AzureVm> {
+/// group's (the file's order, as for matching by name). Two VMs of one name (two
+/// resource ids) cannot be told apart by their agents' names: each later group that lists
+/// one is returned with why, and its listing is not used.
+pub fn merge(
+    per_group: &[(usize, Vec<Listed>)],
+) -> (BTreeMap<String, AzureVm>, Vec<(usize, String)>) {
     let mut vms: BTreeMap<String, AzureVm> = BTreeMap::new();
+    let mut clashes = Vec::new();
     for (group, listed) in per_group {
+        let clash = listed.iter().find_map(|vm| {
+            let known = vms.get(&vm.name)?;
+            (!known.resource_id.eq_ignore_ascii_case(&vm.resource_id)).then(|| {
+                format!(
+                    "VM {:?} is {} here but {} in another source: two VMs of one name cannot be told apart (rename one)",
+                    vm.name, vm.resource_id, known.resource_id
+                )
+            })
+        });
+        if let Some(why) = clash {
+            clashes.push((*group, why));
+            continue;
+        }
         for vm in listed {
             let entry = vms.entry(vm.name.clone()).or_insert_with(|| AzureVm {
                 resource_id: vm.resource_id.clone(),
@@ -176,7 +194,7 @@ pub fn merge(per_group: &[(usize, Vec<Listed>)]) -> BTreeMap<String, AzureVm> {
             }
         }
     }
-    vms
+    (vms, clashes)
 }
 
 /// How one group's source fared, for `/fleet` and the log.
@@ -323,8 +341,21 @@ mod tests {
     #[test]
     fn a_vm_two_sources_list_is_the_first_groups() {
         let vm = read_vm(&scale_set_vm("web_0", "running", "succeeded")).unwrap();
-        let merged = merge(&[(2, vec![vm.clone()]), (1, vec![vm])]);
+        let (merged, clashes) = merge(&[(2, vec![vm.clone()]), (1, vec![vm])]);
         assert_eq!(merged["web_0"].group, 1);
+        assert!(clashes.is_empty());
+    }
+
+    #[test]
+    fn two_vms_of_one_name_in_two_sources_are_a_clash_and_the_later_listing_is_not_used() {
+        let vm = read_vm(&scale_set_vm("web_0", "running", "succeeded")).unwrap();
+        let mut other = vm.clone();
+        other.resource_id = other.resource_id.replace("/rg/", "/rg-west/");
+        let (merged, clashes) = merge(&[(0, vec![vm.clone()]), (1, vec![other])]);
+        assert_eq!(merged["web_0"].resource_id, vm.resource_id);
+        assert_eq!(clashes.len(), 1, "{clashes:?}");
+        assert_eq!(clashes[0].0, 1);
+        assert!(clashes[0].1.contains("two VMs of one name"), "{clashes:?}");
     }
 
     #[test]

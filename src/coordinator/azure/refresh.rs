@@ -85,6 +85,15 @@ impl Refresher {
                         .and_then(|items| items.iter().map(read_vm).collect());
                     // The scale set's own policy says what Azure approves by itself.
                     match (vms, self.arm.resource(&source.to_string(), &[api]).await) {
+                        (Ok(_), Ok(set))
+                            if set["properties"]["orchestrationMode"]
+                                .as_str()
+                                .is_some_and(|mode| mode.eq_ignore_ascii_case("Flexible")) =>
+                        {
+                            Err(format!(
+                                "{source} is a Flexible scale set, whose VMs ARM lists with its resource group: name the resource group as the source"
+                            ))
+                        }
                         (Ok(mut vms), Ok(set)) => {
                             let policy =
                                 AutoApprove::read(&set["properties"]["scheduledEventsPolicy"]);
@@ -163,15 +172,22 @@ impl Refresher {
             .iter()
             .filter_map(|(index, _)| Some((*index, self.last.get(index)?.0.clone())))
             .collect();
+        let (vms, clashes) = merge(&per_group);
+        let clash = |index: &usize| clashes.iter().find(|(g, _)| g == index).map(|(_, why)| why);
         let sources = self
             .sources
             .iter()
             .map(|(index, source)| SourceStatus {
                 group: *index,
                 source: source.to_string(),
-                listed_at: self.last.get(index).map(|(_, at)| *at),
+                // A listing that clashes with another is not used: as if never listed.
+                listed_at: self
+                    .last
+                    .get(index)
+                    .filter(|_| clash(index).is_none())
+                    .map(|(_, at)| *at),
                 vms: self.last.get(index).map_or(0, |(vms, _)| vms.len()),
-                error: self.errors.get(index).cloned(),
+                error: clash(index).or(self.errors.get(index)).cloned(),
                 auto_approve: self
                     .last
                     .get(index)
@@ -181,9 +197,6 @@ impl Refresher {
                     }),
             })
             .collect();
-        Snapshot {
-            vms: merge(&per_group),
-            sources,
-        }
+        Snapshot { vms, sources }
     }
 }

@@ -23,9 +23,8 @@ pub struct AzureConfig {
     /// Azure Resource Manager (a sovereign cloud's, or the simulator's).
     #[serde(default = "default_resource_manager")]
     pub resource_manager: String,
-    /// The audience of the tokens asked for (default: `resource_manager`'s origin, as in
-    /// Azure's public and sovereign clouds; `https://management.azure.com` for the
-    /// simulator).
+    /// The audience of the tokens asked for (default: `resource_manager`, as in Azure's
+    /// public and sovereign clouds; `https://management.azure.com` for the simulator).
     #[serde(default)]
     pub audience: Option<String>,
     /// Where the metadata service's token endpoint is reached (the simulator's in tests;
@@ -38,6 +37,11 @@ pub struct AzureConfig {
     /// How often every group's source is listed again.
     #[serde(default = "default_refresh", with = "humantime_serde")]
     pub refresh: Duration,
+    /// A source whose last whole listing is older than this (failing since, or a
+    /// refresher stuck) stops every decision until it is listed again: an old listing
+    /// misses the VMs stopped or deallocated since.
+    #[serde(default = "default_max_age", with = "humantime_serde")]
+    pub max_age: Duration,
     /// One ARM call (a page) may take this long.
     #[serde(default = "default_timeout", with = "humantime_serde")]
     pub timeout: Duration,
@@ -74,6 +78,9 @@ fn default_compute_api_version() -> String {
 }
 fn default_refresh() -> Duration {
     Duration::from_secs(60)
+}
+fn default_max_age() -> Duration {
+    Duration::from_secs(300)
 }
 fn default_timeout() -> Duration {
     Duration::from_secs(30)

@@ -53,6 +53,21 @@ impl CoordinatorConfig {
         ] {
             let Some(value) = value else { continue };
             match url::Url::parse(value) {
+                // The bearer token goes to Resource Manager: in clear only on this machine.
+                Ok(url)
+                    if key == "resource_manager"
+                        && url.scheme() == "http"
+                        && !url.host().is_some_and(|host| match host {
+                            url::Host::Domain(name) => name == "localhost",
+                            url::Host::Ipv4(ip) => ip.is_loopback(),
+                            url::Host::Ipv6(ip) => ip.is_loopback(),
+                        }) =>
+                {
+                    problems.push(problem(
+                        "azure.resource_manager",
+                        format!("{value:?}: plain http would send the bearer token in clear; https (http only on loopback, for the simulator)"),
+                    ))
+                }
                 Ok(url) if matches!(url.scheme(), "http" | "https") && url.host().is_some() => {}
                 _ => problems.push(problem(
                     format!("azure.{key}"),
@@ -70,6 +85,12 @@ impl CoordinatorConfig {
             problems.push(problem(
                 "azure.refresh",
                 "must be between 1s and 1h (every refresh reads each source once)",
+            ));
+        }
+        if config.max_age < config.refresh * 2 {
+            problems.push(problem(
+                "azure.max_age",
+                "must be at least twice refresh (a listing is refreshed every refresh)",
             ));
         }
         if config.timeout < Duration::from_secs(1) || config.timeout > Duration::from_secs(300) {

@@ -27,16 +27,19 @@ pub struct AzureView {
     logged: Option<Instant>,
     /// Where Azure approves by itself what a group's rule drains first.
     pub warnings: Vec<String>,
+    /// `[azure] max_age`: an older listing stops the decisions.
+    max_age: chrono::Duration,
 }
 
 impl AzureView {
-    pub fn new(nudge: Arc<Notify>) -> AzureView {
+    pub fn new(nudge: Arc<Notify>, max_age: std::time::Duration) -> AzureView {
         AzureView {
             complete: false,
             sources: Vec::new(),
             nudge,
             logged: None,
             warnings: Vec::new(),
+            max_age: chrono::Duration::from_std(max_age).unwrap_or(chrono::Duration::MAX),
         }
     }
 }
@@ -81,7 +84,7 @@ impl Engine {
         }
         view.warnings = warnings;
         view.sources = snapshot.sources;
-        self.fleet.azure = snapshot.vms;
+        self.fleet.set_azure(snapshot.vms);
         self.dirty = true;
         if self.ready && complete {
             self.owe(Instant::now(), now, false);
@@ -90,11 +93,13 @@ impl Engine {
 
     /// Decisions wait for the Azure inventory: without it a group's size, and who of it is
     /// down, are not known. Says so every little while.
-    pub(super) fn azure_missing(&mut self) -> bool {
+    pub(super) fn azure_missing(&mut self, now: DateTime<Utc>) -> bool {
         let Some(view) = self.azure.as_mut() else {
             return false;
         };
-        if view.complete {
+        let max_age = view.max_age;
+        let old = |s: &SourceStatus| s.listed_at.is_none_or(|at| now - at > max_age);
+        if view.complete && !view.sources.iter().any(old) {
             return false;
         }
         if view
@@ -105,13 +110,13 @@ impl Engine {
             let failing: Vec<String> = view
                 .sources
                 .iter()
-                .filter(|s| s.listed_at.is_none())
+                .filter(|s| old(s))
                 .map(|s| match &s.error {
                     Some(error) => format!("{}: {error}", s.source),
                     None => s.source.clone(),
                 })
                 .collect();
-            tracing::warn!(sources = ?failing, "Nothing is decided until every Azure source has been listed once (Azure starts events at NotBefore meanwhile)");
+            tracing::error!(sources = ?failing, "Nothing is decided until every Azure source has been listed within [azure] max_age (Azure starts events at NotBefore meanwhile)");
         }
         true
     }
@@ -120,7 +125,7 @@ impl Engine {
     /// scale-out since the last listing) asks for a listing soon.
     pub(super) fn azure_new_agent(&mut self, vm: &str) {
         if let Some(view) = &self.azure
-            && !self.fleet.azure.contains_key(vm)
+            && self.fleet.azure_vm(vm).is_none()
         {
             view.nudge.notify_one();
         }

@@ -16,7 +16,7 @@ impl Engine {
         // Taken even when this instance may not act, or the loop would wake for it at once
         // again and again (the tick decides once it may).
         let owed = self.owed.take();
-        if !self.may_act() || self.azure_missing() {
+        if !self.may_act() || self.azure_missing(now) {
             return;
         }
         // Every decision (the tick's and the operator's too) starts the gap before the next

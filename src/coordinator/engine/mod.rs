@@ -357,7 +357,7 @@ impl Engine {
     /// After a failed write: the fleet in memory may hold what was not stored, so it is read
     /// back. If that fails too, the process exits (its supervisor starts it again on what
     /// is stored): acting on unstored decisions could break a budget after a failover.
-    pub(super) fn reload(&mut self) {
+    pub(crate) fn reload(&mut self) {
         // A write refused with a stale lease: another coordinator is active (with a standby,
         // every write is fenced). Stop rather than act on a state this one did not write.
         if !self.may_act() {
@@ -368,7 +368,7 @@ impl Engine {
             crate::logging::exit_now(1);
         }
         match self.store.load() {
-            Ok(fleet) => self.fleet = fleet,
+            Ok(fleet) => self.fleet.reloaded(fleet),
             Err(error) => {
                 tracing::error!(error = %error, "Cannot read the state store back; exiting so that nothing unstored is acted on");
                 eprintln!("error: cannot read the state store back: {error}");

@@ -141,6 +141,41 @@ pub fn subject_token(vm: &str) -> String {
 }
 
 impl Fleet {
+    /// The VMs Azure Resource Manager lists now.
+    pub fn set_azure(&mut self, vms: BTreeMap<String, crate::coordinator::azure::AzureVm>) {
+        self.azure_ids = vms
+            .iter()
+            .map(|(name, vm)| (vm.resource_id.to_ascii_lowercase(), name.clone()))
+            .collect();
+        self.azure = vms;
+    }
+
+    /// `vm` as Azure lists it: by its name, or by the resource id its agent reports (an
+    /// agent may name its VM otherwise: a host name, `identity.vm_name`).
+    pub fn azure_vm(&self, vm: &str) -> Option<&crate::coordinator::azure::AzureVm> {
+        self.azure.get(vm).or_else(|| {
+            let id = self.vms.get(vm)?.resource_id.as_deref()?;
+            self.azure
+                .get(self.azure_ids.get(&id.to_ascii_lowercase())?)
+        })
+    }
+
+    /// The resource ids the agents report, lower case.
+    pub fn agent_ids(&self) -> std::collections::HashSet<String> {
+        self.vms
+            .values()
+            .filter_map(|vm| vm.resource_id.as_deref().map(str::to_ascii_lowercase))
+            .collect()
+    }
+
+    /// The state as stored, read back after a failed write; the Azure inventory, never
+    /// stored, is kept as it was listed.
+    pub fn reloaded(&mut self, stored: Fleet) {
+        let azure = std::mem::take(&mut self.azure);
+        *self = stored;
+        self.set_azure(azure);
+    }
+
     /// A heartbeat: the VM is in the inventory and alive as of the heartbeat's time; and
     /// where its agent started after an event listing it appeared and its document no
     /// longer lists the event, the event is over for it (a VM back from a reboot whose

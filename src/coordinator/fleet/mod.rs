@@ -237,6 +237,9 @@ pub struct Fleet {
     /// listed again at every refresh, not stored.
     #[serde(skip)]
     pub azure: BTreeMap<String, crate::coordinator::azure::AzureVm>,
+    /// The names of `azure` by lower-case resource id ([`Fleet::set_azure`]).
+    #[serde(skip)]
+    pub azure_ids: HashMap<String, String>,
 }
 
 pub fn key_of(event_id: &str) -> String {

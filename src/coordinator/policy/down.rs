@@ -140,7 +140,7 @@ pub fn down_now(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Down {
     };
     // Holding (by the coordinator, anyone else, or Azure) is the event's own state.
     for (name, vm) in &fleet.vms {
-        let azure = fleet.azure.get(name);
+        let azure = fleet.azure_vm(name);
         let resource_id = vm
             .resource_id
             .as_deref()
@@ -164,8 +164,11 @@ pub fn down_now(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Down {
     }
     // The VMs Azure lists that no agent speaks for: each is one of its group's, down when
     // Azure says so.
+    let agent_ids = fleet.agent_ids();
     for (name, azure) in &fleet.azure {
-        if fleet.vms.contains_key(name) {
+        if fleet.vms.contains_key(name)
+            || agent_ids.contains(&azure.resource_id.to_ascii_lowercase())
+        {
             continue;
         }
         let g = policy.group_of_known(name, Some(&azure.resource_id), Some(azure.group));

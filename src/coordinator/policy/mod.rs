@@ -320,7 +320,7 @@ impl Policy {
     /// The first group whose matcher takes `vm` (with its resource id, when the fleet knows
     /// one); the default group when none does.
     pub fn group_of(&self, fleet: &Fleet, vm: &str) -> usize {
-        let azure = fleet.azure.get(vm);
+        let azure = fleet.azure_vm(vm);
         let resource_id = fleet
             .vms
             .get(vm)

@@ -25,6 +25,11 @@ source = "/subscriptions/s/resourceGroups/rg-batch"
 "#;
 
 pub(super) fn listed(vms: &[(&str, &str)]) -> Snapshot {
+    listed_at(vms, Utc::now())
+}
+
+/// [`listed`], listed whole at `at`.
+fn listed_at(vms: &[(&str, &str)], at: chrono::DateTime<Utc>) -> Snapshot {
     let vms: BTreeMap<String, AzureVm> = vms
         .iter()
         .map(|(name, power)| {
@@ -41,7 +46,7 @@ pub(super) fn listed(vms: &[(&str, &str)]) -> Snapshot {
         sources: vec![SourceStatus {
             group: 2,
             source: "/subscriptions/s/resourceGroups/rg-batch".into(),
-            listed_at: Some(Utc::now()),
+            listed_at: Some(at),
             vms: vms.len(),
             error: None,
             auto_approve: Default::default(),
@@ -52,7 +57,10 @@ pub(super) fn listed(vms: &[(&str, &str)]) -> Snapshot {
 
 fn batch_world() -> World {
     let mut world = start_with(tempfile::tempdir().unwrap(), BATCH);
-    world.engine.azure = Some(AzureView::new(Arc::new(tokio::sync::Notify::new())));
+    world.engine.azure = Some(AzureView::new(
+        Arc::new(tokio::sync::Notify::new()),
+        std::time::Duration::from_secs(300),
+    ));
     world
 }
 
@@ -151,6 +159,89 @@ async fn a_vm_azure_shows_updating_counts_down_while_its_agent_still_speaks() {
     );
 }
 
+/// batch-0's Reboot, an hour away, reported by its agent.
+fn reboot_of_batch_0(world: &mut World) {
+    let reboot = document(2, &[("E1", "Reboot", "Scheduled", &["batch-0"], 3600, -1)]);
+    for event in published("batch-0", Some(&document(1, &[])), &reboot) {
+        world.deliver(&event, t0());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_inventory_survives_a_failed_write_and_the_budget_still_counts_it() {
+    let mut world = batch_world();
+    reboot_of_batch_0(&mut world);
+    world.engine.azure_listed(
+        listed(&[("batch-0", "running"), ("batch-1", "deallocated")]),
+        t0(),
+    );
+    // What a failed write does: the state is read back from the store.
+    world.engine.reload();
+    world.engine.tick(t0());
+    world.engine.publish_snapshot(t0());
+    world.settle().await;
+    assert!(
+        world.recorder.approved().is_empty(),
+        "approved past the budget after a reload"
+    );
+    let batch = world.group("batch");
+    assert_eq!(batch["known"], 2, "{batch}");
+    assert_eq!(batch["down"], serde_json::json!(["batch-1"]), "{batch}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_older_than_max_age_stops_the_decisions_until_a_fresh_one() {
+    let mut world = batch_world();
+    reboot_of_batch_0(&mut world);
+    // Room for the Reboot, but the listing is ten minutes old (max_age 5 min): a VM
+    // deallocated since would not be counted.
+    let ten_minutes_ago = t0() - chrono::Duration::minutes(10);
+    world
+        .engine
+        .azure_listed(listed_at(&[("batch-0", "running")], ten_minutes_ago), t0());
+    world.engine.tick(t0());
+    world.settle().await;
+    assert!(
+        world.recorder.approved().is_empty(),
+        "approved on a stale listing"
+    );
+    world
+        .engine
+        .azure_listed(listed_at(&[("batch-0", "running")], t0()), t0());
+    world.engine.tick(t0());
+    for _ in 0..100 {
+        world.settle().await;
+        if !world.recorder.approved().is_empty() {
+            break;
+        }
+    }
+    assert_eq!(world.recorder.approved(), vec!["E1".to_owned()]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_azure_lists_under_another_name_is_joined_by_its_resource_id_not_counted_twice() {
+    let mut world = batch_world();
+    for event in published("batch-0", None, &document(1, &[])) {
+        world.deliver(&event, t0());
+    }
+    // ARM names it in capitals (a resource id is case-insensitive).
+    let mut snapshot = listed(&[("BATCH-0", "running"), ("batch-1", "running")]);
+    let vm = snapshot.vms.get_mut("BATCH-0").unwrap();
+    vm.resource_id = vm.resource_id.to_ascii_uppercase();
+    world.engine.azure_listed(snapshot, t0());
+    world.engine.tick(t0());
+    world.engine.publish_snapshot(t0());
+    let batch = world.group("batch");
+    assert_eq!(batch["known"], 2, "{batch}");
+    assert_eq!(
+        batch["without_agent"],
+        serde_json::json!(["batch-1"]),
+        "{batch}"
+    );
+    let default = world.group("default");
+    assert_eq!(default["known"], 0, "{default}");
+}
+
 #[test]
 fn a_drain_azure_would_bypass_by_approving_by_itself_is_warned_about_in_fleet() {
     let extra = BATCH.replace(
@@ -161,7 +252,10 @@ fn a_drain_azure_would_bypass_by_approving_by_itself_is_warned_about_in_fleet() 
         tempfile::tempdir().unwrap(),
         &format!("[drain]\ncommand = [\"true\"]\n{extra}"),
     );
-    world.engine.azure = Some(AzureView::new(Arc::new(tokio::sync::Notify::new())));
+    world.engine.azure = Some(AzureView::new(
+        Arc::new(tokio::sync::Notify::new()),
+        std::time::Duration::from_secs(300),
+    ));
     let mut snapshot = listed(&[("batch-0", "running")]);
     snapshot.sources[0].auto_approve = AutoApprove {
         user_initiated_reboot: true,
@@ -234,6 +328,14 @@ key_id = "fleet-1"
             "azure.client_id: names a user-assigned managed identity",
             "azure.refresh: must be between 1s and 1h",
             "azure.resource_manager: \"management.azure.com\" is not an http(s) URL",
+        ] {
+            assert!(errors.contains(expected), "{expected:?} not in:\n{errors}");
+        }
+        let errors =
+            problems("[azure]\nresource_manager = \"http://arm.example.com\"\nmax_age = \"90s\"\n");
+        for expected in [
+            "azure.resource_manager: \"http://arm.example.com\": plain http would send the bearer token in clear",
+            "azure.max_age: must be at least twice refresh",
         ] {
             assert!(errors.contains(expected), "{expected:?} not in:\n{errors}");
         }

@@ -38,12 +38,12 @@ fn a_group_with_only_an_azure_source_takes_only_the_vms_it_lists() {
     let (policy, mut fleet) = (world.engine.policy(), world.engine.fleet.clone());
     // Not listed: the default group, whatever its name or resource group.
     assert_eq!(policy.group_of(&fleet, "batch-7"), policy.groups.len() - 1);
-    fleet.azure = listed(&[("batch-7", "running")]).vms;
+    fleet.set_azure(listed(&[("batch-7", "running")]).vms);
     assert_eq!(
         policy.groups[policy.group_of(&fleet, "batch-7")].name,
         "batch"
     );
     // A VM the web group's name pattern takes stays web's: the first group wins.
-    fleet.azure = listed(&[("web-1", "running")]).vms;
+    fleet.set_azure(listed(&[("web-1", "running")]).vms);
     assert_eq!(policy.groups[policy.group_of(&fleet, "web-1")].name, "web");
 }
