@@ -13,6 +13,8 @@ use super::Engine;
 use crate::coordinator::azure::{Snapshot, SourceStatus};
 use crate::coordinator::policy::Action;
 
+/// A listing stamped further than this ahead of the decision's clock is not trusted.
+const CLOCK_SKEW: chrono::Duration = chrono::Duration::seconds(60);
 /// While the first listing is missing, how often the coordinator says so.
 const WAITING_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -94,11 +96,26 @@ impl Engine {
     /// Decisions wait for the Azure inventory: without it a group's size, and who of it is
     /// down, are not known. Says so every little while.
     pub(super) fn azure_missing(&mut self, now: DateTime<Utc>) -> bool {
+        let clash = self.fleet.azure_clash();
         let Some(view) = self.azure.as_mut() else {
             return false;
         };
         let max_age = view.max_age;
-        let old = |s: &SourceStatus| s.listed_at.is_none_or(|at| now - at > max_age);
+        // A listing stamped in the future (the clock stepped back) is not known fresh.
+        let old = |s: &SourceStatus| {
+            s.listed_at
+                .is_none_or(|at| now - at > max_age || at - now > CLOCK_SKEW)
+        };
+        if let Some(clash) = clash {
+            if view
+                .logged
+                .is_none_or(|at| at.elapsed() >= WAITING_LOG_EVERY)
+            {
+                view.logged = Some(Instant::now());
+                tracing::error!(clash = %clash, "Nothing is decided while an agent and a VM Azure lists share a name");
+            }
+            return true;
+        }
         if view.complete && !view.sources.iter().any(old) {
             return false;
         }
@@ -146,6 +163,7 @@ impl Engine {
         }
         serde_json::json!({
             "complete": view.complete,
+            "clash": self.fleet.azure_clash(),
             "sources": view.sources,
             "warnings": view.warnings,
             "vms": self.fleet.azure,

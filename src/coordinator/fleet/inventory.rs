@@ -150,13 +150,30 @@ impl Fleet {
         self.azure = vms;
     }
 
-    /// `vm` as Azure lists it: by its name, or by the resource id its agent reports (an
-    /// agent may name its VM otherwise: a host name, `identity.vm_name`).
+    /// `vm` as Azure lists it: through the resource id its agent reports (an agent may
+    /// name its VM otherwise: a host name, `identity.vm_name`), else by its name when its
+    /// agent reports no id (or it has none). A listed VM of the same name but another id
+    /// is another VM ([`Fleet::azure_clash`]).
     pub fn azure_vm(&self, vm: &str) -> Option<&crate::coordinator::azure::AzureVm> {
-        self.azure.get(vm).or_else(|| {
-            let id = self.vms.get(vm)?.resource_id.as_deref()?;
-            self.azure
-                .get(self.azure_ids.get(&id.to_ascii_lowercase())?)
+        match self.vms.get(vm).and_then(|v| v.resource_id.as_deref()) {
+            Some(id) => self
+                .azure
+                .get(self.azure_ids.get(&id.to_ascii_lowercase())?),
+            None => self.azure.get(vm),
+        }
+    }
+
+    /// An agent and a VM Azure lists share a name but not a resource id: two VMs that
+    /// approvals, Resources and the count (all by name) cannot tell apart.
+    pub fn azure_clash(&self) -> Option<String> {
+        self.azure.iter().find_map(|(name, listed)| {
+            let id = self.vms.get(name)?.resource_id.as_deref()?;
+            (!id.eq_ignore_ascii_case(&listed.resource_id)).then(|| {
+                format!(
+                    "VM {name:?}: its agent reports {id}, Azure lists {} under that name (rename one)",
+                    listed.resource_id
+                )
+            })
         })
     }
 

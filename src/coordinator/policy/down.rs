@@ -166,9 +166,8 @@ pub fn down_now(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Down {
     // Azure says so.
     let agent_ids = fleet.agent_ids();
     for (name, azure) in &fleet.azure {
-        if fleet.vms.contains_key(name)
-            || agent_ids.contains(&azure.resource_id.to_ascii_lowercase())
-        {
+        let named = fleet.vms.get(name).is_some_and(|a| a.resource_id.is_none());
+        if named || agent_ids.contains(&azure.resource_id.to_ascii_lowercase()) {
             continue;
         }
         let g = policy.group_of_known(name, Some(&azure.resource_id), Some(azure.group));

@@ -25,7 +25,7 @@ source = "/subscriptions/s/resourceGroups/rg-batch"
 "#;
 
 pub(super) fn listed(vms: &[(&str, &str)]) -> Snapshot {
-    listed_at(vms, Utc::now())
+    listed_at(vms, t0())
 }
 
 /// [`listed`], listed whole at `at`.
@@ -240,6 +240,49 @@ async fn an_agent_azure_lists_under_another_name_is_joined_by_its_resource_id_no
     );
     let default = world.group("default");
     assert_eq!(default["known"], 0, "{default}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_and_a_listed_vm_of_one_name_but_two_ids_stop_the_decisions() {
+    let mut world = batch_world();
+    reboot_of_batch_0(&mut world);
+    // Azure lists another batch-0 (another resource group) than the one whose agent speaks.
+    let mut snapshot = listed(&[("batch-0", "deallocated")]);
+    let vm = snapshot.vms.get_mut("batch-0").unwrap();
+    vm.resource_id = vm.resource_id.replace("rg-batch", "rg-other");
+    world.engine.azure_listed(snapshot, t0());
+    world.engine.tick(t0());
+    world.engine.publish_snapshot(t0());
+    world.settle().await;
+    assert!(
+        world.recorder.approved().is_empty(),
+        "approved with two VMs of one name"
+    );
+    let fleet = world.engine.snapshot.read().unwrap().clone();
+    assert!(
+        fleet["azure"]["clash"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("rg-other"),
+        "{fleet}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_stamped_in_the_future_is_not_trusted() {
+    let mut world = batch_world();
+    reboot_of_batch_0(&mut world);
+    // The clock stepped back ten minutes since the listing.
+    let ahead = t0() + chrono::Duration::minutes(10);
+    world
+        .engine
+        .azure_listed(listed_at(&[("batch-0", "running")], ahead), t0());
+    world.engine.tick(t0());
+    world.settle().await;
+    assert!(
+        world.recorder.approved().is_empty(),
+        "approved on a listing from the future"
+    );
 }
 
 #[test]
