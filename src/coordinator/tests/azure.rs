@@ -55,6 +55,18 @@ fn listed_at(vms: &[(&str, &str)], at: chrono::DateTime<Utc>) -> Snapshot {
     }
 }
 
+/// What the engine approved, once its publications are done: each runs on a task of its
+/// own, which a loaded machine may run late.
+async fn approved(world: &mut World) -> Vec<String> {
+    for _ in 0..100 {
+        world.settle().await;
+        if !world.recorder.approved().is_empty() {
+            break;
+        }
+    }
+    world.recorder.approved()
+}
+
 fn batch_world() -> World {
     let mut world = start_with(tempfile::tempdir().unwrap(), BATCH);
     world.engine.azure = Some(AzureView::new(
@@ -126,14 +138,7 @@ async fn vms_azure_lists_count_in_their_group_with_or_without_an_agent_and_nothi
     );
     world.engine.tick(t0());
     world.engine.publish_snapshot(t0());
-    // The publication runs on a task of its own: on a loaded machine, give it time.
-    for _ in 0..100 {
-        world.settle().await;
-        if !world.recorder.approved().is_empty() {
-            break;
-        }
-    }
-    assert_eq!(world.recorder.approved(), vec!["E1".to_owned()]);
+    assert_eq!(approved(&mut world).await, vec!["E1".to_owned()]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -209,13 +214,7 @@ async fn a_listing_older_than_max_age_stops_the_decisions_until_a_fresh_one() {
         .engine
         .azure_listed(listed_at(&[("batch-0", "running")], t0()), t0());
     world.engine.tick(t0());
-    for _ in 0..100 {
-        world.settle().await;
-        if !world.recorder.approved().is_empty() {
-            break;
-        }
-    }
-    assert_eq!(world.recorder.approved(), vec!["E1".to_owned()]);
+    assert_eq!(approved(&mut world).await, vec!["E1".to_owned()]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -319,35 +318,13 @@ fn a_drain_azure_would_bypass_by_approving_by_itself_is_warned_about_in_fleet() 
 }
 
 mod config {
-    use std::path::Path;
-
-    use figment::providers::Env;
-
-    use crate::coordinator::config::CoordinatorConfig;
-
-    const BASE: &str = r#"
-[input]
-kind = "nats"
-url = "nats://127.0.0.1:4222"
-stream = "SCHEDULEDEVENTS"
-[approvals]
-kind = "nats"
-url = "nats://127.0.0.1:4222"
-subject = "scheduledapprovals.{vmname}"
-[signing]
-key_file = "/etc/sched-relay/coordinator.key"
-key_id = "fleet-1"
-[coordinator]
-"#;
+    use crate::coordinator::tests::config::load;
 
     fn problems(extra: &str) -> String {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("coordinator.toml");
-        std::fs::write(&path, format!("{BASE}{extra}")).unwrap();
-        match CoordinatorConfig::load_with(
-            Path::new(&path),
-            Env::prefixed("SCHED_RELAY_COORDINATOR_TEST_NONE_"),
-        ) {
+        match load(&format!(
+            "{}{extra}",
+            crate::coordinator::tests::config::BASE
+        )) {
             Ok(_) => String::new(),
             Err(errors) => errors.to_string(),
         }

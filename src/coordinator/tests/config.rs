@@ -10,14 +10,14 @@ use crate::config::ConfigErrors;
 use crate::coordinator::config::CoordinatorConfig;
 use crate::coordinator::policy::{Action, Budget, Outage, Policy};
 
-fn load(text: &str) -> Result<(CoordinatorConfig, Policy), ConfigErrors> {
+pub(super) fn load(text: &str) -> Result<(CoordinatorConfig, Policy), ConfigErrors> {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("coordinator.toml");
     std::fs::write(&path, text).unwrap();
     CoordinatorConfig::load_with(&path, Env::prefixed("SCHED_RELAY_COORDINATOR_TEST_NONE_"))
 }
 
-const BASE: &str = r#"
+pub(super) const BASE: &str = r#"
 [coordinator]
 [input]
 kind = "nats"
