@@ -164,7 +164,12 @@ pub fn down_now(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Down {
     }
     // The VMs Azure lists that no agent speaks for: each is one of its group's, down when
     // Azure says so.
-    let agent_ids = fleet.agent_ids();
+    // (A fleet without an Azure source pays nothing for this.)
+    let agent_ids = if fleet.azure.is_empty() {
+        Default::default()
+    } else {
+        fleet.agent_ids()
+    };
     for (name, azure) in &fleet.azure {
         let named = fleet.vms.get(name).is_some_and(|a| a.resource_id.is_none());
         if named || agent_ids.contains(&azure.resource_id.to_ascii_lowercase()) {
