@@ -124,15 +124,7 @@ impl Simulator {
         let app = axum::Router::new()
             .fallback(server::handle)
             .with_state(state.clone());
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            let served = axum::serve(listener, app).with_graceful_shutdown(async {
-                let _ = stopped.await;
-            });
-            if let Err(error) = served.await {
-                tracing::error!(error = %error, "Simulator stopped serving");
-            }
-        });
+        let (stop, task) = spawn_serving(listener, app, "Simulator");
         Ok(Simulator {
             addr,
             state,
@@ -184,6 +176,28 @@ pub enum FleetError {
 }
 
 /// Every event found in several scenarios is the same in each.
+/// Serves `app` on `listener` until the returned sender is used (or dropped), on a task of
+/// its own; `what` names it in the log if serving fails.
+fn spawn_serving(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    what: &'static str,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let served = axum::serve(listener, app).with_graceful_shutdown(async {
+            let _ = stopped.await;
+        });
+        if let Err(error) = served.await {
+            tracing::error!(error = %error, "{what} stopped serving");
+        }
+    });
+    (stop, task)
+}
+
 fn check_shared_events(scenarios: &[Scenario]) -> Result<(), FleetError> {
     let mut seen: std::collections::HashMap<&str, (&SimEvent, &str, f64)> = Default::default();
     for scenario in scenarios {

@@ -51,8 +51,7 @@ impl Arm {
 
     /// Every item of the listing at `path` (with `query`), over all its pages.
     pub async fn list(&self, path: &str, query: &[(&str, &str)]) -> Result<Vec<Value>, String> {
-        let mut url = self.base.join(path).map_err(|e| format!("{path}: {e}"))?;
-        url.query_pairs_mut().extend_pairs(query);
+        let mut url = self.url(path, query)?;
         let mut items = Vec::new();
         for _ in 0..MAX_PAGES {
             let mut page = self.get(&url).await?;
@@ -81,9 +80,14 @@ impl Arm {
 
     /// One resource at `path` (with `query`).
     pub async fn resource(&self, path: &str, query: &[(&str, &str)]) -> Result<Value, String> {
+        self.get(&self.url(path, query)?).await
+    }
+
+    /// `path` with `query` on Resource Manager.
+    fn url(&self, path: &str, query: &[(&str, &str)]) -> Result<Url, String> {
         let mut url = self.base.join(path).map_err(|e| format!("{path}: {e}"))?;
         url.query_pairs_mut().extend_pairs(query);
-        self.get(&url).await
+        Ok(url)
     }
 
     async fn get(&self, url: &Url) -> Result<Value, String> {

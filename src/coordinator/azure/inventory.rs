@@ -135,8 +135,11 @@ pub fn statuses(instance_view: &Value) -> (Option<String>, Option<String>) {
     found
 }
 
+/// Provisioning and power state by lower-case resource id.
+pub type States = HashMap<String, (Option<String>, Option<String>)>;
+
 /// The states of a subscription's VMs (`statusOnly=true`), by lower-case resource id.
-pub fn read_states(items: &[Value]) -> HashMap<String, (Option<String>, Option<String>)> {
+pub fn read_states(items: &[Value]) -> States {
     items
         .iter()
         .filter_map(|item| {
@@ -148,7 +151,7 @@ pub fn read_states(items: &[Value]) -> HashMap<String, (Option<String>, Option<S
 
 /// Gives each VM of a resource group's listing the state of the subscription's listing; a
 /// VM the second does not have keeps no power state (it counts as down).
-pub fn with_states(vms: &mut [Listed], states: &HashMap<String, (Option<String>, Option<String>)>) {
+pub fn with_states(vms: &mut [Listed], states: &States) {
     for vm in vms {
         if let Some((provisioning, power)) = states.get(&vm.resource_id.to_ascii_lowercase()) {
             if provisioning.is_some() {

@@ -15,7 +15,7 @@ use tokio::sync::{Notify, mpsc, watch};
 use super::AzureConfig;
 use super::client::Arm;
 use super::inventory::{
-    AutoApprove, Listed, Snapshot, SourceStatus, merge, read_states, read_vm, with_states,
+    AutoApprove, Listed, Snapshot, SourceStatus, States, merge, read_states, read_vm, with_states,
 };
 use super::source::Source;
 
@@ -58,6 +58,92 @@ pub fn start(
     }))
 }
 
+/// A scale set's VMs with their instance view, and what its own policy says Azure
+/// approves by itself.
+async fn scale_set(arm: &Arm, api: (&str, &str), source: &Source) -> Result<Vec<Listed>, String> {
+    let items = arm
+        .list(&source.list_path(), &[api, ("$expand", "instanceView")])
+        .await?;
+    let vms = items
+        .iter()
+        .map(read_vm)
+        .collect::<Result<Vec<Listed>, String>>()?;
+    let set = arm.resource(&source.to_string(), &[api]).await?;
+    let properties = &set["properties"];
+    if properties["orchestrationMode"]
+        .as_str()
+        .is_some_and(|mode| mode.eq_ignore_ascii_case("Flexible"))
+    {
+        return Err(format!(
+            "{source} is a Flexible scale set, whose VMs ARM lists with its resource group: name the resource group as the source"
+        ));
+    }
+    let policy = AutoApprove::read(&properties["scheduledEventsPolicy"]);
+    Ok(vms
+        .into_iter()
+        .map(|vm| Listed {
+            auto_approve: policy,
+            ..vm
+        })
+        .collect())
+}
+
+/// The listings of one round that several sources share, each read once: a resource
+/// group's VMs, and a subscription's power states.
+#[derive(Default)]
+struct Batch {
+    groups: HashMap<(String, String), Result<Vec<Listed>, String>>,
+    states: HashMap<String, Result<States, String>>,
+}
+
+/// The standalone VMs of a resource group (or of an availability set in it), with the
+/// power states of the subscription's listing.
+async fn in_resource_group(
+    arm: &Arm,
+    api: (&str, &str),
+    source: &Source,
+    batch: &mut Batch,
+) -> Result<Vec<Listed>, String> {
+    let group = (
+        source.subscription().to_ascii_lowercase(),
+        source.resource_group().to_ascii_lowercase(),
+    );
+    if !batch.groups.contains_key(&group) {
+        let listed = arm
+            .list(&source.list_path(), &[api])
+            .await
+            .and_then(|items| items.iter().map(read_vm).collect());
+        batch.groups.insert(group.clone(), listed);
+    }
+    if !batch.states.contains_key(&group.0) {
+        let path = format!(
+            "/subscriptions/{}/providers/Microsoft.Compute/virtualMachines",
+            source.subscription()
+        );
+        let listed = arm
+            .list(&path, &[api, ("statusOnly", "true")])
+            .await
+            .map(|items| read_states(&items));
+        batch.states.insert(group.0.clone(), listed);
+    }
+    let vms = batch.groups[&group].as_ref().map_err(Clone::clone)?;
+    let known = batch.states[&group.0].as_ref().map_err(Clone::clone)?;
+    let set = source.availability_set_id();
+    let mut vms: Vec<Listed> = vms
+        .iter()
+        .filter(|vm| {
+            set.as_ref().is_none_or(|set| {
+                vm.availability_set
+                    .as_ref()
+                    .is_some_and(|id| id.eq_ignore_ascii_case(set))
+            })
+        })
+        .cloned()
+        .collect();
+    with_states(&mut vms, known);
+    Ok(vms)
+}
+
 struct Refresher {
     arm: Arm,
     api_version: String,
@@ -72,81 +158,12 @@ impl Refresher {
     async fn round(&mut self) -> Snapshot {
         let now = Utc::now();
         let api = ("api-version", self.api_version.as_str());
-        let mut groups: HashMap<(String, String), Result<Vec<Listed>, String>> = HashMap::new();
-        let mut states = HashMap::new();
+        let mut batch = Batch::default();
         for (index, source) in &self.sources {
             let listed = match source {
-                Source::ScaleSet { .. } => {
-                    let query = [api, ("$expand", "instanceView")];
-                    let vms: Result<Vec<Listed>, String> = self
-                        .arm
-                        .list(&source.list_path(), &query)
-                        .await
-                        .and_then(|items| items.iter().map(read_vm).collect());
-                    // The scale set's own policy says what Azure approves by itself.
-                    match (vms, self.arm.resource(&source.to_string(), &[api]).await) {
-                        (Ok(_), Ok(set))
-                            if set["properties"]["orchestrationMode"]
-                                .as_str()
-                                .is_some_and(|mode| mode.eq_ignore_ascii_case("Flexible")) =>
-                        {
-                            Err(format!(
-                                "{source} is a Flexible scale set, whose VMs ARM lists with its resource group: name the resource group as the source"
-                            ))
-                        }
-                        (Ok(mut vms), Ok(set)) => {
-                            let policy =
-                                AutoApprove::read(&set["properties"]["scheduledEventsPolicy"]);
-                            vms.iter_mut().for_each(|vm| vm.auto_approve = policy);
-                            Ok(vms)
-                        }
-                        (Err(error), _) | (_, Err(error)) => Err(error),
-                    }
-                }
+                Source::ScaleSet { .. } => scale_set(&self.arm, api, source).await,
                 Source::ResourceGroup { .. } | Source::AvailabilitySet { .. } => {
-                    let key = (
-                        source.subscription().to_ascii_lowercase(),
-                        source.resource_group().to_ascii_lowercase(),
-                    );
-                    if !groups.contains_key(&key) {
-                        let listed = self
-                            .arm
-                            .list(&source.list_path(), &[api])
-                            .await
-                            .and_then(|items| items.iter().map(read_vm).collect());
-                        groups.insert(key.clone(), listed);
-                    }
-                    if !states.contains_key(&key.0) {
-                        let path = format!(
-                            "/subscriptions/{}/providers/Microsoft.Compute/virtualMachines",
-                            source.subscription()
-                        );
-                        let listed = self
-                            .arm
-                            .list(&path, &[api, ("statusOnly", "true")])
-                            .await
-                            .map(|items| read_states(&items));
-                        states.insert(key.0.clone(), listed);
-                    }
-                    match (&groups[&key], &states[&key.0]) {
-                        (Ok(vms), Ok(known)) => {
-                            let set = source.availability_set_id();
-                            let mut vms: Vec<Listed> = vms
-                                .iter()
-                                .filter(|vm| {
-                                    set.as_ref().is_none_or(|set| {
-                                        vm.availability_set
-                                            .as_ref()
-                                            .is_some_and(|id| id.eq_ignore_ascii_case(set))
-                                    })
-                                })
-                                .cloned()
-                                .collect();
-                            with_states(&mut vms, known);
-                            Ok(vms)
-                        }
-                        (Err(error), _) | (_, Err(error)) => Err(error.clone()),
-                    }
+                    in_resource_group(&self.arm, api, source, &mut batch).await
                 }
             };
             match listed {

@@ -106,34 +106,28 @@ impl Engine {
             s.listed_at
                 .is_none_or(|at| now - at > max_age || at - now > CLOCK_SKEW)
         };
-        if let Some(clash) = clash {
-            if view
-                .logged
-                .is_none_or(|at| at.elapsed() >= WAITING_LOG_EVERY)
-            {
-                view.logged = Some(Instant::now());
-                tracing::error!(clash = %clash, "Nothing is decided while an agent and a VM Azure lists share a name");
+        let why = match clash {
+            Some(clash) => format!("an agent and a VM Azure lists share a name: {clash}"),
+            None if view.complete && !view.sources.iter().any(old) => return false,
+            None => {
+                let failing: Vec<String> = view
+                    .sources
+                    .iter()
+                    .filter(|s| old(s))
+                    .map(|s| match &s.error {
+                        Some(error) => format!("{}: {error}", s.source),
+                        None => s.source.clone(),
+                    })
+                    .collect();
+                format!("a source not listed within [azure] max_age: {failing:?}")
             }
-            return true;
-        }
-        if view.complete && !view.sources.iter().any(old) {
-            return false;
-        }
+        };
         if view
             .logged
             .is_none_or(|at| at.elapsed() >= WAITING_LOG_EVERY)
         {
             view.logged = Some(Instant::now());
-            let failing: Vec<String> = view
-                .sources
-                .iter()
-                .filter(|s| old(s))
-                .map(|s| match &s.error {
-                    Some(error) => format!("{}: {error}", s.source),
-                    None => s.source.clone(),
-                })
-                .collect();
-            tracing::error!(sources = ?failing, "Nothing is decided until every Azure source has been listed within [azure] max_age (Azure starts events at NotBefore meanwhile)");
+            tracing::error!(why = %why, "Nothing is decided until the Azure inventory is whole and fresh (Azure starts events at NotBefore meanwhile)");
         }
         true
     }

@@ -160,15 +160,7 @@ impl ArmStandIn {
         let app = axum::Router::new()
             .fallback(server::handle)
             .with_state(arm.clone());
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            let served = axum::serve(listener, app).with_graceful_shutdown(async {
-                let _ = stopped.await;
-            });
-            if let Err(error) = served.await {
-                tracing::error!(error = %error, "ARM stand-in stopped serving");
-            }
-        });
+        let (stop, task) = super::spawn_serving(listener, app, "ARM stand-in");
         Ok(ArmStandIn {
             addr,
             arm,
