@@ -28,6 +28,36 @@ fn ids(events: &[Event]) -> Vec<String> {
 
 fn start(dir: &Path, sinks: Vec<(&str, RecordingSink)>, delivery: &DeliveryConfig) -> Fanout {
     let outbox = Arc::new(Outbox::open(dir, delivery.queue_capacity, false).unwrap());
+    with_outbox(outbox, sinks, delivery, dir)
+}
+
+/// The next start of a stopped agent. A stop does not wait past its deadline for the last
+/// flush; a process that exits then lets go of the state directory at once, but here the
+/// flush's thread lives on in the test's process for a moment, holding the directory's
+/// lock. So the restart waits for the lock to go, as a new process would find it gone.
+async fn restart(
+    dir: &Path,
+    sinks: Vec<(&str, RecordingSink)>,
+    delivery: &DeliveryConfig,
+) -> Fanout {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match Outbox::open(dir, delivery.queue_capacity, false) {
+            Ok(outbox) => return with_outbox(Arc::new(outbox), sinks, delivery, dir),
+            Err(StoreError::Locked { .. }) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err(error) => panic!("the restart cannot open the outbox: {error}"),
+        }
+    }
+}
+
+fn with_outbox(
+    outbox: Arc<Outbox>,
+    sinks: Vec<(&str, RecordingSink)>,
+    delivery: &DeliveryConfig,
+    dir: &Path,
+) -> Fanout {
     let sinks = sinks
         .into_iter()
         .map(|(name, sink)| NamedSink {
@@ -131,11 +161,12 @@ async fn what_a_dead_sink_could_not_take_is_kept_and_delivered_after_a_restart()
     // sink gets nothing twice.
     let back = RecordingSink::new();
     let healthy_again = RecordingSink::new();
-    let fanout = start(
+    let fanout = restart(
         dir.path(),
         vec![("down", back.clone()), ("healthy", healthy_again.clone())],
         &fast_delivery(),
-    );
+    )
+    .await;
     fanout.shutdown(Duration::from_secs(5)).await;
     assert_eq!(ids(&back.delivered()), ["1", "2"]);
     assert!(healthy_again.delivered().is_empty());
