@@ -195,6 +195,7 @@ fn wave(vms: usize, now: DateTime<Utc>) -> Fleet {
 fn approval(vm: &str, now: DateTime<Utc>) -> Approval {
     Approval {
         approver: vm.to_owned(),
+        via: Default::default(),
         decided_at: now - chrono::Duration::seconds(55),
         dry_run: false,
         sent: Vec::new(),

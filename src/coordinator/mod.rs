@@ -140,6 +140,11 @@ pub async fn run(
     let tick_every = config.coordinator.tick;
     let channel_template = config.input.channel_template();
     let (azure_config, azure_sources) = (config.azure.clone(), config.azure_sources());
+    let arm_approvals = config.groups.iter().any(|g| {
+        g.azure
+            .as_ref()
+            .is_some_and(|azure| azure.approve_via.through_arm())
+    });
     let mut engine = Engine::new(fleet, policy, config, store, signer, publisher, done_tx);
     engine.snapshot = snapshot;
     engine.progress = Some(caught_up);
@@ -151,6 +156,11 @@ pub async fn run(
         Some(azure_config) => {
             let nudge = Arc::new(tokio::sync::Notify::new());
             engine.azure = Some(engine::AzureView::new(nudge.clone(), azure_config.max_age));
+            if arm_approvals {
+                engine.acknowledger = Some(Arc::new(azure::acknowledge::Acknowledger::new(
+                    &azure_config,
+                )?));
+            }
             Some(azure::refresh::start(
                 &azure_config,
                 azure_sources,
@@ -163,7 +173,13 @@ pub async fn run(
     };
     #[cfg(not(feature = "azure"))]
     let refresher: Option<tokio::task::JoinHandle<()>> = {
-        let _ = (azure_config, azure_sources, azure_tx, stop_rx);
+        let _ = (
+            azure_config,
+            azure_sources,
+            azure_tx,
+            stop_rx,
+            arm_approvals,
+        );
         None
     };
     // A refresher that ends (it never should) stops the coordinator: its supervisor starts

@@ -187,7 +187,7 @@ pub const METRICS: &[(&str, &str, &str)] = &[
     (
         "sched_relay_coordinator_decisions_total",
         "counter",
-        "Decisions, by kind: approve, drain, budget, never, too_late, no_agent, reports, window, paused, drain_failed (a wait counts when its reason changes).",
+        "Decisions, by kind: approve, drain, budget, never, too_late, no_agent, not_listed, reports, window, paused, drain_failed (a wait counts when its reason changes).",
     ),
     (
         "sched_relay_coordinator_decision_seconds",
@@ -248,6 +248,11 @@ pub const METRICS: &[(&str, &str, &str)] = &[
         "sched_relay_coordinator_azure_listing_age_seconds",
         "gauge",
         "Age of the group's last whole Azure listing (-1 before the first; alert when it grows).",
+    ),
+    (
+        "sched_relay_coordinator_arm_acknowledgements_total",
+        "counter",
+        "Acknowledgements through Azure Resource Manager (approve_via), by result: approved, refused, failed.",
     ),
     (
         "sched_relay_coordinator_holds_overdue",

@@ -90,36 +90,64 @@ impl Arm {
         Ok(url)
     }
 
+    /// One POST of `path` (with `query`, no body), with `request_id` as ARM's client
+    /// request id; never tried again here: ARM's answer is the caller's to judge.
+    pub async fn post(
+        &self,
+        path: &str,
+        query: &[(&str, &str)],
+        request_id: &str,
+    ) -> Result<Answer, String> {
+        let url = self.url(path, query)?;
+        let request = self
+            .http
+            .post(url)
+            .header("x-ms-client-request-id", request_id)
+            .header(reqwest::header::CONTENT_LENGTH, 0);
+        self.send(request, &format!("POST {path}")).await
+    }
+
+    async fn send(&self, request: reqwest::RequestBuilder, what: &str) -> Result<Answer, String> {
+        let token = self
+            .credential
+            .get_token(&[&self.scope], None)
+            .await
+            .map_err(|e| format!("azure: no token for {}: {e}", self.scope))?;
+        let response = request
+            .bearer_auth(token.token.secret())
+            .send()
+            .await
+            .map_err(|e| format!("{what}: {e}"))?;
+        let status = response.status();
+        let retry_after = response
+            .headers()
+            .get(reqwest::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map(Duration::from_secs);
+        let body = response.text().await.map_err(|e| format!("{what}: {e}"))?;
+        Ok(Answer {
+            status,
+            retry_after,
+            body,
+        })
+    }
+
     async fn get(&self, url: &Url) -> Result<Value, String> {
         let what = format!("GET {}", url.path());
         let mut throttled = 0;
         loop {
-            let token = self
-                .credential
-                .get_token(&[&self.scope], None)
-                .await
-                .map_err(|e| format!("azure: no token for {}: {e}", self.scope))?;
-            let response = self
-                .http
-                .get(url.clone())
-                .bearer_auth(token.token.secret())
-                .send()
-                .await
-                .map_err(|e| format!("{what}: {e}"))?;
-            let status = response.status();
-            let retry_after = response
-                .headers()
-                .get(reqwest::header::RETRY_AFTER)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.trim().parse::<u64>().ok())
-                .map(Duration::from_secs);
-            let body = response.text().await.map_err(|e| format!("{what}: {e}"))?;
+            let Answer {
+                status,
+                retry_after,
+                body,
+            } = self.send(self.http.get(url.clone()), &what).await?;
             if status.is_success() {
                 return serde_json::from_str(&body).map_err(|e| format!("{what}: not JSON ({e})"));
             }
             if status == reqwest::StatusCode::TOO_MANY_REQUESTS && throttled < MAX_THROTTLED {
                 throttled += 1;
-                let wait = retry_after.unwrap_or(THROTTLE_WAIT).min(THROTTLE_WAIT_MAX);
+                let wait = throttle_wait(retry_after);
                 tracing::warn!(call = %what, wait_s = wait.as_secs(), "Azure Resource Manager throttles the coordinator (429); waiting as it asks");
                 tokio::time::sleep(wait).await;
                 continue;
@@ -129,8 +157,21 @@ impl Arm {
     }
 }
 
+/// What ARM answered a call.
+pub struct Answer {
+    pub status: reqwest::StatusCode,
+    pub retry_after: Option<Duration>,
+    pub body: String,
+}
+
+/// The wait a 429 asks for (`Retry-After`, else [`THROTTLE_WAIT`]), at most
+/// [`THROTTLE_WAIT_MAX`].
+pub fn throttle_wait(retry_after: Option<Duration>) -> Duration {
+    retry_after.unwrap_or(THROTTLE_WAIT).min(THROTTLE_WAIT_MAX)
+}
+
 /// ARM's error (`{"error": {"code", "message"}}`), or the body's start.
-fn arm_error(body: &str) -> String {
+pub fn arm_error(body: &str) -> String {
     let parsed: Option<Value> = serde_json::from_str(body).ok();
     match parsed.as_ref().map(|v| &v["error"]) {
         Some(error) if error["code"].is_string() => format!(

@@ -4,8 +4,12 @@
 //! Layout: [`source`] reads a group's source (an ARM id) and names the calls that list its
 //! VMs, [`inventory`] reads ARM's answers (pure); with the `azure` feature, `credential`
 //! gets tokens through Microsoft's `azure_identity`, `client` makes the calls (pages,
-//! throttling), and [`refresh`] lists every source on an interval for the engine.
+//! throttling), [`refresh`] lists every source on an interval for the engine, and
+//! [`acknowledge`] approves events through ARM (`approve_via`).
 
+mod ack;
+#[cfg(feature = "azure")]
+pub mod acknowledge;
 #[cfg(feature = "azure")]
 mod client;
 #[cfg(feature = "azure")]
@@ -18,6 +22,7 @@ mod source;
 #[cfg(all(test, feature = "azure"))]
 mod tests;
 
+pub use ack::{Acked, Acknowledge};
 pub use inventory::{AzureVm, Snapshot, SourceStatus};
-pub use settings::{AZURE_IDENTITY_ENDPOINT, AzureConfig, Credential, GroupAzure};
-pub use source::Source;
+pub use settings::{AZURE_IDENTITY_ENDPOINT, ApproveVia, AzureConfig, Credential, GroupAzure};
+pub use source::{Source, acknowledge_scope};

@@ -34,6 +34,10 @@ pub struct AzureConfig {
     /// The api-version of the compute calls (listing VMs and their states).
     #[serde(default = "default_compute_api_version")]
     pub compute_api_version: String,
+    /// The api-version of `Microsoft.Maintenance/scheduledevents/{id}/acknowledge` (the
+    /// approvals of groups with `approve_via = "arm"` or `"agent_then_arm"`).
+    #[serde(default = "default_maintenance_api_version")]
+    pub maintenance_api_version: String,
     /// How often every group's source is listed again.
     #[serde(default = "default_refresh", with = "humantime_serde")]
     pub refresh: Duration,
@@ -63,6 +67,32 @@ pub struct GroupAzure {
     /// The ARM id of a scale set, a resource group or an availability set: its VMs are the
     /// group's (with or without an agent), its size the inventory's.
     pub source: String,
+    /// How the group's events are approved: `agent` (a signed StartRequest to an agent of
+    /// the event's VMs, as without Azure), `arm` (acknowledged through Azure Resource
+    /// Manager at the VM's or its scale set's scope, no agent needed) or `agent_then_arm`
+    /// (through an agent, and through ARM when none answers within `outcome_timeout` or
+    /// none of the event's VMs has a live agent).
+    #[serde(default)]
+    pub approve_via: ApproveVia,
+}
+
+/// `[groups.azure] approve_via`.
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ApproveVia {
+    #[default]
+    Agent,
+    Arm,
+    AgentThenArm,
+}
+
+impl ApproveVia {
+    pub fn through_agent(self) -> bool {
+        self != ApproveVia::Arm
+    }
+    pub fn through_arm(self) -> bool {
+        self != ApproveVia::Agent
+    }
 }
 
 pub const AZURE_IDENTITY_ENDPOINT: &str = "http://169.254.169.254";
@@ -75,6 +105,9 @@ fn default_identity_endpoint() -> String {
 }
 fn default_compute_api_version() -> String {
     "2024-07-01".into()
+}
+fn default_maintenance_api_version() -> String {
+    "2023-10-01-preview".into()
 }
 fn default_refresh() -> Duration {
     Duration::from_secs(60)

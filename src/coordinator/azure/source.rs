@@ -141,9 +141,79 @@ impl fmt::Display for Source {
     }
 }
 
+/// Where a VM's scheduled events are acknowledged through ARM: a scale set's VM at its
+/// scale set (`.../virtualMachineScaleSets/{name}`), any other VM at its own id. `None`
+/// for an id that is not a VM's, or that holds anything but plain path segments (it is
+/// put into a URL path).
+pub fn acknowledge_scope(resource_id: &str) -> Option<String> {
+    let segments: Vec<&str> = resource_id.trim_end_matches('/').split('/').collect();
+    let plain = |s: &&str| {
+        !s.is_empty()
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.()".contains(c))
+            && *s != "."
+            && *s != ".."
+    };
+    if !segments.first().is_some_and(|s| s.is_empty()) || !segments[1..].iter().all(plain) {
+        return None;
+    }
+    let lowered: Vec<String> = segments.iter().map(|s| s.to_ascii_lowercase()).collect();
+    let kinds: Vec<&str> = lowered.iter().map(String::as_str).collect();
+    match kinds.as_slice() {
+        [
+            _,
+            "subscriptions",
+            _,
+            "resourcegroups",
+            _,
+            "providers",
+            "microsoft.compute",
+            "virtualmachinescalesets",
+            _,
+            "virtualmachines",
+            _,
+        ] => Some(segments[..9].join("/")),
+        [
+            _,
+            "subscriptions",
+            _,
+            "resourcegroups",
+            _,
+            "providers",
+            "microsoft.compute",
+            "virtualmachines",
+            _,
+        ] => Some(segments.join("/")),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::Source;
+    use super::{Source, acknowledge_scope};
+
+    #[test]
+    fn a_scale_sets_vm_is_acknowledged_at_its_scale_set_and_any_other_vm_at_itself() {
+        let set = format!(
+            "{SUB}/resourceGroups/web-rg/providers/Microsoft.Compute/virtualMachineScaleSets/web"
+        );
+        assert_eq!(
+            acknowledge_scope(&format!("{set}/virtualMachines/3")).as_deref(),
+            Some(set.as_str())
+        );
+        let vm = format!("{SUB}/resourceGroups/db/providers/Microsoft.Compute/virtualMachines/db1");
+        assert_eq!(acknowledge_scope(&vm).as_deref(), Some(vm.as_str()));
+        for not_a_vm in [
+            set.clone(),
+            format!("{SUB}/resourceGroups/db"),
+            format!("{SUB}/resourceGroups/db/providers/Microsoft.Compute/virtualMachines/../x"),
+            format!("{SUB}/resourceGroups/db/providers/Microsoft.Compute/virtualMachines/a?b"),
+            format!("{SUB}/resourceGroups/db/providers/Microsoft.Compute/virtualMachines/a%2Fb"),
+            "db1".to_owned(),
+        ] {
+            assert_eq!(acknowledge_scope(&not_a_vm), None, "{not_a_vm}");
+        }
+    }
 
     const SUB: &str = "/subscriptions/0b1f6471-1bf0-4dda-aec3-111122223333";
 

@@ -81,6 +81,12 @@ impl CoordinatorConfig {
                 "empty; Azure's compute api-version, like 2024-07-01",
             ));
         }
+        if config.maintenance_api_version.trim().is_empty() {
+            problems.push(problem(
+                "azure.maintenance_api_version",
+                "empty; the api-version of Microsoft.Maintenance/scheduledevents acknowledge, like 2023-10-01-preview",
+            ));
+        }
         if config.refresh < Duration::from_secs(1) || config.refresh > Duration::from_secs(3600) {
             problems.push(problem(
                 "azure.refresh",

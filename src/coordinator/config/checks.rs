@@ -421,6 +421,11 @@ impl CoordinatorConfig {
                 },
                 gated: group.health.is_some() || self.defaults.health.is_some(),
                 azure: group.azure.is_some(),
+                approve_via: group
+                    .azure
+                    .as_ref()
+                    .map(|a| a.approve_via)
+                    .unwrap_or_default(),
             });
         }
         self.check_azure(&mut problems);
@@ -434,6 +439,7 @@ impl CoordinatorConfig {
             windows: default_windows,
             gated: self.defaults.health.is_some(),
             azure: false,
+            approve_via: Default::default(),
         });
         if problems.is_empty() {
             let duration = |d: Duration| chrono::Duration::from_std(d).expect("bounded above");

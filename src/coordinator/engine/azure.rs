@@ -31,6 +31,10 @@ pub struct AzureView {
     pub warnings: Vec<String>,
     /// `[azure] max_age`: an older listing stops the decisions.
     max_age: chrono::Duration,
+    /// For each event acknowledged through ARM and not yet seen started: when ARM first
+    /// took it, and its VMs Azure listed running then (in memory: after a restart, reports
+    /// alone show it).
+    pub(super) up_at_ack: std::collections::HashMap<String, (DateTime<Utc>, Vec<String>)>,
 }
 
 impl AzureView {
@@ -42,6 +46,7 @@ impl AzureView {
             logged: None,
             warnings: Vec::new(),
             max_age: chrono::Duration::from_std(max_age).unwrap_or(chrono::Duration::MAX),
+            up_at_ack: Default::default(),
         }
     }
 }

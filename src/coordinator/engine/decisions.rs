@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 
 use super::{Engine, new_request};
 use crate::coordinator::config::CoordinatorConfig;
-use crate::coordinator::fleet::{Approval, Drain};
+use crate::coordinator::fleet::{Approval, Drain, Via};
 use crate::coordinator::policy::{self, Step};
 use crate::coordinator::store::Changes;
 
@@ -73,13 +73,19 @@ impl Engine {
                     drains.extend(vms.into_iter().map(|vm| (key.clone(), vm)));
                 }
                 Step::Drain { key, .. } => {
-                    let approver =
-                        policy::approver(&self.fleet, &self.policy, &self.fleet.events[&key], now)
-                            .expect("checked by decide");
-                    approvals.push(self.approve(&key, approver, now, &mut changes));
+                    let m = &self.fleet.events[&key];
+                    let approver = policy::approver(&self.fleet, &self.policy, m, false, now)
+                        .expect("checked by decide");
+                    approvals.push(self.approve(
+                        &key,
+                        approver.vm,
+                        approver.via,
+                        now,
+                        &mut changes,
+                    ));
                 }
-                Step::Approve { key, approver } => {
-                    approvals.push(self.approve(&key, approver, now, &mut changes));
+                Step::Approve { key, approver, via } => {
+                    approvals.push(self.approve(&key, approver, via, now, &mut changes));
                 }
             }
         }
@@ -110,6 +116,7 @@ impl Engine {
         &mut self,
         key: &str,
         approver: String,
+        via: Via,
         now: DateTime<Utc>,
         changes: &mut Changes,
     ) -> Option<String> {
@@ -123,9 +130,10 @@ impl Engine {
             metrics::counter!("sched_relay_coordinator_approvals_after_not_before_total")
                 .increment(1);
         }
-        let sent = (!dry_run).then(new_request);
+        let sent = (!dry_run).then(|| new_request(via));
         m.approval = Some(Approval {
             approver: approver.clone(),
+            via,
             decided_at: now,
             dry_run,
             sent: sent.into_iter().collect(),
@@ -133,14 +141,18 @@ impl Engine {
             abandoned: false,
             dry_run_answers: 0,
         });
+        let through = match via {
+            Via::Agent => approver.clone(),
+            Via::Arm => format!("Azure Resource Manager at {approver}"),
+        };
         m.verdict = if dry_run {
-            format!("dry run: would approve through {approver}")
+            format!("dry run: would approve through {through}")
         } else {
-            format!("approved through {approver}")
+            format!("approved through {through}")
         };
         metrics::counter!("sched_relay_coordinator_decisions_total", "decision" => "approve")
             .increment(1);
-        tracing::info!(event_id = %m.event_id, event_type = %m.event_type, approver = %approver, dry_run, resources = ?m.resources, "Approving");
+        tracing::info!(event_id = %m.event_id, event_type = %m.event_type, approver = %approver, via = ?via, dry_run, resources = ?m.resources, "Approving");
         changes.events.push((key.to_owned(), Some(m.clone())));
         (!dry_run).then(|| key.to_owned())
     }

@@ -16,12 +16,13 @@ use sched_relay_transport::inbound::{Answer, Delivery, Reply};
 use serde_json::Value;
 use tokio::sync::mpsc;
 
+use super::azure::{Acked, Acknowledge};
 use super::config::CoordinatorConfig;
-use super::drain::{self, Job};
-use super::fleet::{self, Applied, Fleet, Sent};
+use super::fleet::{self, Applied, Fleet, Sent, Via};
 use super::policy::Policy;
 use super::store::{Changes, Store};
 
+mod arm;
 mod azure;
 mod decisions;
 mod inventory;
@@ -29,6 +30,7 @@ mod pace;
 mod recovery;
 mod results;
 mod tick;
+mod work;
 
 pub use azure::AzureView;
 pub use inventory::Admin;
@@ -52,6 +54,12 @@ pub enum Done {
         key: String,
         request_id: String,
         result: Result<(), String>,
+    },
+    /// ARM answered an acknowledgement (`approve_via`).
+    Acknowledged {
+        key: String,
+        request_id: String,
+        result: Acked,
     },
 }
 
@@ -125,6 +133,8 @@ pub struct Engine {
     pub gate: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
     /// With groups listed by Azure Resource Manager: their inventory's state.
     pub azure: Option<AzureView>,
+    /// With groups approved through ARM (`approve_via`): what acknowledges their events.
+    pub acknowledger: Option<Arc<dyn Acknowledge>>,
 }
 
 impl Engine {
@@ -169,6 +179,7 @@ impl Engine {
             channel_template: None,
             gate: None,
             azure: None,
+            acknowledger: None,
         }
     }
 
@@ -381,109 +392,15 @@ impl Engine {
     pub(super) fn may_act(&self) -> bool {
         self.gate.as_ref().is_none_or(|gate| gate())
     }
-
-    pub(super) fn start_drain(&mut self, key: &str, vm: &str, _now: DateTime<Utc>) {
-        if !self.may_act() {
-            return;
-        }
-        let Some(m) = self.fleet.events.get(key) else {
-            return;
-        };
-        let (Some(config), Some(d)) = (self.config.drain.clone(), m.drain.as_ref()) else {
-            return;
-        };
-        if self
-            .draining
-            .insert((key.to_owned(), vm.to_owned()), ())
-            .is_some()
-        {
-            return;
-        }
-        let job = Job {
-            vm: vm.to_owned(),
-            event_id: m.event_id.clone(),
-            event_type: m.event_type.clone(),
-            not_before: m.not_before,
-            deadline: d.deadline,
-        };
-        let (http, done, key) = (self.http.clone(), self.done.clone(), key.to_owned());
-        let gate = self.gate.clone();
-        tokio::spawn(async move {
-            let started = Instant::now();
-            // The lease may have gone stale since this was decided: run nothing then.
-            let result = if gate.as_ref().is_some_and(|may_act| !may_act()) {
-                Err(NOT_RUN.to_owned())
-            } else {
-                drain::run(&config, &http, &job).await
-            };
-            let _ = done.send(Done::Drained {
-                key,
-                vm: job.vm,
-                result,
-                took: started.elapsed(),
-            });
-        });
-    }
-
-    /// Publishes the event's newest request.
-    pub(super) fn publish(&mut self, key: &str) {
-        if !self.may_act() {
-            return;
-        }
-        let Some(m) = self.fleet.events.get(key) else {
-            return;
-        };
-        let Some(approval) = m.approval.as_ref() else {
-            return;
-        };
-        let Some(sent) = approval.sent.last() else {
-            return;
-        };
-        let draft = Draft {
-            id: sent.request_id.clone(),
-            source: self.config.coordinator.source.clone(),
-            time: sent.signed_at,
-            vm_name: Some(approval.approver.clone()),
-            event_ids: vec![m.event_id.clone()],
-            request_type: format!(
-                "{}.approval.requested",
-                sched_relay_core::event::DEFAULT_TYPE_PREFIX
-            ),
-        };
-        let event = draft.event(Some((&self.config.signing.key_id, &self.signer)));
-        self.publishing
-            .insert(key.to_owned(), (true, Instant::now()));
-        let (publisher, done, key, request_id) = (
-            self.publisher.clone(),
-            self.done.clone(),
-            key.to_owned(),
-            sent.request_id.clone(),
-        );
-        let gate = self.gate.clone();
-        tokio::spawn(async move {
-            let result = if gate.as_ref().is_some_and(|may_act| !may_act()) {
-                Err(NOT_RUN.to_owned())
-            } else {
-                publisher
-                    .deliver(std::slice::from_ref(&event))
-                    .await
-                    .map_err(|e| e.to_string())
-            };
-            let _ = done.send(Done::Published {
-                key,
-                request_id,
-                result,
-            });
-        });
-    }
 }
 
-fn new_request() -> Sent {
+fn new_request(via: Via) -> Sent {
     let draft = Draft::new("", None, Vec::new());
     Sent {
         request_id: draft.id,
         signed_at: draft.time,
         published_at: None,
+        via,
     }
 }
 

@@ -7,6 +7,8 @@ use std::time::Instant;
 use chrono::Utc;
 
 use super::{DONE_REASONS, Done, Engine, PUBLISH_RETRY};
+use crate::coordinator::azure::Acked;
+use crate::coordinator::fleet::Via;
 use crate::coordinator::store::Changes;
 
 impl Engine {
@@ -28,13 +30,13 @@ impl Engine {
         // (the active one runs its drains again and republishes what it does not know sent).
         // Nor is it lost if the lease comes back fresh (a slow renewal): the work is marked
         // as no longer running, so the tick starts it again from what is stored.
-        let not_run = matches!(&done, Done::Drained { result: Err(why), .. } | Done::Published { result: Err(why), .. } if why == super::NOT_RUN);
+        let not_run = matches!(&done, Done::Drained { result: Err(why), .. } | Done::Published { result: Err(why), .. } | Done::Acknowledged { result: Acked::Failed(why), .. } if why == super::NOT_RUN);
         if !self.may_act() || not_run {
             match done {
                 Done::Drained { key, vm, .. } => {
                     self.draining.remove(&(key, vm));
                 }
-                Done::Published { key, .. } => {
+                Done::Published { key, .. } | Done::Acknowledged { key, .. } => {
                     self.publishing.remove(&key);
                 }
                 Done::Gated { key, vm, .. } => {
@@ -45,7 +47,8 @@ impl Engine {
         }
         let now = Utc::now();
         // A publication frees no place and ends no drain: it allows no new decision.
-        let allows_a_decision = !matches!(done, Done::Published { .. });
+        let allows_a_decision = !matches!(done, Done::Published { .. } | Done::Acknowledged { .. });
+        let mut refused = false;
         let key = match done {
             Done::Gated { key, vm, result } => {
                 self.gating
@@ -107,6 +110,18 @@ impl Engine {
                 }
                 key
             }
+            Done::Acknowledged {
+                key,
+                request_id,
+                result,
+            } => {
+                self.publishing.insert(key.clone(), (false, Instant::now()));
+                refused = matches!(result, Acked::Refused { .. });
+                if !self.acknowledged(&key, &request_id, result, now) {
+                    return;
+                }
+                key
+            }
             Done::Drained {
                 key,
                 vm,
@@ -155,6 +170,9 @@ impl Engine {
             return;
         }
         self.dirty = true;
+        if refused {
+            self.outcome(&key);
+        }
         // A drain that ended is approved by the decision, which checks the budget again; a
         // gate passed frees a place.
         if self.ready && allows_a_decision {
@@ -171,7 +189,11 @@ impl Engine {
             return;
         };
         metrics::counter!("sched_relay_coordinator_approval_outcomes_total", "outcome" => outcome.outcome.clone(), "reason" => outcome.reason.clone()).increment(1);
+        let via = m.approval.as_ref().map(|a| a.via).unwrap_or_default();
         match outcome.outcome.as_str() {
+            "accepted" if via == Via::Arm => {
+                tracing::info!(event_id = %m.event_id, request_id = %outcome.request_id, "Approval through Azure Resource Manager accepted: the event started")
+            }
             "accepted" => {
                 tracing::info!(event_id = %m.event_id, request_id = %outcome.request_id, "Approval accepted by the agent")
             }

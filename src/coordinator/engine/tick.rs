@@ -10,6 +10,7 @@ use chrono::{DateTime, Utc};
 use serde_json::json;
 
 use super::{DONE_REASONS, Engine, PUBLISH_RETRY, RETRY_REASONS, REUSE_REQUEST_FOR, new_request};
+use crate::coordinator::fleet::Via;
 use crate::coordinator::policy;
 use crate::coordinator::store::Changes;
 
@@ -62,6 +63,9 @@ impl Engine {
             for key in gone {
                 tracing::info!(event_id = %key, "Forgotten: no agent has reported on it for forget_after");
                 self.publishing.remove(&key);
+                if let Some(view) = self.azure.as_mut() {
+                    view.up_at_ack.remove(&key);
+                }
                 changes.events.push((key, None));
             }
         }
@@ -69,6 +73,7 @@ impl Engine {
             self.overdue(now, &mut changes);
             self.gates(now);
         }
+        let took_effect = self.arm_evidence(&mut changes, now);
         let mut republish = Vec::new();
         let timeout = chrono::Duration::from_std(self.config.coordinator.outcome_timeout)
             .unwrap_or(chrono::Duration::seconds(20));
@@ -77,6 +82,8 @@ impl Engine {
         enum Next {
             Republish,
             Renew,
+            /// No agent answered within `outcome_timeout`: through ARM (`agent_then_arm`).
+            Fallback,
             Abandon(String),
         }
         let mut next = Vec::new();
@@ -101,9 +108,20 @@ impl Engine {
                 continue;
             };
             let quiet_for = |d: Duration| since_attempt.is_none_or(|t| t >= d);
+            let arm = approval.via == Via::Arm;
             let step = match (&approval.outcome, last.published_at) {
                 (Some(o), _) if o.outcome == "accepted" => continue,
                 (Some(o), _) if DONE_REASONS.contains(&o.reason.as_str()) => continue,
+                (Some(o), _)
+                    if o.outcome == "rejected"
+                        && !RETRY_REASONS.contains(&o.reason.as_str())
+                        && arm =>
+                {
+                    Next::Abandon(format!(
+                        "Azure Resource Manager refuses it: {} (check the role of the coordinator's identity, and [azure] maintenance_api_version)",
+                        o.reason
+                    ))
+                }
                 (Some(o), _)
                     if o.outcome == "rejected" && !RETRY_REASONS.contains(&o.reason.as_str()) =>
                 {
@@ -137,12 +155,35 @@ impl Engine {
                 }
                 (None, _) => continue,
             };
+            // Silence, or a broker that cannot take the request, hands the approval to ARM
+            // (`agent_then_arm`); an agent's answer does not (a retried refusal, a failure,
+            // an agent in dry run), nor does a fallback with nowhere to acknowledge it.
+            let step = match step {
+                Next::Renew | Next::Republish
+                    if !arm
+                        && approval.outcome.is_none()
+                        && approval.dry_run_answers == 0
+                        && now - approval.decided_at > timeout
+                        && policy::falls_back_to_arm(&self.fleet, &self.policy, m)
+                        && policy::approver(&self.fleet, &self.policy, m, true, now)
+                            .is_some_and(|a| a.via == Via::Arm) =>
+                {
+                    Next::Fallback
+                }
+                step => step,
+            };
+            // Attempts are counted per way: a fallback to ARM gets its own.
             let delivered = approval
                 .sent
                 .iter()
-                .filter(|s| s.published_at.is_some())
+                .filter(|s| s.published_at.is_some() && s.via == approval.via)
                 .count() as u32;
             let step = match step {
+                Next::Renew if delivered >= self.config.coordinator.max_attempts && arm => {
+                    Next::Abandon(format!(
+                        "{delivered} acknowledgement(s) taken by Azure Resource Manager, and the event is not seen started (max_attempts)"
+                    ))
+                }
                 Next::Renew if delivered >= self.config.coordinator.max_attempts => Next::Abandon(
                     format!("{delivered} request(s) delivered, none accepted (max_attempts)"),
                 ),
@@ -151,22 +192,31 @@ impl Engine {
             next.push((key.clone(), step));
         }
         for (key, step) in next {
-            let approver =
-                policy::approver(&self.fleet, &self.policy, &self.fleet.events[&key], now);
+            let m = &self.fleet.events[&key];
+            let turn_over = matches!(step, Next::Fallback)
+                || m.approval.as_ref().is_some_and(|a| a.via == Via::Arm);
+            let approver = policy::approver(&self.fleet, &self.policy, m, turn_over, now);
             let m = self.fleet.events.get_mut(&key).expect("listed above");
             let approval = m.approval.as_mut().expect("listed above");
             match step {
                 Next::Republish => republish.push(key),
-                Next::Renew => {
-                    approval.sent.push(new_request());
-                    approval.outcome = None;
+                Next::Renew | Next::Fallback => {
                     if let Some(approver) = approver {
-                        approval.approver = approver;
+                        if approver.via == Via::Arm && approval.via == Via::Agent {
+                            tracing::warn!(event_id = %m.event_id, approver = %approver.vm, via = ?approver.via, outcome_timeout = ?self.config.coordinator.outcome_timeout, "No agent answered the approval in time; approving through Azure Resource Manager");
+                        }
+                        approval.approver = approver.vm;
+                        approval.via = approver.via;
                     }
+                    approval.sent.push(new_request(approval.via));
+                    approval.outcome = None;
                     changes.events.push((key.clone(), Some(m.clone())));
                     republish.push(key);
                 }
                 Next::Abandon(why) => {
+                    if let Some(view) = self.azure.as_mut() {
+                        view.up_at_ack.remove(&key);
+                    }
                     approval.abandoned = true;
                     metrics::counter!("sched_relay_coordinator_approvals_abandoned_total")
                         .increment(1);
@@ -183,6 +233,9 @@ impl Engine {
                 return;
             }
             self.dirty = true;
+        }
+        for key in took_effect {
+            self.outcome(&key);
         }
         for key in republish {
             self.publish(&key);

@@ -12,11 +12,28 @@ pub struct Sent {
     pub request_id: String,
     /// The signed `time` (whole seconds count).
     pub signed_at: DateTime<Utc>,
-    /// When the broker confirmed it; `None` while it is being published.
+    /// When the broker confirmed it (through ARM: when ARM answered); `None` while it is
+    /// being published.
     pub published_at: Option<DateTime<Utc>>,
+    /// How it went: to an agent, or to Azure Resource Manager.
+    #[serde(default)]
+    pub via: Via,
 }
 
-/// An agent's answer to one of our requests.
+/// How an approval reaches Azure.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Via {
+    /// A signed StartRequest to the approver's agent, which POSTs it to its metadata service.
+    #[default]
+    Agent,
+    /// `Microsoft.Maintenance/scheduledevents/{id}/acknowledge` on Azure Resource Manager,
+    /// at the approver's scope (its scale set's, for a scale set's VM).
+    Arm,
+}
+
+/// An agent's answer to one of our requests (through ARM: ARM's refusal, or the evidence
+/// that the acknowledged event started).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Outcome {
     /// `accepted`, `rejected` or `failed`.
@@ -29,8 +46,12 @@ pub struct Outcome {
 /// The coordinator approved (or, in a dry run, would approve) an event.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Approval {
-    /// The VM whose agent the request goes to (the first in Resources with an agent).
+    /// The VM whose agent the request goes to (the first in Resources with an agent), or,
+    /// through ARM, the VM at whose scope the event is acknowledged.
     pub approver: String,
+    /// How the newest request goes.
+    #[serde(default)]
+    pub via: Via,
     pub decided_at: DateTime<Utc>,
     pub dry_run: bool,
     /// Every request signed for it, oldest first.

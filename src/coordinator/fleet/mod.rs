@@ -18,7 +18,7 @@ mod inventory;
 mod read;
 mod said;
 
-pub use actions::{Approval, Drain, Outcome, Sent};
+pub use actions::{Approval, Drain, Outcome, Sent, Via};
 use inventory::agent;
 pub use inventory::{Back, Heartbeat, Pause, Vm};
 pub use read::{Incoming, MAX_RESOURCES, read, read_at};

@@ -13,17 +13,22 @@ use std::collections::BTreeSet;
 
 use chrono::{DateTime, Utc};
 
+use super::approver::{Approver, choose};
 use super::down::{Cause, Down, down_now, holds};
 use super::{Action, Policy};
-use crate::coordinator::fleet::{Fleet, Maintenance, Stage};
+use crate::coordinator::fleet::{Fleet, Maintenance, Stage, Via};
 
 /// Something to do now.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Step {
     /// Drain these VMs (the affected ones in the inventory), then approve.
     Drain { key: String, vms: Vec<String> },
-    /// Sign and send an approval to `approver`'s agent.
-    Approve { key: String, approver: String },
+    /// Approve it: a signed request to `approver`'s agent, or through ARM at its scope.
+    Approve {
+        key: String,
+        approver: String,
+        via: Via,
+    },
 }
 
 /// Why an event is not acted on now.
@@ -35,6 +40,9 @@ pub enum Wait {
     TooLate,
     /// No VM in Resources has a live agent to send the approval to.
     NoAgent,
+    /// Approved through ARM only (`approve_via = "arm"`), and no VM it takes down is in
+    /// Azure's inventory to acknowledge it at.
+    NotListed,
     /// Approving it would put `group` over its budget within its outage window.
     Budget {
         group: String,
@@ -62,6 +70,10 @@ impl std::fmt::Display for Wait {
             Wait::Never(why) => write!(f, "not approved: {why}; NotBefore decides"),
             Wait::TooLate => write!(f, "NotBefore is too close; Azure starts it"),
             Wait::NoAgent => write!(f, "no VM in Resources has a live agent to approve it"),
+            Wait::NotListed => write!(
+                f,
+                "no VM it takes down is in Azure's inventory, to acknowledge it through ARM at"
+            ),
             Wait::Budget {
                 group,
                 down,
@@ -109,6 +121,7 @@ impl Wait {
             Wait::Never(_) => "never",
             Wait::TooLate => "too_late",
             Wait::NoAgent => "no_agent",
+            Wait::NotListed => "not_listed",
             Wait::Budget { .. } => "budget",
             Wait::Reports(_) => "reports",
             Wait::Window(_) => "window",
@@ -175,7 +188,8 @@ pub fn decide(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Decisions {
             }),
             Ok(Taken { approver, .. }) => decisions.steps.push(Step::Approve {
                 key: key.clone(),
-                approver,
+                approver: approver.vm,
+                via: approver.via,
             }),
             Err(wait) => decisions.waits.push((key.clone(), wait)),
         }
@@ -183,46 +197,12 @@ pub fn decide(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Decisions {
     decisions
 }
 
-/// The agent an approval goes to: the first VM in Resources with a live agent that has
-/// reported the event (its document has it, so the agent will not answer `unknown_event`),
-/// else the first with a live agent at all. One approval releases every VM the event lists.
-pub fn approver(
-    fleet: &Fleet,
-    policy: &Policy,
-    m: &Maintenance,
-    now: DateTime<Utc>,
-) -> Option<String> {
-    let affected = m.affected();
-    approver_among(fleet, policy, m, affected.iter(), now)
-}
-
-/// [`approver`] with the event's affected VMs at hand.
-fn approver_among<'a>(
-    fleet: &Fleet,
-    policy: &Policy,
-    m: &Maintenance,
-    affected: impl Iterator<Item = &'a String> + Clone,
-    now: DateTime<Utc>,
-) -> Option<String> {
-    let live = |vm: &String| {
-        fleet
-            .vms
-            .get(vm)
-            .is_some_and(|v| !v.silent(now, policy.silent_after))
-    };
-    affected
-        .clone()
-        .find(|vm| live(vm) && m.reports.get(*vm).is_some_and(|r| !r.stage.is_over()))
-        .or_else(|| affected.clone().find(|vm| live(vm)))
-        .cloned()
-}
-
 /// What [`one`] decided to do for an event: its action, the VMs it takes down (each with its
-/// group), and the agent its approval goes to.
+/// group), and who approves it, how.
 struct Taken {
     action: Action,
     placed: Vec<(String, usize)>,
-    approver: String,
+    approver: Approver,
 }
 
 fn one(
@@ -287,9 +267,7 @@ fn one(
         return Err(Wait::Window(policy.groups[g].name.clone()));
     }
     let affected = placed.iter().map(|(vm, _)| vm);
-    let Some(approver) = approver_among(fleet, policy, m, affected.clone(), now) else {
-        return Err(Wait::NoAgent);
-    };
+    let approver = choose(fleet, policy, m, &placed, false, now)?;
     if matches!(candidate, Candidate::New) && now - m.first_seen < policy.report_wait {
         let missing: Vec<String> = affected
             .filter(|vm| {

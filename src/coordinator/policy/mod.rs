@@ -18,6 +18,7 @@
 //! at its NotBefore at the latest, so those whose NotBefore falls inside the window count
 //! as down for the whole window. See `decide.rs` for the check, `down.rs` for the count.
 
+mod approver;
 mod decide;
 mod down;
 mod window;
@@ -27,10 +28,12 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-pub use decide::{Decisions, Step, Wait, approver, decide};
+pub use approver::{Approver, approver, falls_back_to_arm};
+pub use decide::{Decisions, Step, Wait, decide};
 pub use down::{Budgets, Cause, Down, Usage, down_now, freed, holds, pending, usage};
 pub use window::Window;
 
+use super::azure::ApproveVia;
 use super::fleet::{Fleet, Maintenance};
 
 /// The group of VMs that no configured group matches (`[defaults]`).
@@ -255,6 +258,8 @@ pub struct Group {
     /// It has an Azure source (`[groups.azure]`): the VMs it lists are the group's, and
     /// with no other part set, only they are.
     pub azure: bool,
+    /// How its events are approved (`[groups.azure] approve_via`; `agent` without one).
+    pub approve_via: ApproveVia,
 }
 
 impl Group {

@@ -11,7 +11,7 @@ use sched_relay_core::event::{EventFactory, Identity, PartitionKey, events_obser
 use serde_json::{Value, json};
 
 use super::{approve, document, feed, policy, published, t0};
-use crate::coordinator::fleet::{Applied, Drain, Fleet, read, read_at};
+use crate::coordinator::fleet::{Applied, Drain, Fleet, Via, read, read_at};
 use crate::coordinator::policy::{
     Action, Budget, Matcher, Outage, Rule, Step, Wait, decide, usage,
 };
@@ -271,7 +271,8 @@ fn a_drained_event_is_checked_again_before_its_approval() {
         decide(&alone, &policy, t0()).steps,
         [Step::Approve {
             key: "R56".into(),
-            approver: "db-056".into()
+            approver: "db-056".into(),
+            via: Via::Agent,
         }]
     );
 }
@@ -333,6 +334,7 @@ fn a_dry_run_answer_approves_nothing_and_counts_nothing_as_approved_elsewhere() 
         request_id: "r1".into(),
         signed_at: t0(),
         published_at: Some(t0()),
+        via: Via::Agent,
     }];
     let answer = |request: &str, id: &str, event: &str| {
         json!({"specversion": "1.0", "type": "com.azure.scheduledevents.approval.accepted",
@@ -411,7 +413,8 @@ fn an_approval_is_charged_only_until_its_own_not_before_when_azure_would_start_i
         decisions.steps,
         [Step::Approve {
             key: "A".into(),
-            approver: "web-1".into()
+            approver: "web-1".into(),
+            via: Via::Agent,
         }]
     );
 }

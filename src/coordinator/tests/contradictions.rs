@@ -5,7 +5,7 @@
 use serde_json::json;
 
 use super::{document, feed, policy, published, t0};
-use crate::coordinator::fleet::{Applied, Approval, Fleet, Stage, read};
+use crate::coordinator::fleet::{Applied, Approval, Fleet, Stage, Via, read};
 use crate::coordinator::policy::{Budget, decide, usage};
 
 /// web-1's resource id, as `published` and its agent's outcomes say it.
@@ -119,9 +119,11 @@ fn only_the_newest_request_s_failure_counts_and_an_acceptance_of_any_is_final() 
         request_id: id.into(),
         signed_at: t0(),
         published_at: Some(t0()),
+        via: Via::Agent,
     };
     fleet.events.get_mut("E1").unwrap().approval = Some(Approval {
         approver: "web-1".into(),
+        via: Via::Agent,
         decided_at: t0(),
         dry_run: false,
         sent: vec![sent("r1"), sent("r2")],

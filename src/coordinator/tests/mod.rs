@@ -13,6 +13,8 @@ use sched_relay_core::event::{EventFactory, Identity, PartitionKey, events_for_d
 use serde_json::{Value, json};
 
 #[cfg(feature = "azure")]
+mod arm;
+#[cfg(feature = "azure")]
 mod azure;
 mod ceiling;
 mod config;
@@ -25,7 +27,7 @@ mod pacing;
 pub(crate) mod quiet_day;
 mod trust;
 
-use super::fleet::{Applied, Approval, Fleet, Stage, read};
+use super::fleet::{Applied, Approval, Fleet, Stage, Via, read};
 use super::policy::{
     Action, Budget, Group, Matcher, Policy, Rule, Step, Wait, decide, glob, usage,
 };
@@ -53,20 +55,32 @@ pub(crate) fn document(incarnation: u64, events: &[Ev]) -> Document {
 
 /// What `vm`'s agent publishes when its document goes from `before` to `after`.
 pub(crate) fn published(vm: &str, before: Option<&Document>, after: &Document) -> Vec<Value> {
+    let resource_id = format!(
+        "/subscriptions/s/resourceGroups/rg-{}/providers/Microsoft.Compute/virtualMachines/{vm}",
+        vm.split('-').next().unwrap()
+    );
+    published_as(vm, &resource_id, before, after, t0())
+}
+
+/// [`published`] by an agent that reports `resource_id`, at `at`.
+pub(crate) fn published_as(
+    vm: &str,
+    resource_id: &str,
+    before: Option<&Document>,
+    after: &Document,
+    at: DateTime<Utc>,
+) -> Vec<Value> {
     let factory = EventFactory::new(
         "com.azure.scheduledevents",
         None,
         Identity {
             name: vm.into(),
             vm_id: None,
-            resource_id: Some(format!(
-                "/subscriptions/s/resourceGroups/rg-{}/providers/Microsoft.Compute/virtualMachines/{vm}",
-                vm.split('-').next().unwrap()
-            )),
+            resource_id: Some(resource_id.into()),
         },
         PartitionKey::EventId,
     );
-    events_for_document(&factory, before, after, true, t0())
+    events_for_document(&factory, before, after, true, at)
         .into_iter()
         .map(|e| serde_json::to_value(e).unwrap())
         .collect()
@@ -115,6 +129,7 @@ fn policy(groups: Vec<(&str, &str, Budget)>, default: Budget) -> Policy {
             windows: Vec::new(),
             gated: false,
             azure: false,
+            approve_via: Default::default(),
         })
         .collect();
     list.push(Group {
@@ -127,6 +142,7 @@ fn policy(groups: Vec<(&str, &str, Budget)>, default: Budget) -> Policy {
         windows: Vec::new(),
         gated: false,
         azure: false,
+        approve_via: Default::default(),
     });
     Policy {
         groups: list,
@@ -146,6 +162,7 @@ fn approve(fleet: &mut Fleet, steps: &[Step]) {
         let (Step::Approve { key, .. } | Step::Drain { key, .. }) = step;
         fleet.events.get_mut(key).unwrap().approval = Some(Approval {
             approver: String::new(),
+            via: Via::Agent,
             decided_at: t0(),
             dry_run: false,
             sent: Vec::new(),
@@ -253,7 +270,8 @@ fn a_budget_of_one_approves_the_earliest_not_before_first_and_then_waits() {
         first.steps,
         [Step::Approve {
             key: "E2".into(),
-            approver: "web-2".into()
+            approver: "web-2".into(),
+            via: Via::Agent,
         }]
     );
     assert!(
@@ -302,7 +320,8 @@ fn an_event_listing_several_vms_costs_each_and_is_approved_once_by_the_first_wit
         decisions.steps,
         [Step::Approve {
             key: "H1".into(),
-            approver: "web-1".into()
+            approver: "web-1".into(),
+            via: Via::Agent,
         }]
     );
     approve(&mut fleet, &decisions.steps);
@@ -458,7 +477,7 @@ proptest! {
             }
             feed(&mut fleet, &published);
             if *approved && *status != 1 {
-                approve(&mut fleet, &[Step::Approve { key: id, approver: String::new() }]);
+                approve(&mut fleet, &[Step::Approve { key: id, approver: String::new(), via: Via::Agent }]);
             }
         }
         let policy = policy(

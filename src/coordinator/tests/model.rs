@@ -15,7 +15,7 @@ use proptest::prelude::*;
 use sched_relay_core::document::Document;
 
 use super::{Ev, document, feed, policy, published, t0};
-use crate::coordinator::fleet::{Approval, Drain, Fleet};
+use crate::coordinator::fleet::{Approval, Drain, Fleet, Via};
 use crate::coordinator::policy::{Action, Budget, Outage, Policy, Rule, Step, decide};
 
 const STEP: i64 = 10;
@@ -215,13 +215,14 @@ fn run(plan: &[Planned], policy: &Policy) -> Vec<String> {
                     });
                     draining.push((key, t));
                 }
-                Step::Approve { key, approver } => {
+                Step::Approve { key, approver, .. } => {
                     let n: usize = key[1..].parse().unwrap();
                     if plan[n].ty == "Freeze" && plan[n].duration > 30 {
                         violations.push(format!("t={t}: approved {key}, a never event"));
                     }
                     fleet.events.get_mut(&key).unwrap().approval = Some(Approval {
                         approver,
+                        via: Via::Agent,
                         decided_at: at(t),
                         dry_run: false,
                         sent: Vec::new(),
