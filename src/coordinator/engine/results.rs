@@ -189,7 +189,13 @@ impl Engine {
             return;
         };
         metrics::counter!("sched_relay_coordinator_approval_outcomes_total", "outcome" => outcome.outcome.clone(), "reason" => outcome.reason.clone()).increment(1);
-        let via = m.approval.as_ref().map(|a| a.via).unwrap_or_default();
+        // The way of the request answered (an agent may answer after a fallback to ARM).
+        let via = m
+            .approval
+            .as_ref()
+            .and_then(|a| a.sent.iter().find(|s| s.request_id == outcome.request_id))
+            .map(|s| s.via)
+            .unwrap_or_default();
         match outcome.outcome.as_str() {
             "accepted" if via == Via::Arm => {
                 tracing::info!(event_id = %m.event_id, request_id = %outcome.request_id, "Approval through Azure Resource Manager accepted: the event started")

@@ -173,19 +173,27 @@ pub fn decide(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Decisions {
     let mut down = down_now(fleet, policy, now);
     candidates.sort_by_key(|(key, m, _)| (m.not_before, m.first_seen, (*key).clone()));
     for (key, m, candidate) in candidates {
+        // Only a VM with an agent is drained: an event of VMs without one (approved
+        // through ARM) has nothing to drain, and is approved at once.
+        let drained = |placed: &[(String, usize)]| -> Vec<String> {
+            placed
+                .iter()
+                .map(|(vm, _)| vm)
+                .filter(|vm| fleet.vms.contains_key(*vm))
+                .cloned()
+                .collect()
+        };
         match one(fleet, policy, &mut down, key, m, &candidate, now) {
             Ok(Taken {
                 action: Action::DrainThenApprove,
                 placed,
                 ..
-            }) if matches!(candidate, Candidate::New) => decisions.steps.push(Step::Drain {
-                key: key.clone(),
-                vms: placed
-                    .into_iter()
-                    .map(|(vm, _)| vm)
-                    .filter(|vm| fleet.vms.contains_key(vm))
-                    .collect(),
-            }),
+            }) if matches!(candidate, Candidate::New) && !drained(&placed).is_empty() => {
+                decisions.steps.push(Step::Drain {
+                    key: key.clone(),
+                    vms: drained(&placed),
+                })
+            }
             Ok(Taken { approver, .. }) => decisions.steps.push(Step::Approve {
                 key: key.clone(),
                 approver: approver.vm,

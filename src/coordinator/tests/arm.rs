@@ -62,12 +62,18 @@ fn reboot(id: &str, resources: &[&str]) -> String {
 /// The coordinator on the shipped defaults with group `ss` (the scale set, `max_down = 1`,
 /// approved `via`), its refresher's first listing handed to the engine.
 async fn world(arm: &ArmStandIn, via: &str) -> (World, AzureConfig) {
+    world_with(arm, via, "").await
+}
+
+/// [`world`] with `keys` added to group `ss` (after its `[groups.azure]`), or top-level
+/// tables.
+async fn world_with(arm: &ArmStandIn, via: &str, keys: &str) -> (World, AzureConfig) {
     let azure = format!(
         "resource_manager = '{url}'\nmanaged_identity_endpoint = '{url}'\naudience = 'https://management.azure.com'\n",
         url = arm.url()
     );
     let extra = format!(
-        "[azure]\n{azure}\n[[groups]]\nname = 'ss'\nmax_down = 1\n[groups.azure]\nsource = '{}'\napprove_via = '{via}'\n",
+        "[azure]\n{azure}\n[[groups]]\nname = 'ss'\nmax_down = 1\n[groups.azure]\nsource = '{}'\napprove_via = '{via}'\n{keys}",
         set_id()
     );
     let mut world = start_with(tempfile::tempdir().unwrap(), &extra);
@@ -316,6 +322,24 @@ async fn a_throttled_acknowledgement_is_sent_again_only_after_arms_retry_after()
         waited >= 4000,
         "sent again {waited} ms after a Retry-After of 4 s"
     );
+    for vm in vms {
+        vm.stop().await;
+    }
+    arm.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_of_vms_without_an_agent_has_nothing_to_drain_and_is_approved_through_arm() {
+    let e1 = reboot("E1", &["web_1"]);
+    let (vms, arm) = scale_set([&e1, &e1, &e1]).await;
+    let drain = "[groups.actions]\nReboot = 'drain_then_approve'\n[drain]\ncommand = ['sh', '-c', 'exit 0']\n";
+    let (mut world, _) = world_with(&arm, "arm", drain).await;
+    let now = Utc::now();
+    report(&mut world, 0, &document(2, &[("E1", &["web_1"])], now), now);
+    until(&mut world, now, |_| started(&vms[1], "E1")).await;
+    let m = &world.engine.fleet.events["E1"];
+    assert_eq!(m.drain, None, "a drain of no VM");
+    assert_eq!(acknowledgements(&arm).len(), 1);
     for vm in vms {
         vm.stop().await;
     }
