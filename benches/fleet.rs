@@ -32,7 +32,13 @@
 //! SIGKILL the active one is stopped (SIGSTOP) as soon as a drain starts, woken only once the
 //! standby has taken over and approved that event: it must write nothing and exit.
 //!
-//!   cargo bench --profile dist --features nats,amqp --bench fleet -- [--vms N] [--broker nats|amqp] [--ha]
+//! With `--arm`, every group is also listed by the simulator's Azure Resource Manager
+//! stand-in (one resource group per group) and approves `agent_then_arm`, and a third of
+//! the VMs (n % 3 == 2, but the dry-run and scaled-in ones) run no agent: their events
+//! reach the coordinator through the document of the agent before them (as Azure lists a
+//! set's events in each of its VMs' documents), and are acknowledged through ARM.
+//!
+//!   cargo bench --profile dist --features nats,amqp,azure --bench fleet -- [--vms N] [--broker nats|amqp] [--ha] [--arm]
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -72,6 +78,21 @@ fn never_back_id() -> String {
 /// Agents in dry run: they answer `accepted` with `dryRun` and POST nothing.
 fn dry_run(n: usize) -> bool {
     n % 100 == 77
+}
+
+/// The subscription of `--arm` runs.
+const SUBSCRIPTION: &str = "0b1f6471-1bf0-4dda-aec3-777788889999";
+/// With `--arm`: VM `n` runs no agent.
+fn agentless(arm: bool, n: usize) -> bool {
+    arm && n % 3 == 2 && !dry_run(n) && !scaled_in(n)
+}
+/// The VM whose agent reports the events of agentless VM `n`: the nearest before it with
+/// an agent that lives through the wave.
+fn reporter(arm: bool, n: usize) -> usize {
+    (0..n)
+        .rev()
+        .find(|&m| !agentless(arm, m) && !scaled_in(m) && m != NEVER_BACK)
+        .expect("VM 0 has an agent")
 }
 
 /// One scripted event: (EventId, type, appears after s, notice s, duration, cancel after s,
@@ -174,8 +195,14 @@ fn plan_host_events(names: &[String], plans: &mut [Vec<Planned>]) {
     }
 }
 
-fn scenario(vm: &str, events: &[Planned]) -> String {
+fn scenario(vm: &str, events: &[Planned], arm: bool) -> String {
     let mut text = format!("[vm]\nname = \"{vm}\"\n");
+    if arm {
+        let group = vm.split('-').next().unwrap_or_default();
+        text.push_str(&format!(
+            "resource_id = \"/subscriptions/{SUBSCRIPTION}/resourceGroups/rg-{group}/providers/Microsoft.Compute/virtualMachines/{vm}\"\n"
+        ));
+    }
     for e in events {
         let resources = if e.resources.is_empty() {
             vec![vm.to_owned()]
@@ -322,6 +349,8 @@ fn main() {
     // Two coordinators sharing their state in NATS KV; the active one is stopped (SIGSTOP) in
     // the middle of a drain instead of killed, and woken once the standby took over.
     let ha = args.iter().any(|a| a == "--ha");
+    // A third of the VMs without an agent, approved through ARM.
+    let arm = args.iter().any(|a| a == "--arm");
     assert!(!ha || broker == "nats", "--ha needs --broker nats");
     let dir = tempfile::tempdir().unwrap();
     let mut bus = match broker {
@@ -343,17 +372,49 @@ fn main() {
     let started = Instant::now();
     let names: Vec<String> = (0..vms).map(|n| format!("g{}-{n}", n % GROUPS)).collect();
     let mut plans: Vec<Vec<Planned>> = (0..vms).map(|n| plan(n, vms)).collect();
+    // An agentless VM's events, listing it alone, are in its reporter's document too.
+    for n in (0..vms).filter(|&n| agentless(arm, n)) {
+        let own: Vec<Planned> = plans[n]
+            .iter_mut()
+            .map(|e| {
+                e.resources = vec![names[n].clone()];
+                e.clone()
+            })
+            .collect();
+        plans[reporter(arm, n)].extend(own);
+    }
     plan_host_events(&names, &mut plans);
+    // Which VMs each event takes down (a document holds the events of other VMs too).
+    let takes_down: BTreeMap<String, Vec<String>> = names
+        .iter()
+        .zip(&plans)
+        .flat_map(|(vm, plan)| {
+            plan.iter().map(move |e| {
+                let vms = if e.resources.is_empty() {
+                    vec![vm.clone()]
+                } else {
+                    e.resources.clone()
+                };
+                (e.id.clone(), vms)
+            })
+        })
+        .collect();
     let paths: Vec<String> = names
         .iter()
         .zip(&plans)
         .map(|(vm, plan)| {
             let path = dir.path().join(format!("{vm}.toml"));
-            std::fs::write(&path, scenario(vm, plan)).unwrap();
+            std::fs::write(&path, scenario(vm, plan, arm)).unwrap();
             path.to_str().unwrap().to_owned()
         })
         .collect();
-    let sims = SimProcess::start_fleet(&paths.iter().map(String::as_str).collect::<Vec<_>>(), 1.0);
+    let paths: Vec<&str> = paths.iter().map(String::as_str).collect();
+    let (sims, arm_url) = if arm {
+        let (sims, url) = SimProcess::start_fleet_with_arm(&paths, 1.0);
+        (sims, Some(url))
+    } else {
+        (SimProcess::start_fleet(&paths, 1.0), None)
+    };
     let origin = Instant::now();
     let mut agents = Vec::new();
     for (n, sim) in sims.iter().enumerate() {
@@ -365,11 +426,17 @@ fn main() {
             ),
         );
         agent.set_env(&[("SCHED_RELAY_LOG__LEVEL", "warn")]);
-        agent.spawn(if dry_run(n) { &["--dry-run"] } else { &[] });
+        if !agentless(arm, n) {
+            agent.spawn(if dry_run(n) { &["--dry-run"] } else { &[] });
+        }
         agents.push(agent);
     }
     std::thread::sleep(Duration::from_secs(3));
-    for agent in agents.iter_mut() {
+    for (_, agent) in agents
+        .iter_mut()
+        .enumerate()
+        .filter(|(n, _)| !agentless(arm, *n))
+    {
         assert!(
             agent.is_running(),
             "an agent exited at start:\n{}",
@@ -390,7 +457,18 @@ fn main() {
         groups.push_str(&format!(
             "\n[[groups]]\nname = \"g{g}\"\nvm_name = \"g{g}-*\"\nmax_down_percent = {PERCENT}\n"
         ));
+        if arm {
+            groups.push_str(&format!(
+                "[groups.azure]\nsource = \"/subscriptions/{SUBSCRIPTION}/resourceGroups/rg-g{g}\"\napprove_via = \"agent_then_arm\"\n"
+            ));
+        }
     }
+    // The stand-in, as the coordinator reaches Azure Resource Manager.
+    let azure_section = arm_url.as_ref().map_or(String::new(), |url| {
+        format!(
+            "[azure]\nresource_manager = \"{url}\"\nmanaged_identity_endpoint = \"{url}\"\naudience = \"https://management.azure.com\"\n"
+        )
+    });
     let config = dir.path().join("coordinator.toml");
     std::fs::write(
         &config,
@@ -401,7 +479,7 @@ fn main() {
              [signing]\nkey_file = \"{key}\"\nkey_id = \"coordinator\"\n\n\
              [drain]\ncommand = [\"sh\", \"{drain}\", \"{{vmname}}\", \"{{eventid}}\"]\nmargin = \"30s\"\n\n\
              [defaults]\nmax_down = 1\n[defaults.actions]\nReboot = \"drain_then_approve\"\nRedeploy = \"drain_then_approve\"\nPreempt = \"drain_then_approve\"\nFreeze = {{ action = \"approve\", max_duration = \"10s\" }}\nTerminate = \"never\"\n\
-             [defaults.outage]\nReboot = \"{outage}s\"\nRedeploy = \"{outage}s\"\n{groups}\n{ha_section}",
+             [defaults.outage]\nReboot = \"{outage}s\"\nRedeploy = \"{outage}s\"\n{groups}\n{ha_section}\n{azure_section}",
             ha_section = if ha {
                 format!("[ha]\nurl = \"{}\"\nbucket = \"fleet-ha\"\nlease = \"5s\"\n", bus.url())
             } else {
@@ -416,7 +494,16 @@ fn main() {
     .unwrap();
     // The quiet fleet: every first document has left the stream (40 s) when it starts.
     std::thread::sleep(Duration::from_secs(45).saturating_sub(origin.elapsed()));
-    let before: Vec<(u64, u64, u64)> = agents.iter().map(|a| footprint(a.pid())).collect();
+    let before: Vec<(u64, u64, u64)> = agents
+        .iter_mut()
+        .map(|a| {
+            if a.is_running() {
+                footprint(a.pid())
+            } else {
+                (0, 0, 0)
+            }
+        })
+        .collect();
     let mut coordinator =
         Coordinator::start(config.clone(), dir.path().join("coordinator.log"), port);
     let coordinator_cpu_before = footprint(coordinator.pid().unwrap()).0;
@@ -456,7 +543,10 @@ fn main() {
     // Faults, at fixed moments of the wave.
     let at = |s: u64| wave + Duration::from_secs(s);
     wait_until(at(25), &mut agents);
-    let killed: Vec<usize> = (0..vms).step_by(50).collect();
+    let killed: Vec<usize> = (0..vms)
+        .step_by(50)
+        .filter(|&n| !agentless(arm, n))
+        .collect();
     for &n in &killed {
         agents[n].kill9();
     }
@@ -580,6 +670,22 @@ fn main() {
         .filter(|(_, _, status)| *status == 200)
         .map(|(body, at, _)| (body, at))
         .collect();
+    // Every acknowledgement through ARM the stand-in took (200), by EventId; and its calls.
+    let arm_calls: Vec<serde_json::Value> = arm_url.as_ref().map_or(Vec::new(), |url| {
+        let (_, body) = common::blocking_get(&format!("{url}/__arm/requests"), &[]);
+        serde_json::from_str(&body).unwrap()
+    });
+    let mut acked: BTreeMap<String, usize> = BTreeMap::new();
+    for call in &arm_calls {
+        let path = call["path"].as_str().unwrap_or_default();
+        if let Some(rest) = path.strip_suffix("/acknowledge")
+            && call["status"] == 200
+        {
+            let id = rest.rsplit('/').next().unwrap_or_default();
+            *acked.entry(id.to_ascii_lowercase()).or_default() += 1;
+        }
+    }
+    let (mut approved_arm, mut acknowledgements) = (0, 0);
     let mut counted = std::collections::HashSet::new();
     for (n, vm) in names.iter().enumerate() {
         let origin_us = sims[n].state()["started_unix_us"].as_i64().unwrap();
@@ -592,15 +698,30 @@ fn main() {
             // Counted once per Azure event.
             let first = counted.insert(e.id.clone());
             let not_before = origin_us + ((e.appear + e.notice as f64) * 1e6) as i64;
-            if e.cancel_after.is_some() && for_it.is_empty() {
+            // Through ARM: approved when the simulator started it on that approval.
+            let acks = acked.get(&e.id.to_ascii_lowercase()).copied().unwrap_or(0);
+            let through_arm = (acks > 0)
+                .then(|| {
+                    sims[n].state()["down"]
+                        .as_array()?
+                        .iter()
+                        .find(|d| d["event_id"] == e.id.as_str() && d["approved"] == true)?["from_us"]
+                        .as_i64()
+                })
+                .flatten();
+            if first && acks > 0 {
+                approved_arm += 1;
+                acknowledgements += acks;
+            }
+            if e.cancel_after.is_some() && for_it.is_empty() && acks == 0 {
                 cancelled += usize::from(first);
             } else if e.ty != "Terminate" {
                 approvable += usize::from(first);
-                match for_it.iter().min() {
+                match for_it.iter().min().copied().or(through_arm) {
                     None => left_to_azure += usize::from(first),
                     Some(at) if first => {
                         approved += 1;
-                        after_not_before += usize::from(*at > not_before);
+                        after_not_before += usize::from(at > not_before);
                     }
                     Some(_) => {}
                 }
@@ -627,7 +748,7 @@ fn main() {
             }
             // Lost: the coordinator never heard of it from this VM, or not of its end (but
             // from the VMs that were deleted or never came back).
-            if scaled_in(n) || n == NEVER_BACK {
+            if scaled_in(n) || n == NEVER_BACK || agentless(arm, n) {
                 continue;
             }
             let known = fleet["events"]
@@ -647,6 +768,13 @@ fn main() {
     // from then on): an approval's VM down, within its expected outage, while its group had
     // more VMs down than its budget.
     let mut record: Vec<Downtime> = downtimes(names.iter().zip(&sims));
+    // A VM's simulator records every event of its document; only those listing it took it
+    // down.
+    record.retain(|d| {
+        takes_down
+            .get(&d.event_id)
+            .is_none_or(|listed| listed.contains(&d.vm))
+    });
     for d in &mut record {
         if let Some(gone) = deleted.get(&d.vm) {
             d.until_us = Some(d.until_us.map_or(*gone, |u| u.min(*gone)));
@@ -715,18 +843,28 @@ fn main() {
             .filter(|(body, _, status)| body.contains(&f.event) && *status == 200)
             .count();
     }
-    let ha_flag = if ha { " --ha" } else { "" };
+    let ha_flag = format!(
+        "{}{}",
+        if ha { " --ha" } else { "" },
+        if arm { " --arm" } else { "" }
+    );
+    let features = if arm { "nats,amqp,azure" } else { "nats,amqp" };
     let broker_name = if broker == "amqp" {
         "RabbitMQ"
     } else {
         "NATS JetStream"
     };
     println!(
-        "## Fleet coordinator: a simulated fleet of {vms} VMs, through {broker_name}{}\n",
-        if ha { ", with a standby" } else { "" }
+        "## Fleet coordinator: a simulated fleet of {vms} VMs, through {broker_name}{}{}\n",
+        if ha { ", with a standby" } else { "" },
+        if arm {
+            ", a third of them without an agent, approved through Azure Resource Manager"
+        } else {
+            ""
+        }
     );
     println!(
-        "`scripts/fleet --vms {vms} --broker {broker}{ha_flag}` (`cargo bench --profile dist --features nats,amqp --bench fleet -- --vms {vms} --broker {broker}{ha_flag}`), on {} CPU(s); the wave and its faults are described in `benches/fleet.rs`. Figures from the simulators' own records.\n",
+        "`scripts/fleet --vms {vms} --broker {broker}{ha_flag}` (`cargo bench --profile dist --features {features} --bench fleet -- --vms {vms} --broker {broker}{ha_flag}`), on {} CPU(s); the wave and its faults are described in `benches/fleet.rs`. Figures from the simulators' own records.\n",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     println!("| measure | result | goal |\n|---|---|---|");
@@ -737,6 +875,30 @@ fn main() {
     println!(
         "| host-level events listing 3 VMs (one per group) / released on all 3 by one POST | {shared} / {shared_released} | all |"
     );
+    if arm {
+        let without = (0..vms).filter(|&n| agentless(arm, n)).count();
+        let count = |method: &str, status: Option<u64>| {
+            arm_calls
+                .iter()
+                .filter(|c| {
+                    c["method"] == method
+                        && c["path"]
+                            .as_str()
+                            .is_some_and(|p| p.starts_with("/subscriptions/"))
+                        && status.is_none_or(|s| c["status"] == s)
+                })
+                .count()
+        };
+        println!(
+            "| VMs without an agent (their events reported by a neighbour's agent) / events approved through ARM / acknowledgements ARM took (200) | {without} of {vms} / {approved_arm} / {acknowledgements} | / all of theirs / |"
+        );
+        println!(
+            "| ARM calls over the run: reads (GET) / writes (POST) / answered 429 | {} / {} / {} | |",
+            count("GET", None),
+            count("POST", None),
+            arm_calls.iter().filter(|c| c["status"] == 429).count()
+        );
+    }
     println!("| left to NotBefore (never approved) | {left_to_azure} | |");
     println!(
         "| moments an approval's VM was down while its group was over budget ({limit} of {} VMs), from the simulators' record / most VMs down at once per group, Azure's own starts included | {} / {most:?} | 0 |",
@@ -744,7 +906,8 @@ fn main() {
         violations.len()
     );
     println!(
-        "| quiet fleet: VMs the coordinator knew when the wave began (from heartbeats alone) | {known_at_wave} of {vms} | all |"
+        "| quiet fleet: VMs the coordinator knew when the wave began (from heartbeats alone) | {known_at_wave} of {} | all |",
+        (0..vms).filter(|&n| !agentless(arm, n)).count()
     );
     println!(
         "| scale-in of g9 ({} VMs, Terminate then deleted): left the inventory | {left} | {} |",
@@ -774,7 +937,7 @@ fn main() {
         "| agents: CPU over the wave ({:.0} s), total / per agent | {:.1} s / {:.1} ms | |",
         elapsed.as_secs_f64(),
         agent_cpu_total / 1000.0,
-        agent_cpu_total / vms as f64
+        agent_cpu_total / (0..vms).filter(|&n| !agentless(arm, n)).count() as f64
     );
     println!(
         "| agents: RSS / PSS, total | {:.0} MiB / {:.0} MiB | |",

@@ -53,8 +53,26 @@ impl SimProcess {
     /// One process serving each scenario as a VM on its own port, in order; an EventId in
     /// several scenarios is one event that lists several VMs.
     pub fn start_fleet(scenarios: &[&str], time_scale: f64) -> Vec<SimProcess> {
+        SimProcess::start_fleet_with(scenarios, time_scale, false).0
+    }
+
+    /// [`SimProcess::start_fleet`] with the simulator's Azure Resource Manager stand-in
+    /// over every VM (`--arm-listen`): the VMs, and the stand-in's URL.
+    pub fn start_fleet_with_arm(scenarios: &[&str], time_scale: f64) -> (Vec<SimProcess>, String) {
+        let (vms, arm) = SimProcess::start_fleet_with(scenarios, time_scale, true);
+        (vms, arm.expect("the ARM stand-in listens"))
+    }
+
+    fn start_fleet_with(
+        scenarios: &[&str],
+        time_scale: f64,
+        arm: bool,
+    ) -> (Vec<SimProcess>, Option<String>) {
         let mut command = Command::new(BINARY);
         command.args(["simulate", "--listen", "127.0.0.1:0"]);
+        if arm {
+            command.args(["--arm-listen", "127.0.0.1:0"]);
+        }
         for scenario in scenarios {
             command.args(["--scenario", scenario]);
         }
@@ -65,8 +83,8 @@ impl SimProcess {
             .spawn()
             .expect("the sched-relay binary starts");
         let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut urls = Vec::with_capacity(scenarios.len());
-        while urls.len() < scenarios.len() {
+        let mut urls = Vec::with_capacity(scenarios.len() + 1);
+        while urls.len() < scenarios.len() + usize::from(arm) {
             let mut line = String::new();
             stdout.read_line(&mut line).unwrap();
             let Some(url) = line
@@ -88,12 +106,16 @@ impl SimProcess {
         // Its logs are not needed once it listens; drop the pipe so it never fills up.
         drop(child.stderr.take());
         let process = std::sync::Arc::new(KillOnDrop(std::sync::Mutex::new(child)));
-        urls.into_iter()
+        // The stand-in says where it listens after every VM.
+        let arm = arm.then(|| urls.pop().expect("read above"));
+        let vms = urls
+            .into_iter()
             .map(|url| SimProcess {
                 process: process.clone(),
                 url,
             })
-            .collect()
+            .collect();
+        (vms, arm)
     }
 
     pub fn pid(&self) -> u32 {
