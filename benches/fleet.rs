@@ -709,8 +709,11 @@ fn main() {
                         .as_i64()
                 })
                 .flatten();
-            if first && acks > 0 {
+            // An acknowledgement of an event already started is a 200 too: not an approval.
+            if first && through_arm.is_some() {
                 approved_arm += 1;
+            }
+            if first {
                 acknowledgements += acks;
             }
             if e.cancel_after.is_some() && for_it.is_empty() && acks == 0 {

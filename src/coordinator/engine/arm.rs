@@ -35,15 +35,18 @@ impl Engine {
             .azure
             .get(&approval.approver)
             .and_then(|vm| acknowledge_scope(&vm.resource_id));
+        // Refusals, not failures: neither mends itself by waiting. A VM no longer listed
+        // is `unknown_event` (a new attempt picks the approver again, within
+        // `max_attempts`); no client at all is an alert.
         let why_not = match (&self.acknowledger, &scope) {
-            (None, _) => Some(
-                "this coordinator has no Azure Resource Manager client ([azure], the azure feature)"
-                    .to_owned(),
-            ),
-            (_, None) => Some(format!(
-                "{} is not a VM in Azure's inventory any more",
-                approval.approver
-            )),
+            (None, _) => Some(Acked::Refused {
+                reason: "no_arm_client".into(),
+                message: "this coordinator has no Azure Resource Manager client ([azure], the azure feature)".into(),
+            }),
+            (_, None) => Some(Acked::Refused {
+                reason: "unknown_event".into(),
+                message: format!("{} is not a VM in Azure's inventory any more", approval.approver),
+            }),
             _ => None,
         };
         self.publishing
@@ -65,7 +68,8 @@ impl Engine {
                         .acknowledge(&scope, &event_id, &request_id)
                         .await
                 }
-                (why, ..) => Acked::Failed(why.unwrap_or_default()),
+                (Some(refused), ..) => refused,
+                (None, ..) => Acked::Failed("no client or no scope".into()),
             };
             let _ = done.send(Done::Acknowledged {
                 key,

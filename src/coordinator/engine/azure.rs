@@ -90,6 +90,14 @@ impl Engine {
             tracing::warn!(warning = %warning, "Azure's own approvals bypass a drain");
         }
         view.warnings = warnings;
+        let mut listed_at = std::collections::BTreeMap::new();
+        for source in &snapshot.sources {
+            if let Some(at) = source.listed_at {
+                let oldest = listed_at.entry(source.group).or_insert(at);
+                *oldest = (*oldest).min(at);
+            }
+        }
+        self.fleet.azure_listed_at = listed_at;
         view.sources = snapshot.sources;
         self.fleet.set_azure(snapshot.vms);
         self.dirty = true;

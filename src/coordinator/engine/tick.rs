@@ -181,7 +181,7 @@ impl Engine {
             let step = match step {
                 Next::Renew if delivered >= self.config.coordinator.max_attempts && arm => {
                     Next::Abandon(format!(
-                        "{delivered} acknowledgement(s) taken by Azure Resource Manager, and the event is not seen started (max_attempts)"
+                        "{delivered} acknowledgement(s) answered by Azure Resource Manager, and the event is not seen started (max_attempts)"
                     ))
                 }
                 Next::Renew if delivered >= self.config.coordinator.max_attempts => Next::Abandon(

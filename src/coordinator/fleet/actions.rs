@@ -65,7 +65,7 @@ pub struct Approval {
     pub dry_run_answers: u32,
 }
 
-/// A drain of each affected VM that has an agent.
+/// A drain of each affected VM of the inventory (with an agent, or listed by Azure).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Drain {
     pub started_at: DateTime<Utc>,

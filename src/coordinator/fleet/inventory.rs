@@ -189,8 +189,10 @@ impl Fleet {
     /// stored, is kept as it was listed.
     pub fn reloaded(&mut self, stored: Fleet) {
         let azure = std::mem::take(&mut self.azure);
+        let listed_at = std::mem::take(&mut self.azure_listed_at);
         *self = stored;
         self.set_azure(azure);
+        self.azure_listed_at = listed_at;
     }
 
     /// A heartbeat: the VM is in the inventory and alive as of the heartbeat's time; and

@@ -240,6 +240,9 @@ pub struct Fleet {
     /// The names of `azure` by lower-case resource id ([`Fleet::set_azure`]).
     #[serde(skip)]
     pub azure_ids: HashMap<String, String>,
+    /// When each group's source was last listed whole (by the policy's group index).
+    #[serde(skip)]
+    pub azure_listed_at: BTreeMap<usize, DateTime<Utc>>,
 }
 
 pub fn key_of(event_id: &str) -> String {

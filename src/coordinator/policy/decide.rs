@@ -173,13 +173,15 @@ pub fn decide(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Decisions {
     let mut down = down_now(fleet, policy, now);
     candidates.sort_by_key(|(key, m, _)| (m.not_before, m.first_seen, (*key).clone()));
     for (key, m, candidate) in candidates {
-        // Only a VM with an agent is drained: an event of VMs without one (approved
-        // through ARM) has nothing to drain, and is approved at once.
+        // The drain hook runs by VM name: every VM of the inventory is drained, those with
+        // an agent and those Azure lists without one. An event with none of either has
+        // nothing to drain (it cannot be approved: no agent, nothing listed to acknowledge
+        // at), and would be approved at once.
         let drained = |placed: &[(String, usize)]| -> Vec<String> {
             placed
                 .iter()
                 .map(|(vm, _)| vm)
-                .filter(|vm| fleet.vms.contains_key(*vm))
+                .filter(|vm| fleet.vms.contains_key(*vm) || fleet.azure.contains_key(*vm))
                 .cloned()
                 .collect()
         };

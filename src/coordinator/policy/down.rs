@@ -108,6 +108,67 @@ pub fn holds(m: &Maintenance) -> bool {
     m.holds()
 }
 
+/// When the evidence last said each VM was back from an event: its [`Back`] record, or, for
+/// a VM without an agent and without a report of its own, the last report that closed an
+/// event listing it. Gathered only where Azure lists VMs.
+///
+/// [`Back`]: crate::coordinator::fleet::Back
+fn back_times(fleet: &Fleet) -> std::collections::HashMap<String, DateTime<Utc>> {
+    let mut backs = std::collections::HashMap::new();
+    if fleet.azure.is_empty() {
+        return backs;
+    }
+    let mut note = |vm: &str, at: DateTime<Utc>| {
+        let latest = backs.entry(vm.to_owned()).or_insert(at);
+        *latest = (*latest).max(at);
+    };
+    for m in fleet.events.values() {
+        for (vm, back) in &m.back {
+            note(vm, back.at);
+        }
+        if m.over() {
+            let closed = m.reports.values().map(|r| r.at).max();
+            for vm in m.affected() {
+                if !fleet.vms.contains_key(&vm)
+                    && !m.reports.contains_key(&vm)
+                    && let Some(at) = closed
+                {
+                    note(&vm, at);
+                }
+            }
+        }
+    }
+    backs
+}
+
+/// Azure's word that `vm` is down, unless it is a restart's passing state (power starting
+/// or stopping, provisioning updating) in a listing older than the evidence that the VM is
+/// back: a listing taken during a Reboot says `starting` until the next one, up to a
+/// `refresh` after the agent said the Reboot completed. A later listing counts again.
+fn azure_down(
+    fleet: &Fleet,
+    backs: &std::collections::HashMap<String, DateTime<Utc>>,
+    vm: &str,
+    listed: &crate::coordinator::azure::AzureVm,
+    agent_alive: bool,
+) -> Option<String> {
+    let why = listed.down(agent_alive)?;
+    let passing = matches!(
+        listed.provisioning.as_deref(),
+        Some("succeeded" | "updating")
+    ) && matches!(
+        listed.power.as_deref(),
+        Some("running" | "starting" | "stopping")
+    );
+    let listed_at = fleet.azure_listed_at.get(&listed.group);
+    let stale = passing
+        && backs
+            .get(vm)
+            .zip(listed_at)
+            .is_some_and(|(back, listed_at)| back > listed_at);
+    (!stale).then_some(why)
+}
+
 /// Nobody holds it and some agent still reports it Scheduled: Azure starts it at NotBefore
 /// unless it is approved first.
 pub fn pending(m: &Maintenance) -> bool {
@@ -138,6 +199,7 @@ pub fn down_now(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Down {
         without_agent: vec![BTreeSet::new(); groups],
         ..Down::default()
     };
+    let backs = back_times(fleet);
     // Holding (by the coordinator, anyone else, or Azure) is the event's own state.
     for (name, vm) in &fleet.vms {
         let azure = fleet.azure_vm(name);
@@ -155,7 +217,7 @@ pub fn down_now(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Down {
                 .insert(Cause::Silent);
         }
         // Azure's own word that the VM is not serving.
-        if let Some(why) = azure.and_then(|a| a.down(!silent)) {
+        if let Some(why) = azure.and_then(|a| azure_down(fleet, &backs, name, a, !silent)) {
             down.causes
                 .entry(name.clone())
                 .or_default()
@@ -178,7 +240,7 @@ pub fn down_now(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Down {
         let g = policy.group_of_known(name, Some(&azure.resource_id), Some(azure.group));
         down.members[g] += 1;
         down.without_agent[g].insert(name.clone());
-        if let Some(why) = azure.down(false) {
+        if let Some(why) = azure_down(fleet, &backs, name, azure, false) {
             down.causes
                 .entry(name.clone())
                 .or_default()

@@ -329,16 +329,24 @@ async fn a_throttled_acknowledgement_is_sent_again_only_after_arms_retry_after()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_event_of_vms_without_an_agent_has_nothing_to_drain_and_is_approved_through_arm() {
+async fn an_event_of_vms_without_an_agent_is_drained_by_name_then_approved_through_arm() {
     let e1 = reboot("E1", &["web_1"]);
     let (vms, arm) = scale_set([&e1, &e1, &e1]).await;
-    let drain = "[groups.actions]\nReboot = 'drain_then_approve'\n[drain]\ncommand = ['sh', '-c', 'exit 0']\n";
-    let (mut world, _) = world_with(&arm, "arm", drain).await;
+    let dir = tempfile::tempdir().unwrap();
+    let drained = dir.path().join("drained");
+    let drain = format!(
+        "[groups.actions]\nReboot = 'drain_then_approve'\n[drain]\ncommand = ['sh', '-c', 'echo \"$0\" >> {}', '{{vmname}}']\n",
+        drained.display()
+    );
+    let (mut world, _) = world_with(&arm, "arm", &drain).await;
     let now = Utc::now();
     report(&mut world, 0, &document(2, &[("E1", &["web_1"])], now), now);
     until(&mut world, now, |_| started(&vms[1], "E1")).await;
+    // The drain hook ran for web_1, which has no agent, before ARM was asked.
+    assert_eq!(std::fs::read_to_string(&drained).unwrap(), "web_1\n");
     let m = &world.engine.fleet.events["E1"];
-    assert_eq!(m.drain, None, "a drain of no VM");
+    let drain = m.drain.as_ref().expect("drained first");
+    assert_eq!(drain.vms.get("web_1").map(String::as_str), Some("done"));
     assert_eq!(acknowledgements(&arm).len(), 1);
     for vm in vms {
         vm.stop().await;

@@ -369,3 +369,49 @@ mod config {
         );
     }
 }
+
+/// A listing taken during a Reboot shows the VM restarting until the next one, a `refresh`
+/// later: once its agent said the Reboot completed, that older listing no longer holds its
+/// place. A listing taken after the agent's word still counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_older_than_a_vms_return_does_not_hold_its_place_and_a_newer_one_does() {
+    let at = |s: i64| t0() + chrono::Duration::seconds(s);
+    let restarting = |when: chrono::DateTime<Utc>| {
+        let mut snapshot = listed_at(&[("batch-0", "starting"), ("batch-1", "running")], when);
+        snapshot.vms.get_mut("batch-0").unwrap().provisioning = Some("updating".into());
+        snapshot
+    };
+    let mut world = batch_world();
+    // batch-0's Reboot was approved and has started; Azure lists it restarting at +30 s.
+    let scheduled = document(2, &[("E1", "Reboot", "Scheduled", &["batch-0"], 3600, -1)]);
+    let started = document(3, &[("E1", "Reboot", "Started", &["batch-0"], 3600, -1)]);
+    for event in published("batch-0", Some(&document(1, &[])), &scheduled) {
+        world.deliver(&event, at(0));
+    }
+    world.engine.azure_listed(restarting(at(30)), at(30));
+    for event in published("batch-0", Some(&scheduled), &started) {
+        world.deliver(&event, at(31));
+    }
+    // At +60 s its agent says the Reboot completed; batch-1's agent reports a Reboot.
+    for event in published("batch-0", Some(&started), &document(4, &[])) {
+        world.deliver(&event, at(60));
+    }
+    let e2 = document(2, &[("E2", "Reboot", "Scheduled", &["batch-1"], 3600, -1)]);
+    for event in published("batch-1", Some(&document(1, &[])), &e2) {
+        world.deliver(&event, at(61));
+    }
+    world.engine.tick(at(61));
+    assert!(
+        approved(&mut world).await.contains(&"E2".to_owned()),
+        "batch-0's place still held by a listing older than its return"
+    );
+    // A listing taken after the agent's word that still shows batch-0 restarting counts.
+    world.engine.azure_listed(restarting(at(90)), at(90));
+    world.engine.publish_snapshot(at(90));
+    let batch = world.group("batch");
+    assert_eq!(
+        batch["why"]["batch-0"],
+        serde_json::json!(["Azure: provisioning updating"]),
+        "{batch}"
+    );
+}
