@@ -244,6 +244,21 @@ fn footprint(pid: u32) -> (u64, u64, u64) {
     (cpu, rss, pss)
 }
 
+/// [`footprint`] of every agent; zeros for one not running (killed, or never started:
+/// the VMs without an agent of `--arm`).
+fn footprints(agents: &mut [AgentProcess]) -> Vec<(u64, u64, u64)> {
+    agents
+        .iter_mut()
+        .map(|a| {
+            if a.is_running() {
+                footprint(a.pid())
+            } else {
+                (0, 0, 0)
+            }
+        })
+        .collect()
+}
+
 /// The private broker of the run.
 enum Bus {
     Nats(PrivateNats),
@@ -494,16 +509,7 @@ fn main() {
     .unwrap();
     // The quiet fleet: every first document has left the stream (40 s) when it starts.
     std::thread::sleep(Duration::from_secs(45).saturating_sub(origin.elapsed()));
-    let before: Vec<(u64, u64, u64)> = agents
-        .iter_mut()
-        .map(|a| {
-            if a.is_running() {
-                footprint(a.pid())
-            } else {
-                (0, 0, 0)
-            }
-        })
-        .collect();
+    let before = footprints(&mut agents);
     let mut coordinator =
         Coordinator::start(config.clone(), dir.path().join("coordinator.log"), port);
     let coordinator_cpu_before = footprint(coordinator.pid().unwrap()).0;
@@ -610,16 +616,7 @@ fn main() {
         &mut agents,
     );
     let elapsed = wave.elapsed();
-    let after: Vec<(u64, u64, u64)> = agents
-        .iter_mut()
-        .map(|a| {
-            if a.is_running() {
-                footprint(a.pid())
-            } else {
-                (0, 0, 0)
-            }
-        })
-        .collect();
+    let after = footprints(&mut agents);
     let (coordinator_cpu_end, coordinator_rss, coordinator_pss) =
         footprint(coordinator.pid().unwrap());
     // One process serves every VM.

@@ -156,6 +156,13 @@ async fn until(world: &mut World, now: DateTime<Utc>, done: impl Fn(&World) -> b
     panic!("never happened");
 }
 
+async fn stop(vms: Vec<Simulator>, arm: ArmStandIn) {
+    for vm in vms {
+        vm.stop().await;
+    }
+    arm.stop().await;
+}
+
 fn started(vm: &Simulator, event: &str) -> bool {
     vm.snapshot()
         .down
@@ -228,10 +235,7 @@ async fn events_of_vms_without_an_agent_are_approved_through_arm_within_the_budg
     );
     assert_eq!(acknowledgements(&arm).len(), 1, "not acknowledged again");
     assert!(!started(&vms[2], "E2"));
-    for vm in vms {
-        vm.stop().await;
-    }
-    arm.stop().await;
+    stop(vms, arm).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -288,10 +292,7 @@ async fn an_approval_no_agent_answers_within_outcome_timeout_goes_through_arm() 
         ["E1".to_owned()],
         "no second request to the silent agent"
     );
-    for vm in vms {
-        vm.stop().await;
-    }
-    arm.stop().await;
+    stop(vms, arm).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -322,10 +323,7 @@ async fn a_throttled_acknowledgement_is_sent_again_only_after_arms_retry_after()
         waited >= 4000,
         "sent again {waited} ms after a Retry-After of 4 s"
     );
-    for vm in vms {
-        vm.stop().await;
-    }
-    arm.stop().await;
+    stop(vms, arm).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -348,8 +346,5 @@ async fn an_event_of_vms_without_an_agent_is_drained_by_name_then_approved_throu
     let drain = m.drain.as_ref().expect("drained first");
     assert_eq!(drain.vms.get("web_1").map(String::as_str), Some("done"));
     assert_eq!(acknowledgements(&arm).len(), 1);
-    for vm in vms {
-        vm.stop().await;
-    }
-    arm.stop().await;
+    stop(vms, arm).await;
 }
