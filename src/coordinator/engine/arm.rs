@@ -163,13 +163,8 @@ impl Engine {
         let Some(view) = self.azure.as_ref() else {
             return Vec::new();
         };
-        let listed_at = |group: usize| {
-            view.sources
-                .iter()
-                .filter(|s| s.group == group)
-                .filter_map(|s| s.listed_at)
-                .min()
-        };
+        // When each group's source was last listed whole, as the budget's count reads it.
+        let listed_at = |group: usize| self.fleet.azure_listed_at.get(&group).copied();
         let mut accepted = Vec::new();
         for (key, m) in &self.fleet.events {
             let Some(approval) = m
