@@ -25,16 +25,28 @@ impl Engine {
         self.decided_at = Some(started);
         let decisions = policy::decide(&self.fleet, &self.policy, now);
         self.decision_cost = started.elapsed();
+        // A wait the last decision made too, whose words the event still shows, is not put
+        // into words again; the waits of this decision replace the last one's.
+        let mut last = std::mem::take(&mut self.verdicts);
         for (key, wait) in decisions.waits {
-            let text = wait.to_string();
-            if let Some(m) = self.fleet.events.get_mut(&key)
-                && m.verdict != text
+            let Some(m) = self.fleet.events.get_mut(&key) else {
+                continue;
+            };
+            if let Some((was, text)) = last.remove(&key)
+                && was == wait
+                && m.verdict == text
             {
+                self.verdicts.insert(key, (wait, text));
+                continue;
+            }
+            let text = wait.to_string();
+            if m.verdict != text {
                 metrics::counter!("sched_relay_coordinator_decisions_total", "decision" => wait.label()).increment(1);
                 tracing::info!(event_id = %m.event_id, event_type = %m.event_type, verdict = %text, "Decision");
-                m.verdict = text;
+                m.verdict = text.clone();
                 self.dirty = true;
             }
+            self.verdicts.insert(key, (wait, text));
         }
         if decisions.steps.is_empty() {
             return;

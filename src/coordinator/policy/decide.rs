@@ -14,7 +14,7 @@ use std::collections::BTreeSet;
 use chrono::{DateTime, Utc};
 
 use super::approver::{Approver, choose};
-use super::down::{Cause, Down, down_now, holds};
+use super::down::{Cause, Down, Start, down_now, holds};
 use super::{Action, Policy};
 use crate::coordinator::fleet::{Fleet, Maintenance, Stage, Via};
 
@@ -171,7 +171,10 @@ pub fn decide(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Decisions {
         return decisions;
     }
     let mut down = down_now(fleet, policy, now);
-    candidates.sort_by_key(|(key, m, _)| (m.not_before, m.first_seen, (*key).clone()));
+    // (Compared in place: a key copied per comparison was 20,000 copies at 1,000 events.)
+    candidates.sort_by(|(a, am, _), (b, bm, _)| {
+        (am.not_before, am.first_seen, a).cmp(&(bm.not_before, bm.first_seen, b))
+    });
     for (key, m, candidate) in candidates {
         // The drain hook runs by VM name: every VM of the inventory is drained, those with
         // an agent and those Azure lists without one. An event with none of either has
@@ -293,7 +296,7 @@ fn one(
             return Err(Wait::Reports(missing));
         }
     }
-    fits(fleet, policy, down, key, m, &placed, now)?;
+    fits(policy, down, key, m, &placed, now)?;
     // Taken: its VMs are down for the events decided after it.
     for (vm, g) in placed.iter().cloned() {
         let causes = down.causes.entry(vm).or_default();
@@ -318,7 +321,6 @@ fn one(
 /// down either way and the approval adds nothing (it only ends their outage sooner).
 /// `placed` is each VM the event takes down, with its group.
 fn fits(
-    fleet: &Fleet,
     policy: &Policy,
     down: &Down,
     key: &str,
@@ -346,20 +348,17 @@ fn fits(
         }
     };
     // The VMs Azure starts inside the window, not down otherwise and not this event's.
-    let starts = |list: &[(DateTime<Utc>, String, String)], end: Option<DateTime<Utc>>| {
+    let starts = |list: &[Start<'_>], end: Option<DateTime<Utc>>| {
         let mut vms: BTreeSet<&str> = BTreeSet::new();
         let mut events: Vec<(String, DateTime<Utc>)> = Vec::new();
         // Earliest NotBefore first: the first one past the window ends the look.
-        for (at, event, vm) in list
-            .iter()
-            .take_while(|(at, ..)| end.is_none_or(|end| *at < end))
-        {
-            if event == key || otherwise(vm) || affected(vm) || !vms.insert(vm) {
+        for start in list.iter().take_while(|s| end.is_none_or(|end| s.at < end)) {
+            let vm = start.vm.as_str();
+            if start.key == key || otherwise(vm) || affected(vm) || !vms.insert(vm) {
                 continue;
             }
-            let id = fleet.events[event].event_id.clone();
-            if !events.iter().any(|(known, _)| *known == id) {
-                events.push((id, *at));
+            if !events.iter().any(|(known, _)| known == start.event_id) {
+                events.push((start.event_id.to_owned(), start.at));
             }
         }
         (vms.len(), events)
@@ -401,14 +400,17 @@ fn fits(
             .count();
         let base = down.causes.len() - only_mine;
         let adds = mine.iter().filter(|vm| !otherwise(vm)).count();
-        let all: Vec<(DateTime<Utc>, String, String)> = down
+        let all: Vec<Start<'_>> = down
             .pending
             .iter()
             .take_while(|p| fleet_end.is_none_or(|end| p.not_before < end))
             .flat_map(|p| {
-                p.vms
-                    .iter()
-                    .map(|vm| (p.not_before, p.key.clone(), vm.clone()))
+                p.vms.iter().map(|vm| Start {
+                    at: p.not_before,
+                    key: p.key,
+                    event_id: p.event_id,
+                    vm: vm.clone(),
+                })
             })
             .collect();
         let (forced, events) = starts(&all, fleet_end);

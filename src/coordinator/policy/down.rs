@@ -6,7 +6,7 @@
 //! Azure starts each at its NotBefore at the latest, which is what an approval's window
 //! must leave room for.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -51,15 +51,26 @@ impl Cause {
 /// An event nobody holds yet that Azure will start at its NotBefore unless it is approved
 /// earlier, with the VMs it will take down.
 #[derive(Debug, Clone)]
-pub struct Pending {
-    pub key: String,
+pub struct Pending<'f> {
+    pub key: &'f str,
+    pub event_id: &'f str,
     pub not_before: DateTime<Utc>,
     pub vms: Vec<String>,
 }
 
-/// The whole fleet's count at one moment.
+/// A VM a pending event will take down, at the event's NotBefore.
+#[derive(Debug, Clone)]
+pub struct Start<'f> {
+    pub at: DateTime<Utc>,
+    /// The event's key and EventId.
+    pub key: &'f str,
+    pub event_id: &'f str,
+    pub vm: String,
+}
+
+/// The whole fleet's count at one moment, over the fleet it was counted from.
 #[derive(Debug, Clone, Default)]
-pub struct Down {
+pub struct Down<'f> {
     /// Every VM down, with every reason.
     pub causes: BTreeMap<String, BTreeSet<Cause>>,
     /// Per group, how many VMs of the inventory it has (each VM's group is the policy's,
@@ -70,18 +81,39 @@ pub struct Down {
     /// Per group, the VMs of its Azure source that no agent speaks for.
     pub without_agent: Vec<BTreeSet<String>>,
     /// Scheduled events nobody holds, earliest NotBefore first.
-    pub pending: Vec<Pending>,
+    pub pending: Vec<Pending<'f>>,
     /// Per group, how many of its VMs are down (the VMs of `causes` in it).
     pub counts: Vec<usize>,
     /// Per group, each VM a pending event will take down, with its NotBefore and the
     /// event's key, earliest first: what an approval's window is checked against.
-    pub starts: Vec<Vec<(DateTime<Utc>, String, String)>>,
+    pub starts: Vec<Vec<Start<'f>>>,
+    /// Each VM of the inventory by name (an agent's, or one Azure lists), with its group
+    /// ([`Policy::group_of`]) and whether an agent speaks for it: found once per count, so
+    /// that what the count and the decision after it look up by name costs one hash, where
+    /// each lookup searched the fleet's VMs twice and the group memo once
+    /// (benches/profiling.md, section 27).
+    places: HashMap<&'f str, Place>,
 }
 
-impl Down {
-    /// The group of `vm`.
+/// A VM of the inventory, as the count found it.
+#[derive(Debug, Clone, Copy)]
+struct Place {
+    group: usize,
+    /// In the agents' inventory (`fleet.vms`).
+    agent: bool,
+}
+
+impl Down<'_> {
+    /// The group of `vm` (as [`Policy::group_of`] finds it).
     pub fn group_of(&self, fleet: &Fleet, policy: &Policy, vm: &str) -> usize {
-        policy.group_of(fleet, vm)
+        self.places
+            .get(vm)
+            .map_or_else(|| policy.group_of(fleet, vm), |place| place.group)
+    }
+
+    /// `vm` has an agent in the inventory (`fleet.vms` has it).
+    pub fn has_agent(&self, vm: &str) -> bool {
+        self.places.get(vm).is_some_and(|place| place.agent)
     }
 
     /// The group's size: the larger of the VMs known and the operator's expected size.
@@ -98,8 +130,10 @@ impl Down {
 
     /// The fleet's limit, if `[fleet]` sets one: of the sum of the groups' sizes.
     pub fn fleet_limit(&self, policy: &Policy) -> Option<usize> {
+        // (Summed only when there is a fleet budget: every budget check asks.)
+        let budget = policy.fleet_budget?;
         let size = (0..policy.groups.len()).map(|g| self.size(policy, g)).sum();
-        policy.fleet_budget.map(|budget| budget.limit(size))
+        Some(budget.limit(size))
     }
 }
 
@@ -178,10 +212,10 @@ pub fn pending(m: &Maintenance) -> bool {
             .any(|r| r.stage == crate::coordinator::fleet::Stage::Scheduled)
 }
 
-/// The place `vm` takes for `m` is free: the event is over for it, and the group's health
-/// gate (if any) has passed since.
-pub fn freed(fleet: &Fleet, policy: &Policy, m: &Maintenance, vm: &str, group: usize) -> bool {
-    if !m.back_for(vm, fleet.vms.contains_key(vm)) {
+/// The place `vm` (of `group`; with an agent in the inventory, `has_agent`) takes for `m`
+/// is free: the event is over for it, and the group's health gate (if any) has passed since.
+pub fn freed(policy: &Policy, m: &Maintenance, vm: &str, group: usize, has_agent: bool) -> bool {
+    if !m.back_for(vm, has_agent) {
         return false;
     }
     match m.back.get(vm) {
@@ -191,23 +225,39 @@ pub fn freed(fleet: &Fleet, policy: &Policy, m: &Maintenance, vm: &str, group: u
 }
 
 /// Who is down at `now`, and the events Azure will start by itself.
-pub fn down_now(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Down {
+pub fn down_now<'f>(fleet: &'f Fleet, policy: &Policy, now: DateTime<Utc>) -> Down<'f> {
     let groups = policy.groups.len();
     let mut down = Down {
         members: vec![0; groups],
         overdue: vec![BTreeSet::new(); groups],
         without_agent: vec![BTreeSet::new(); groups],
+        places: HashMap::with_capacity(fleet.vms.len() + fleet.azure.len()),
         ..Down::default()
     };
     let backs = back_times(fleet);
+    // The memo locked once for the walks over the inventory, and let go before anything
+    // else finds a group.
+    let mut lookup = policy.lookup();
     // Holding (by the coordinator, anyone else, or Azure) is the event's own state.
     for (name, vm) in &fleet.vms {
-        let azure = fleet.azure_vm(name);
+        // (A fleet without an Azure source looks nothing up for it.)
+        let azure = if fleet.azure.is_empty() {
+            None
+        } else {
+            fleet.azure_vm(name)
+        };
         let resource_id = vm
             .resource_id
             .as_deref()
             .or(azure.map(|a| a.resource_id.as_str()));
-        let g = policy.group_of_known(name, resource_id, azure.map(|a| a.group));
+        let g = lookup.group_of_known(name, resource_id, azure.map(|a| a.group));
+        down.places.insert(
+            name,
+            Place {
+                group: g,
+                agent: true,
+            },
+        );
         down.members[g] += 1;
         let silent = vm.silent(now, policy.silent_after);
         if silent {
@@ -233,11 +283,21 @@ pub fn down_now(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Down {
         fleet.agent_ids()
     };
     for (name, azure) in &fleet.azure {
-        let named = fleet.vms.get(name).is_some_and(|a| a.resource_id.is_none());
-        if named || agent_ids.contains(&azure.resource_id.to_ascii_lowercase()) {
+        let agent = fleet.vms.get(name);
+        let spoken_for = agent.is_some_and(|a| a.resource_id.is_none())
+            || agent_ids.contains(&azure.resource_id.to_ascii_lowercase());
+        if agent.is_some() && spoken_for {
             continue;
         }
-        let g = policy.group_of_known(name, Some(&azure.resource_id), Some(azure.group));
+        let g = lookup.group_of_known(name, Some(&azure.resource_id), Some(azure.group));
+        // A VM no agent is named after is found by Azure's word alone, as `group_of` does.
+        down.places.entry(name).or_insert(Place {
+            group: g,
+            agent: false,
+        });
+        if spoken_for {
+            continue;
+        }
         down.members[g] += 1;
         down.without_agent[g].insert(name.clone());
         if let Some(why) = azure_down(fleet, &backs, name, azure, false) {
@@ -247,6 +307,7 @@ pub fn down_now(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Down {
                 .insert(Cause::Azure(why));
         }
     }
+    drop(lookup);
     for (key, m) in &fleet.events {
         let held = holds(m);
         let starting = m.not_before.is_some_and(|at| at - now < policy.min_lead);
@@ -264,7 +325,7 @@ pub fn down_now(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Down {
         let mut waiting = Vec::new();
         for vm in m.affected() {
             let g = down.group_of(fleet, policy, &vm);
-            if freed(fleet, policy, m, &vm, g) {
+            if freed(policy, m, &vm, g, down.has_agent(&vm)) {
                 continue;
             }
             let cause = if held {
@@ -286,14 +347,15 @@ pub fn down_now(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Down {
             && !waiting.is_empty()
         {
             down.pending.push(Pending {
-                key: key.clone(),
+                key,
+                event_id: &m.event_id,
                 not_before,
                 vms: waiting,
             });
         }
     }
     down.pending
-        .sort_by(|a, b| (a.not_before, &a.key).cmp(&(b.not_before, &b.key)));
+        .sort_by(|a, b| (a.not_before, a.key).cmp(&(b.not_before, b.key)));
     down.counts = vec![0; groups];
     for vm in down.causes.keys() {
         let g = down.group_of(fleet, policy, vm);
@@ -303,7 +365,12 @@ pub fn down_now(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Down {
     for p in &down.pending {
         for vm in &p.vms {
             let g = down.group_of(fleet, policy, vm);
-            down.starts[g].push((p.not_before, p.key.clone(), vm.clone()));
+            down.starts[g].push(Start {
+                at: p.not_before,
+                key: p.key,
+                event_id: p.event_id,
+                vm: vm.clone(),
+            });
         }
     }
     down

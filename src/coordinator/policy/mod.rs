@@ -194,15 +194,51 @@ pub struct GroupMemo(std::sync::Mutex<HashMap<String, (Option<String>, Option<us
 /// The most VMs remembered; past it the memo starts again (VMs come and go).
 const GROUP_MEMO_LIMIT: usize = 200_000;
 
+/// The memo, locked once for a walk over many VMs ([`Policy::lookup`]).
+struct GroupLookup<'p> {
+    policy: &'p Policy,
+    #[allow(clippy::type_complexity)]
+    memo: std::sync::MutexGuard<'p, HashMap<String, (Option<String>, Option<usize>, usize)>>,
+}
+
+impl GroupLookup<'_> {
+    /// [`Policy::group_of_known`], under the lock already held.
+    fn group_of_known(
+        &mut self,
+        vm: &str,
+        resource_id: Option<&str>,
+        listed: Option<usize>,
+    ) -> usize {
+        let groups = &self.policy.groups;
+        GroupMemo::group_in(&mut self.memo, vm, resource_id, listed, || {
+            groups
+                .iter()
+                .enumerate()
+                .position(|(index, g)| {
+                    listed == Some(index)
+                        || (!(g.azure && g.matcher.is_empty())
+                            && g.matcher.matches(vm, resource_id))
+                })
+                .unwrap_or(groups.len() - 1)
+        })
+    }
+}
+
 impl GroupMemo {
-    fn group(
+    #[allow(clippy::type_complexity)]
+    fn lock(
         &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<String, (Option<String>, Option<usize>, usize)>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn group_in(
+        memo: &mut HashMap<String, (Option<String>, Option<usize>, usize)>,
         vm: &str,
         resource_id: Option<&str>,
         listed: Option<usize>,
         find: impl FnOnce() -> usize,
     ) -> usize {
-        let mut memo = self.0.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((id, in_list, group)) = memo.get(vm)
             && id.as_deref() == resource_id
             && *in_list == listed
@@ -346,16 +382,16 @@ impl Policy {
         resource_id: Option<&str>,
         listed: Option<usize>,
     ) -> usize {
-        self.memo.group(vm, resource_id, listed, || {
-            self.groups
-                .iter()
-                .enumerate()
-                .position(|(index, g)| {
-                    listed == Some(index)
-                        || (!(g.azure && g.matcher.is_empty())
-                            && g.matcher.matches(vm, resource_id))
-                })
-                .unwrap_or(self.groups.len() - 1)
-        })
+        self.lookup().group_of_known(vm, resource_id, listed)
+    }
+
+    /// The group memo, locked for a walk that finds many VMs' groups (the count's): every
+    /// other way to a group would wait for it forever on the same thread, so nothing that
+    /// holds it may find a group any other way. Private to the policy for that reason.
+    fn lookup(&self) -> GroupLookup<'_> {
+        GroupLookup {
+            policy: self,
+            memo: self.memo.lock(),
+        }
     }
 }

@@ -47,3 +47,97 @@ fn a_group_with_only_an_azure_source_takes_only_the_vms_it_lists() {
     fleet.set_azure(listed(&[("web-1", "running")]).vms);
     assert_eq!(policy.groups[policy.group_of(&fleet, "web-1")].name, "web");
 }
+
+/// The count of who is down finds each VM's group once, by name, for itself and the decision
+/// after it: the same group the policy finds, for agents and for the VMs Azure lists, however
+/// each is named (an agent without a resource id, one Azure lists under another name, one
+/// whose name Azure lists with another id), and for a name neither knows.
+#[cfg(feature = "azure")]
+#[test]
+fn the_count_places_every_vm_in_the_group_the_policy_finds_for_it() {
+    use super::azure::{BATCH, listed};
+    use super::quiet_day::start_with;
+    use crate::coordinator::fleet::Vm;
+    use crate::coordinator::policy::down_now;
+
+    let world = start_with(tempfile::tempdir().unwrap(), BATCH);
+    let (policy, mut fleet) = (world.engine.policy(), world.engine.fleet.clone());
+    let listed = listed(&[
+        ("batch-1", "running"),
+        ("batch-2", "running"),
+        ("web-2", "running"),
+        ("db-7", "deallocated"),
+        ("batch-3", "running"),
+        ("batch-4", "running"),
+        ("batch-7", "running"),
+    ]);
+    let id = |name: &str| listed.vms[name].resource_id.clone();
+    let agent = |resource_id: Option<String>| Vm {
+        resource_id,
+        last_seen: super::t0(),
+        heartbeat: None,
+    };
+    // Named as Azure lists it, with Azure's id.
+    fleet
+        .vms
+        .insert("batch-1".into(), agent(Some(id("batch-1"))));
+    // Named as Azure lists it, without a resource id.
+    fleet.vms.insert("batch-2".into(), agent(None));
+    // Azure's db-7, under another name.
+    fleet
+        .vms
+        .insert("db-7-renamed".into(), agent(Some(id("db-7"))));
+    // Azure lists web-2 with another id.
+    let elsewhere =
+        "/subscriptions/s/resourceGroups/rg-web/providers/Microsoft.Compute/virtualMachines/web-2";
+    fleet
+        .vms
+        .insert("web-2".into(), agent(Some(elsewhere.into())));
+    // Azure's batch-4 under a name no pattern takes: batch by Azure's word alone.
+    fleet.vms.insert("x-1".into(), agent(Some(id("batch-4"))));
+    // Azure lists batch-7 with another id: the agent's batch-7 is not Azure's, so no
+    // group takes it (batch takes only what its source lists).
+    fleet.vms.insert(
+        "batch-7".into(),
+        agent(Some(elsewhere.replace("web-2", "batch-7"))),
+    );
+    // Agents Azure does not list.
+    fleet.vms.insert(
+        "web-1".into(),
+        agent(Some(elsewhere.replace("web-2", "web-1"))),
+    );
+    fleet.vms.insert("batch-9".into(), agent(None));
+    fleet.set_azure(listed.vms.clone());
+    let down = down_now(&fleet, policy, super::t0());
+    let names: Vec<String> = fleet
+        .vms
+        .keys()
+        .chain(fleet.azure.keys())
+        .cloned()
+        .chain(["nobody-knows-me".to_owned()])
+        .collect();
+    for name in &names {
+        assert_eq!(
+            down.group_of(&fleet, policy, name),
+            policy.group_of(&fleet, name),
+            "{name}"
+        );
+        assert_eq!(down.has_agent(name), fleet.vms.contains_key(name), "{name}");
+    }
+    // Where a lookup that missed Azure's word, or took it over the agent's, would differ.
+    let group = |name: &str| {
+        policy.groups[down.group_of(&fleet, policy, name)]
+            .name
+            .as_str()
+    };
+    assert_eq!(
+        [
+            group("batch-3"),
+            group("x-1"),
+            group("batch-7"),
+            group("web-2"),
+            group("db-7")
+        ],
+        ["batch", "batch", "default", "web", "db"]
+    );
+}

@@ -122,3 +122,43 @@ async fn a_drain_that_ends_within_the_gap_is_approved_when_the_gap_ends() {
     world.settle().await;
     assert_eq!(world.recorder.approved(), ["R1"]);
 }
+
+/// A verdict is put into words again only when its wait changed; but whatever else wrote over
+/// it, the event shows what the last decision found, and a changed wait shows at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_events_verdict_follows_its_wait_whatever_wrote_over_it() {
+    use crate::coordinator::engine::Admin;
+    let mut world = start(tempfile::tempdir().unwrap());
+    let now = chrono::Utc::now();
+    world.engine.decision_gap = std::time::Duration::ZERO;
+    // NotBefore a day from now (the documents count from t0, days ago).
+    let not_before = (now - super::t0()).num_seconds() + 24 * 3600;
+    for (vm, id) in [("web-0", "R0"), ("web-1", "R1")] {
+        for event in published(vm, None, &document(1, &[])) {
+            world.deliver(&event, now);
+        }
+        let d = document(2, &[(id, "Reboot", "Scheduled", &[vm], not_before, -1)]);
+        for event in published(vm, Some(&document(1, &[])), &d) {
+            world.deliver(&event, now);
+        }
+    }
+    world.settle().await;
+    assert_eq!(world.recorder.approved(), ["R0"]);
+    let verdict = |world: &World| world.engine.fleet.events["R1"].verdict.clone();
+    let waiting = verdict(&world);
+    assert!(waiting.starts_with("waiting for budget"), "{waiting}");
+    world.engine.fleet.events.get_mut("R1").unwrap().verdict = "written over".into();
+    world.engine.decide(now);
+    assert_eq!(verdict(&world), waiting);
+    world
+        .engine
+        .admin(
+            Admin::Pause {
+                reason: "incident".into(),
+            },
+            now,
+        )
+        .unwrap();
+    world.engine.decide(now);
+    assert_eq!(verdict(&world), "paused by an operator: incident");
+}
