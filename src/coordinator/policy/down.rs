@@ -147,8 +147,8 @@ pub fn holds(m: &Maintenance) -> bool {
 /// event listing it. Gathered only where Azure lists VMs.
 ///
 /// [`Back`]: crate::coordinator::fleet::Back
-fn back_times(fleet: &Fleet) -> std::collections::HashMap<String, DateTime<Utc>> {
-    let mut backs = std::collections::HashMap::new();
+fn back_times(fleet: &Fleet) -> HashMap<String, DateTime<Utc>> {
+    let mut backs = HashMap::new();
     if fleet.azure.is_empty() {
         return backs;
     }
@@ -181,7 +181,7 @@ fn back_times(fleet: &Fleet) -> std::collections::HashMap<String, DateTime<Utc>>
 /// `refresh` after the agent said the Reboot completed. A later listing counts again.
 fn azure_down(
     fleet: &Fleet,
-    backs: &std::collections::HashMap<String, DateTime<Utc>>,
+    backs: &HashMap<String, DateTime<Utc>>,
     vm: &str,
     listed: &crate::coordinator::azure::AzureVm,
     agent_alive: bool,

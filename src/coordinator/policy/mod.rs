@@ -183,22 +183,24 @@ fn glob_in<T: PartialEq + Copy>(p: &[T], t: &[T], any_run: T, any_one: T) -> boo
     p[pi..].iter().all(|c| *c == any_run)
 }
 
+/// Each memo entry, by VM name: the resource id and the listing group it was found for,
+/// and the group found.
+type Memo = HashMap<String, (Option<String>, Option<usize>, usize)>;
+
 /// Each VM's group, as last found for its name and resource id. Finding it matches the VM
 /// against every group's patterns, and the count of who is down needs every VM's group at
 /// every decision: at 10,000 VMs in 100 groups, a million matches per message. A cache,
 /// not state: a clone starts empty, and two policies compare equal whatever they hold.
 #[derive(Default)]
-#[allow(clippy::type_complexity)]
-pub struct GroupMemo(std::sync::Mutex<HashMap<String, (Option<String>, Option<usize>, usize)>>);
+pub struct GroupMemo(std::sync::Mutex<Memo>);
 
 /// The most VMs remembered; past it the memo starts again (VMs come and go).
 const GROUP_MEMO_LIMIT: usize = 200_000;
 
 /// The memo, locked once for a walk over many VMs ([`Policy::lookup`]).
 struct GroupLookup<'p> {
-    policy: &'p Policy,
-    #[allow(clippy::type_complexity)]
-    memo: std::sync::MutexGuard<'p, HashMap<String, (Option<String>, Option<usize>, usize)>>,
+    groups: &'p [Group],
+    memo: std::sync::MutexGuard<'p, Memo>,
 }
 
 impl GroupLookup<'_> {
@@ -209,47 +211,25 @@ impl GroupLookup<'_> {
         resource_id: Option<&str>,
         listed: Option<usize>,
     ) -> usize {
-        let groups = &self.policy.groups;
-        GroupMemo::group_in(&mut self.memo, vm, resource_id, listed, || {
-            groups
-                .iter()
-                .enumerate()
-                .position(|(index, g)| {
-                    listed == Some(index)
-                        || (!(g.azure && g.matcher.is_empty())
-                            && g.matcher.matches(vm, resource_id))
-                })
-                .unwrap_or(groups.len() - 1)
-        })
-    }
-}
-
-impl GroupMemo {
-    #[allow(clippy::type_complexity)]
-    fn lock(
-        &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<String, (Option<String>, Option<usize>, usize)>> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn group_in(
-        memo: &mut HashMap<String, (Option<String>, Option<usize>, usize)>,
-        vm: &str,
-        resource_id: Option<&str>,
-        listed: Option<usize>,
-        find: impl FnOnce() -> usize,
-    ) -> usize {
-        if let Some((id, in_list, group)) = memo.get(vm)
+        if let Some((id, in_list, group)) = self.memo.get(vm)
             && id.as_deref() == resource_id
             && *in_list == listed
         {
             return *group;
         }
-        let group = find();
-        if memo.len() >= GROUP_MEMO_LIMIT {
-            memo.clear();
+        let group = self
+            .groups
+            .iter()
+            .enumerate()
+            .position(|(index, g)| {
+                listed == Some(index)
+                    || (!(g.azure && g.matcher.is_empty()) && g.matcher.matches(vm, resource_id))
+            })
+            .unwrap_or(self.groups.len() - 1);
+        if self.memo.len() >= GROUP_MEMO_LIMIT {
+            self.memo.clear();
         }
-        memo.insert(
+        self.memo.insert(
             vm.to_owned(),
             (resource_id.map(str::to_owned), listed, group),
         );
@@ -390,8 +370,8 @@ impl Policy {
     /// holds it may find a group any other way. Private to the policy for that reason.
     fn lookup(&self) -> GroupLookup<'_> {
         GroupLookup {
-            policy: self,
-            memo: self.memo.lock(),
+            groups: &self.groups,
+            memo: self.memo.0.lock().unwrap_or_else(|e| e.into_inner()),
         }
     }
 }
