@@ -22,7 +22,10 @@ const LEGACY_EVENTS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new(
 pub(super) const QUEUE: TableDefinition<(&str, u64), u64> = TableDefinition::new("event_queue");
 /// Copy id -> the structured CloudEvent as JSON.
 pub(super) const PAYLOADS: TableDefinition<u64, &[u8]> = TableDefinition::new("event_payloads");
-/// Copy id -> how many queue rows name it (at least 1; the copy goes with the last).
+/// Copy id -> how many queue rows name it, for a copy that more than one names: a copy
+/// without a count has one holder (most stores have one sink: no count is written, and none
+/// is looked up and deleted as each copy goes). The copy goes with the last holder. Stores
+/// written before hold a count of 1 for such copies, read the same way.
 pub(super) const HOLDERS: TableDefinition<u64, u32> = TableDefinition::new("event_holders");
 
 /// Events converted per transaction (3 in tests, so that a small store takes several).
@@ -62,7 +65,9 @@ impl Outbox {
             payloads
                 .insert(id, bytes.as_slice())
                 .map_err(|e| self.io(e))?;
-            counts.insert(id, holders).map_err(|e| self.io(e))?;
+            if holders > 1 {
+                counts.insert(id, holders).map_err(|e| self.io(e))?;
+            }
         }
         Ok(first)
     }
@@ -79,17 +84,19 @@ impl Outbox {
         let mut payloads = txn.open_table(PAYLOADS).map_err(|e| self.io(e))?;
         let mut counts = txn.open_table(HOLDERS).map_err(|e| self.io(e))?;
         for &id in ids {
+            // No count: this row was its only holder.
             let held = counts
-                .get(id)
+                .remove(id)
                 .map_err(|e| self.io(e))?
-                .map(|count| count.value());
+                .map_or(1, |count| count.value());
             match held {
-                Some(held) if held > 1 => {
-                    counts.insert(id, held - 1).map_err(|e| self.io(e))?;
-                }
-                _ => {
-                    counts.remove(id).map_err(|e| self.io(e))?;
+                0 | 1 => {
                     payloads.remove(id).map_err(|e| self.io(e))?;
+                }
+                // One holder left, which no count says.
+                2 => {}
+                _ => {
+                    counts.insert(id, held - 1).map_err(|e| self.io(e))?;
                 }
             }
         }
@@ -137,7 +144,6 @@ pub(super) fn convert_legacy_batch(
         let mut old = txn.open_table(LEGACY_EVENTS)?;
         let mut queue = txn.open_table(QUEUE)?;
         let mut payloads = txn.open_table(PAYLOADS)?;
-        let mut counts = txn.open_table(HOLDERS)?;
         let before = old.len()?;
         let first = first_free(&payloads)?;
         let mut moved = Vec::with_capacity(CONVERT_BATCH);
@@ -154,8 +160,8 @@ pub(super) fn convert_legacy_batch(
                 _ => seq,
             }
             .max(floor);
+            // One holder: no count.
             payloads.insert(id, value.value())?;
-            counts.insert(id, 1)?;
             queue.insert((sink, number), id)?;
             moved.push((sink.to_owned(), seq));
         }
@@ -182,6 +188,36 @@ pub(super) fn convert_legacy_batch(
 
 #[cfg(test)]
 impl Outbox {
+    /// For each copy the file holds, how many holders its count says (1 without one), and
+    /// how many queue rows name it.
+    pub(super) fn holders_counted_and_named(
+        &self,
+    ) -> (
+        std::collections::BTreeMap<u64, u32>,
+        std::collections::BTreeMap<u64, u32>,
+    ) {
+        self.with_db(super::Access::Read, |db| {
+            let txn = db.begin_read().map_err(|e| self.io(e))?;
+            let payloads = txn.open_table(PAYLOADS).map_err(|e| self.io(e))?;
+            let counts = txn.open_table(HOLDERS).map_err(|e| self.io(e))?;
+            let queue = txn.open_table(QUEUE).map_err(|e| self.io(e))?;
+            let mut counted = std::collections::BTreeMap::new();
+            for entry in payloads.iter().map_err(|e| self.io(e))? {
+                let id = entry.map_err(|e| self.io(e))?.0.value();
+                let count = counts.get(id).map_err(|e| self.io(e))?;
+                counted.insert(id, count.map_or(1, |count| count.value()));
+            }
+            let mut named = std::collections::BTreeMap::new();
+            for entry in queue.iter().map_err(|e| self.io(e))? {
+                *named
+                    .entry(entry.map_err(|e| self.io(e))?.1.value())
+                    .or_insert(0) += 1;
+            }
+            Ok((counted, named))
+        })
+        .unwrap()
+    }
+
     /// How many event copies, and holder counts, the file holds.
     pub(super) fn copies_held(&self) -> (u64, u64) {
         self.with_db(super::Access::Read, |db| {
@@ -194,6 +230,23 @@ impl Outbox {
             ))
         })
         .unwrap()
+    }
+
+    /// Writes a count of 1 for every copy without one, as the last release did (test
+    /// fixture).
+    pub(super) fn count_every_copy(db: &redb::Database) {
+        let txn = db.begin_write().unwrap();
+        {
+            let payloads = txn.open_table(PAYLOADS).unwrap();
+            let mut counts = txn.open_table(HOLDERS).unwrap();
+            for entry in payloads.iter().unwrap() {
+                let id = entry.unwrap().0.value();
+                if counts.get(id).unwrap().is_none() {
+                    counts.insert(id, 1).unwrap();
+                }
+            }
+        }
+        txn.commit().unwrap();
     }
 
     /// Writes `rows` as a store of the earlier format did (test fixture).

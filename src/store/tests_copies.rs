@@ -122,8 +122,16 @@ proptest! {
                 let expected = model.get(name).cloned().unwrap_or_default();
                 prop_assert_eq!(ids, expected, "sink {}", name);
             }
-            let held: BTreeSet<&String> = model.values().flatten().collect();
-            prop_assert_eq!(outbox.copies_held(), (held.len() as u64, held.len() as u64));
+            // A copy for each event some queue holds, and a count only where more than one
+            // row names it: the count (or its absence) says how many rows do.
+            let mut held: BTreeMap<&String, u64> = BTreeMap::new();
+            for id in model.values().flatten() {
+                *held.entry(id).or_default() += 1;
+            }
+            let shared = held.values().filter(|&&rows| rows > 1).count() as u64;
+            prop_assert_eq!(outbox.copies_held(), (held.len() as u64, shared));
+            let (counted, named) = outbox.holders_counted_and_named();
+            prop_assert_eq!(counted, named);
         }
     }
 }
@@ -173,7 +181,11 @@ fn a_store_of_the_earlier_format_is_converted_keeping_every_event_and_its_number
         .commit(&["nats".to_owned(), "amqp".to_owned()], &[event("c")], None)
         .unwrap();
     assert_eq!(read(&outbox, "nats")[2], (9, "c".to_owned()));
-    assert_eq!(outbox.copies_held(), (5, 5));
+    assert_eq!(
+        outbox.copies_held(),
+        (5, 1),
+        "a count only for the copy two rows name"
+    );
     outbox.remove_below("nats", 10).unwrap();
     outbox.remove_below("amqp", 10).unwrap();
     assert_eq!(outbox.copies_held(), (0, 0), "nothing left behind");
@@ -210,7 +222,7 @@ fn a_conversion_cut_short_by_a_crash_goes_on_at_the_next_open_losing_nothing() {
     let outbox = Outbox::open(dir.path(), 100, false).unwrap();
     let expected: Vec<(u64, String)> = (0..8).map(|seq| (seq, format!("nats{seq}"))).collect();
     assert_eq!(read(&outbox, "nats"), expected);
-    assert_eq!(outbox.copies_held(), (8, 8), "one copy each, none twice");
+    assert_eq!(outbox.copies_held(), (8, 0), "one copy each, none twice");
 }
 
 #[test]
@@ -238,7 +250,7 @@ fn events_an_earlier_version_stored_after_a_conversion_go_after_those_converted_
         expected,
         "nothing overwritten, the older first"
     );
-    assert_eq!(outbox.copies_held(), (8, 8));
+    assert_eq!(outbox.copies_held(), (8, 0));
 }
 
 #[test]
@@ -293,5 +305,54 @@ fn a_conversion_the_disk_has_no_room_for_loses_nothing_and_finishes_at_the_next_
     let outbox = Outbox::open_with_faults(dir.path(), 100, faults).unwrap();
     let expected: Vec<(u64, String)> = (0..8).map(|seq| (seq, format!("nats{seq}"))).collect();
     assert_eq!(read(&outbox, "nats"), expected);
-    assert_eq!(outbox.copies_held(), (8, 8));
+    assert_eq!(outbox.copies_held(), (8, 0));
+}
+
+#[test]
+fn copies_that_a_store_of_the_last_release_counted_once_leave_with_their_last_holder() {
+    // The last release wrote a count for every copy, 1 where one queue held it; this one
+    // writes counts only for shared copies. A store it wrote must read the same.
+    let dir = tempfile::tempdir().unwrap();
+    let both = ["nats".to_owned(), "amqp".to_owned()];
+    {
+        let outbox = Outbox::open(dir.path(), 100, false).unwrap();
+        outbox
+            .commit(&both[..1], &[event("alone"), event("also-alone")], None)
+            .unwrap();
+        outbox.commit(&both, &[event("shared")], None).unwrap();
+        assert_eq!(outbox.copies_held(), (3, 1));
+        outbox.flush().unwrap();
+    }
+    let db = redb::Database::create(dir.path().join(FILE_NAME)).unwrap();
+    Outbox::count_every_copy(&db);
+    drop(db);
+    let outbox = Outbox::open(dir.path(), 100, false).unwrap();
+    assert_eq!(
+        outbox.copies_held(),
+        (3, 3),
+        "every copy counted, as before"
+    );
+    let (counted, named) = outbox.holders_counted_and_named();
+    assert_eq!(counted, named);
+    outbox.remove_below("nats", 1).unwrap();
+    assert_eq!(
+        outbox.copies_held(),
+        (2, 2),
+        "the first copy went with its only holder"
+    );
+    outbox.remove_below("amqp", u64::MAX).unwrap();
+    let (counted, named) = outbox.holders_counted_and_named();
+    assert_eq!(
+        counted, named,
+        "the shared copy's count now says one holder"
+    );
+    assert_eq!(
+        read(&outbox, "nats")
+            .into_iter()
+            .map(|(_, id)| id)
+            .collect::<Vec<_>>(),
+        ["also-alone", "shared"]
+    );
+    outbox.remove_below("nats", u64::MAX).unwrap();
+    assert_eq!(outbox.copies_held(), (0, 0), "nothing left behind");
 }
