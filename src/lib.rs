@@ -8,6 +8,7 @@
 
 pub mod agent;
 pub mod approval;
+pub mod arenas;
 pub mod config;
 pub mod coordinator;
 pub mod demo;

@@ -213,6 +213,11 @@ fn client(endpoint: url::Url, api_version: &str) -> ImdsClient {
 }
 
 fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // Before the runtime starts its threads, each of which would make an arena of its own.
+    if matches!(cli.command, Command::Coordinate { .. }) {
+        sched_relay::arenas::limit(sched_relay::arenas::COORDINATOR_ARENAS);
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -222,7 +227,7 @@ fn main() -> ExitCode {
     // across threads, which cost 14 of the 17.5 context switches of an idle poll (measured,
     // BENCHMARKS.md). Here this thread only waits for the end.
     let code = runtime.block_on(async {
-        tokio::spawn(run_command())
+        tokio::spawn(run_command(cli))
             .await
             .unwrap_or(ExitCode::FAILURE)
     });
@@ -232,8 +237,7 @@ fn main() -> ExitCode {
     code
 }
 
-async fn run_command() -> ExitCode {
-    let cli = Cli::parse();
+async fn run_command(cli: Cli) -> ExitCode {
     let format = cli.log_format.unwrap_or_default();
     match cli.command {
         Command::Run {
