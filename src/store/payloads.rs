@@ -1,6 +1,6 @@
 //! Each stored event once, whatever the number of sinks: a sink's queue holds (sink,
-//! sequence number) -> the id of the event's stored copy, and the copy counts the queues
-//! that hold it. A 1000-event document with four sinks wrote 4000 copies of about 1 kB
+//! sequence number) -> the id of the event's stored copy, and a copy that several queues
+//! hold counts them. A 1000-event document with four sinks wrote 4000 copies of about 1 kB
 //! before; now 1000 copies and 4000 queue rows of a (sink, number) key and an 8-byte id
 //! (`benches/profiling.md`, section 19). The copy leaves with the last queue row that names
 //! it.
@@ -24,7 +24,7 @@ pub(super) const QUEUE: TableDefinition<(&str, u64), u64> = TableDefinition::new
 pub(super) const PAYLOADS: TableDefinition<u64, &[u8]> = TableDefinition::new("event_payloads");
 /// Copy id -> how many queue rows name it, for a copy that more than one names: a copy
 /// without a count has one holder (most stores have one sink: no count is written, and none
-/// is looked up and deleted as each copy goes). The copy goes with the last holder. Stores
+/// is found and deleted as each copy goes). The copy goes with the last holder. Stores
 /// written before hold a count of 1 for such copies, read the same way.
 pub(super) const HOLDERS: TableDefinition<u64, u32> = TableDefinition::new("event_holders");
 
@@ -67,6 +67,9 @@ impl Outbox {
                 .map_err(|e| self.io(e))?;
             if holders > 1 {
                 counts.insert(id, holders).map_err(|e| self.io(e))?;
+            } else {
+                // No count means one holder: none may be left at a reused id.
+                counts.remove(id).map_err(|e| self.io(e))?;
             }
         }
         Ok(first)
@@ -246,6 +249,13 @@ impl Outbox {
                 }
             }
         }
+        txn.commit().unwrap();
+    }
+
+    /// Writes a count for a copy id, whatever the file holds (test fixture).
+    pub(super) fn write_count(db: &redb::Database, id: u64, count: u32) {
+        let txn = db.begin_write().unwrap();
+        txn.open_table(HOLDERS).unwrap().insert(id, count).unwrap();
         txn.commit().unwrap();
     }
 

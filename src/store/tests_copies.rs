@@ -356,3 +356,20 @@ fn copies_that_a_store_of_the_last_release_counted_once_leave_with_their_last_ho
     outbox.remove_below("nats", u64::MAX).unwrap();
     assert_eq!(outbox.copies_held(), (0, 0), "nothing left behind");
 }
+
+#[test]
+fn a_count_left_at_a_reused_copy_id_does_not_keep_a_lone_copy_for_ever() {
+    // No release leaves one, but a file edited by hand might: a lone copy stored at that
+    // id must still leave with its one holder.
+    let dir = tempfile::tempdir().unwrap();
+    let nats = ["nats".to_owned()];
+    drop(Outbox::open(dir.path(), 100, false).unwrap());
+    let db = redb::Database::create(dir.path().join(FILE_NAME)).unwrap();
+    Outbox::write_count(&db, 0, 3);
+    drop(db);
+    let outbox = Outbox::open(dir.path(), 100, false).unwrap();
+    outbox.commit(&nats, &[event("lone")], None).unwrap();
+    assert_eq!(outbox.copies_held(), (1, 0), "the stored copy has no count");
+    outbox.remove_below("nats", u64::MAX).unwrap();
+    assert_eq!(outbox.copies_held(), (0, 0), "nothing left behind");
+}
