@@ -2,9 +2,9 @@
 //! allocates its own arena, up to eight per core, and each keeps what its threads freed. The
 //! coordinator at 10,000 VMs builds and drops large maps on whichever of its threads a
 //! message lands: with glibc's default its peak resident set was 283-342 MiB, with two
-//! arenas 215-226 MiB, at the same CPU (decision latency within run-to-run noise) (`benches/profiling.md`,
-//! section 28). The agent keeps the default: its drains of a backlog cost 15 % more CPU
-//! with two arenas.
+//! arenas 215-226 MiB, at the same CPU and with decision latency within run-to-run noise
+//! (`benches/profiling.md`, section 28). The agent keeps the default: its drains of a
+//! backlog cost 15 % more CPU with two arenas.
 
 /// The arenas the coordinator allocates from.
 pub const COORDINATOR_ARENAS: i32 = 2;
