@@ -37,7 +37,6 @@ use std::sync::{Arc, RwLock};
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
-use serde_json::Value;
 use tokio::sync::{mpsc, watch};
 
 use config::CoordinatorConfig;
@@ -76,7 +75,7 @@ pub async fn run(
     let listener = tokio::net::TcpListener::bind(config.coordinator.listen)
         .await
         .map_err(|e| format!("coordinator.listen {}: {e}", config.coordinator.listen))?;
-    let snapshot: Snapshot = Arc::new(RwLock::new(Value::Null));
+    let snapshot: Snapshot = Arc::new(RwLock::new(bytes::Bytes::from_static(b"null")));
     let role: Role = Arc::new(RwLock::new("starting"));
     let (admin_tx, mut admin_rx) = mpsc::channel::<admin::Request>(16);
     let server = tokio::spawn(serve(
@@ -258,7 +257,8 @@ pub async fn run(
     result
 }
 
-type Snapshot = Arc<RwLock<Value>>;
+/// `/fleet`'s body, written by the engine ([`engine::Engine::publish_snapshot`]).
+type Snapshot = Arc<RwLock<bytes::Bytes>>;
 /// `starting`, `standby` (another instance holds the lease) or `active`.
 type Role = Arc<RwLock<&'static str>>;
 
@@ -287,10 +287,7 @@ async fn serve(
 }
 
 async fn fleet_json(State(snapshot): State<Snapshot>) -> impl IntoResponse {
-    let body = snapshot
-        .read()
-        .unwrap_or_else(|e| e.into_inner())
-        .to_string();
+    let body = snapshot.read().unwrap_or_else(|e| e.into_inner()).clone();
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, "application/json")],

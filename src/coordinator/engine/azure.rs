@@ -156,10 +156,8 @@ impl Engine {
     }
 
     /// `/fleet`'s `azure`.
-    pub(super) fn azure_json(&self, now: DateTime<Utc>) -> serde_json::Value {
-        let Some(view) = &self.azure else {
-            return serde_json::Value::Null;
-        };
+    pub(super) fn azure_view(&self, now: DateTime<Utc>) -> Option<AzureJson<'_>> {
+        let view = self.azure.as_ref()?;
         for source in &view.sources {
             let age = source
                 .listed_at
@@ -168,12 +166,22 @@ impl Engine {
             metrics::gauge!("sched_relay_coordinator_azure_listing_age_seconds", "group" => group)
                 .set(age);
         }
-        serde_json::json!({
-            "complete": view.complete,
-            "clash": self.fleet.azure_clash(),
-            "sources": view.sources,
-            "warnings": view.warnings,
-            "vms": self.fleet.azure,
+        Some(AzureJson {
+            clash: self.fleet.azure_clash(),
+            complete: view.complete,
+            sources: &view.sources,
+            vms: &self.fleet.azure,
+            warnings: &view.warnings,
         })
     }
+}
+
+/// `/fleet`'s `azure`: the view and the VMs it lists.
+#[derive(serde::Serialize)]
+pub(super) struct AzureJson<'e> {
+    clash: Option<String>,
+    complete: bool,
+    sources: &'e [SourceStatus],
+    vms: &'e std::collections::BTreeMap<String, crate::coordinator::azure::AzureVm>,
+    warnings: &'e [String],
 }

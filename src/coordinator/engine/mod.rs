@@ -123,7 +123,8 @@ pub struct Engine {
     draining: HashMap<(String, String), ()>,
     /// Health gates running, or when each last failed: (event key, VM) -> (running, when).
     gating: HashMap<(String, String), (bool, Instant)>,
-    pub snapshot: Arc<RwLock<Value>>,
+    /// `/fleet`, as it is served.
+    pub snapshot: Arc<RwLock<bytes::Bytes>>,
     dirty: bool,
     /// When `/fleet` was last refreshed (the tick's clock).
     snapshot_at: Option<DateTime<Utc>>,
@@ -176,7 +177,7 @@ impl Engine {
             publishing: HashMap::new(),
             draining: HashMap::new(),
             gating: HashMap::new(),
-            snapshot: Arc::new(RwLock::new(Value::Null)),
+            snapshot: Arc::new(RwLock::new(bytes::Bytes::from_static(b"null"))),
             dirty: true,
             snapshot_at: None,
             snapshot_cost: None,

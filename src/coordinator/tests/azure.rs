@@ -92,7 +92,7 @@ async fn vms_azure_lists_count_in_their_group_with_or_without_an_agent_and_nothi
         world.recorder.approved().is_empty(),
         "approved before Azure listed the group"
     );
-    let snapshot = world.engine.snapshot.read().unwrap().clone();
+    let snapshot = world.engine.fleet_json();
     assert_eq!(snapshot["azure"]["complete"], false, "{snapshot}");
 
     // Azure lists three VMs: batch-1 and batch-2 have no agent, batch-2 is deallocated:
@@ -257,7 +257,7 @@ async fn an_agent_and_a_listed_vm_of_one_name_but_two_ids_stop_the_decisions() {
         world.recorder.approved().is_empty(),
         "approved with two VMs of one name"
     );
-    let fleet = world.engine.snapshot.read().unwrap().clone();
+    let fleet = world.engine.fleet_json();
     assert!(
         fleet["azure"]["clash"]
             .as_str()
@@ -307,7 +307,7 @@ fn a_drain_azure_would_bypass_by_approving_by_itself_is_warned_about_in_fleet() 
     world.engine.azure_listed(snapshot, t0());
     world.engine.tick(t0());
     world.engine.publish_snapshot(t0());
-    let fleet = world.engine.snapshot.read().unwrap().clone();
+    let fleet = world.engine.fleet_json();
     assert_eq!(
         fleet["azure"]["warnings"],
         serde_json::json!([
@@ -413,5 +413,82 @@ async fn a_listing_older_than_a_vms_return_does_not_hold_its_place_and_a_newer_o
         batch["why"]["batch-0"],
         serde_json::json!(["Azure: provisioning updating"]),
         "{batch}"
+    );
+}
+
+/// `/fleet` is written straight from what the engine holds, not through a tree of JSON
+/// values (benches/profiling.md, section 29): each part must still say what it says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fleet_json_shows_every_vm_event_group_and_azure_listing_as_the_engine_holds_them() {
+    let mut world = batch_world();
+    let reboot = document(2, &[("E1", "Reboot", "Scheduled", &["batch-0"], 3600, -1)]);
+    for event in published("batch-0", Some(&document(1, &[])), &reboot) {
+        world.deliver(&event, t0());
+    }
+    world.beat("batch-0", t0(), t0(), &["E1"]);
+    world.engine.azure_listed(
+        listed(&[("batch-0", "running"), ("batch-1", "deallocated")]),
+        t0(),
+    );
+    world.engine.tick(t0());
+    // Late enough that batch-0's agent is silent: the flag is the moment's, not stored.
+    let later = t0() + chrono::Duration::hours(2);
+    world.engine.publish_snapshot(later);
+    world.settle().await;
+    let shown = world.engine.fleet_json();
+
+    let keys: Vec<&String> = shown.as_object().unwrap().keys().collect();
+    assert_eq!(
+        keys,
+        [
+            "azure",
+            "caughtUp",
+            "conflicts",
+            "dryRun",
+            "events",
+            "fleet",
+            "groups",
+            "paused",
+            "time",
+            "vms"
+        ],
+        "{shown}"
+    );
+    let fleet = &world.engine.fleet;
+    let policy = world.engine.policy();
+    assert_eq!(shown["time"], later.to_rfc3339());
+    assert_eq!(shown["dryRun"], false);
+    assert_eq!(shown["paused"], serde_json::Value::Null);
+    assert_eq!(shown["conflicts"], serde_json::json!({}));
+    let mut vms = serde_json::Map::new();
+    for (name, vm) in &fleet.vms {
+        let mut value = serde_json::to_value(vm).unwrap();
+        value["silent"] = vm.silent(later, policy.silent_after).into();
+        vms.insert(name.clone(), value);
+    }
+    assert_eq!(shown["vms"], serde_json::Value::Object(vms));
+    assert_eq!(shown["vms"]["batch-0"]["silent"], true, "{shown}");
+    let events: Vec<_> = fleet.events.values().collect();
+    assert_eq!(shown["events"], serde_json::to_value(&events).unwrap());
+    assert_eq!(shown["events"][0]["event_id"], "E1", "{shown}");
+    let budgets = crate::coordinator::policy::usage(fleet, policy, later);
+    assert_eq!(
+        shown["groups"],
+        serde_json::to_value(&budgets.groups).unwrap()
+    );
+    assert_eq!(
+        shown["fleet"],
+        serde_json::to_value(&budgets.fleet).unwrap()
+    );
+    assert_eq!(shown["azure"]["complete"], true, "{shown}");
+    assert_eq!(shown["azure"]["clash"], serde_json::Value::Null);
+    assert_eq!(shown["azure"]["warnings"], serde_json::json!([]));
+    assert_eq!(
+        shown["azure"]["vms"],
+        serde_json::to_value(&fleet.azure).unwrap()
+    );
+    assert_eq!(
+        shown["azure"]["sources"][0]["source"],
+        "/subscriptions/s/resourceGroups/rg-batch"
     );
 }

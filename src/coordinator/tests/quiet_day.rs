@@ -181,7 +181,13 @@ impl World {
         }
     }
 
-    fn beat(&mut self, vm: &str, now: DateTime<Utc>, started: DateTime<Utc>, events: &[&str]) {
+    pub(crate) fn beat(
+        &mut self,
+        vm: &str,
+        now: DateTime<Utc>,
+        started: DateTime<Utc>,
+        events: &[&str],
+    ) {
         self.deliver(&super::ceiling::heartbeat(vm, now, started, events), now);
     }
 
@@ -195,7 +201,7 @@ impl World {
     }
 
     pub(crate) fn group(&self, name: &str) -> Value {
-        let snapshot = self.engine.snapshot.read().unwrap().clone();
+        let snapshot = self.engine.fleet_json();
         snapshot["groups"]
             .as_array()
             .unwrap()
