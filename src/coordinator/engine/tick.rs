@@ -369,8 +369,16 @@ impl Engine {
                 silent_after: self.policy.silent_after,
             },
         };
-        let snapshot = match serde_json::to_vec(&view) {
-            Ok(bytes) => bytes::Bytes::from(bytes),
+        // Sized from the last one: a buffer doubled as it grew would keep up to twice the
+        // document (`Bytes` keeps the whole allocation).
+        let last = self
+            .snapshot
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .len();
+        let mut buffer = Vec::with_capacity(last + last / 8 + 4096);
+        let snapshot = match serde_json::to_writer(&mut buffer, &view) {
+            Ok(()) => bytes::Bytes::from(buffer),
             Err(error) => {
                 // (Nothing in the fleet fails to serialize; /fleet keeps the last one if so.)
                 tracing::error!(error = %error, "Cannot write /fleet");

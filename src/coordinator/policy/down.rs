@@ -92,7 +92,7 @@ pub struct Down<'f> {
     /// that what the count and the decision after it look up by name costs one hash, where
     /// each lookup searched the fleet's VMs twice and the group memo once
     /// (benches/profiling.md, section 27).
-    places: HashMap<&'f str, Place, foldhash::fast::RandomState>,
+    places: HashMap<&'f str, Place>,
 }
 
 /// A VM of the inventory, as the count found it.
@@ -231,10 +231,7 @@ pub fn down_now<'f>(fleet: &'f Fleet, policy: &Policy, now: DateTime<Utc>) -> Do
         members: vec![0; groups],
         overdue: vec![BTreeSet::new(); groups],
         without_agent: vec![BTreeSet::new(); groups],
-        places: HashMap::with_capacity_and_hasher(
-            fleet.vms.len() + fleet.azure.len(),
-            Default::default(),
-        ),
+        places: HashMap::with_capacity(fleet.vms.len() + fleet.azure.len()),
         ..Down::default()
     };
     let backs = back_times(fleet);

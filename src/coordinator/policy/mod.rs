@@ -185,10 +185,7 @@ fn glob_in<T: PartialEq + Copy>(p: &[T], t: &[T], any_run: T, any_one: T) -> boo
 
 /// Each memo entry, by VM name: the resource id and the listing group it was found for,
 /// and the group found.
-///
-/// Hashed with foldhash (seeded per map), not SipHash: a count hashes every VM's name, and
-/// SipHash was a fifth of finding a group (benches/profiling.md, section 29).
-type Memo = HashMap<String, (Option<String>, Option<usize>, usize), foldhash::fast::RandomState>;
+type Memo = HashMap<String, (Option<String>, Option<usize>, usize)>;
 
 /// Each VM's group, as last found for its name and resource id. Finding it matches the VM
 /// against every group's patterns, and the count of who is down needs every VM's group at

@@ -21,6 +21,8 @@ mod config;
 mod contradictions;
 mod controls;
 mod evidence;
+#[cfg(feature = "azure")]
+mod fleet_view;
 mod groups;
 mod model;
 mod pacing;
