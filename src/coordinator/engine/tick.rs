@@ -369,16 +369,15 @@ impl Engine {
                 silent_after: self.policy.silent_after,
             },
         };
-        // Sized from the last one: a buffer doubled as it grew would keep up to twice the
-        // document (`Bytes` keeps the whole allocation).
-        let last = self
-            .snapshot
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .len();
-        let mut buffer = Vec::with_capacity(last + last / 8 + 4096);
+        // Trimmed once written: `Bytes` keeps the whole allocation, up to twice the document
+        // for a buffer doubled as it grew (glibc trims a block in place, or remaps a large
+        // one, without a copy).
+        let mut buffer = Vec::new();
         let snapshot = match serde_json::to_writer(&mut buffer, &view) {
-            Ok(()) => bytes::Bytes::from(buffer),
+            Ok(()) => {
+                buffer.shrink_to_fit();
+                bytes::Bytes::from(buffer)
+            }
             Err(error) => {
                 // (Nothing in the fleet fails to serialize; /fleet keeps the last one if so.)
                 tracing::error!(error = %error, "Cannot write /fleet");

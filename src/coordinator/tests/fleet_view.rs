@@ -39,8 +39,10 @@ async fn fleet_json_says_what_the_engines_state_says_part_for_part() {
         .engine
         .fleet
         .note_conflict("batch-9", "two agents, one name");
-    // Late enough that batch-0's agent is silent: the flag is the moment's, not stored.
+    // Late enough that batch-0's agent is silent (the flag is the moment's, not stored);
+    // batch-2's beats then.
     let later = t0() + chrono::Duration::hours(2);
+    world.beat("batch-2", later, later, &[]);
     world.engine.publish_snapshot(later);
     let shown = world.engine.fleet_json();
 
@@ -74,6 +76,7 @@ async fn fleet_json_says_what_the_engines_state_says_part_for_part() {
     assert_eq!(shown, expected);
     // Each part is there to compare, not null on both sides.
     assert_eq!(shown["vms"]["batch-0"]["silent"], true, "{shown}");
+    assert_eq!(shown["vms"]["batch-2"]["silent"], false, "{shown}");
     assert_eq!(shown["paused"]["reason"], "a test", "{shown}");
     assert_eq!(shown["conflicts"]["batch-9"], "two agents, one name");
     assert_eq!(shown["fleet"]["limit"], 2, "{shown}");
@@ -84,11 +87,53 @@ async fn fleet_json_says_what_the_engines_state_says_part_for_part() {
         "/subscriptions/s/resourceGroups/rg-batch"
     );
     // As written: the top level's keys in the order they always had, and each VM's
-    // `silent` once (a field of the VM's own named so would be written twice).
+    // `silent` once (a field of the VM's own named so would be written twice; a group's
+    // `silent` is a list).
     let body = world.engine.snapshot.read().unwrap().clone();
+    let Keys(keys) = serde_json::from_slice(&body).unwrap();
+    assert_eq!(
+        keys,
+        [
+            "azure",
+            "caughtUp",
+            "conflicts",
+            "dryRun",
+            "events",
+            "fleet",
+            "groups",
+            "paused",
+            "time",
+            "vms"
+        ]
+    );
     let text = std::str::from_utf8(&body).unwrap();
-    assert!(text.starts_with(r#"{"azure":{"#), "{text}");
-    let flags =
-        text.matches(r#""silent":true"#).count() + text.matches(r#""silent":false"#).count();
+    let flags = text
+        .match_indices(r#""silent":"#)
+        .filter(|(at, key)| !text[at + key.len()..].starts_with('['))
+        .count();
     assert_eq!(flags, fleet.vms.len(), "{text}");
+}
+
+/// An object's keys, in the order they were written.
+struct Keys(Vec<String>);
+
+impl<'de> serde::Deserialize<'de> for Keys {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct InOrder;
+        impl<'de> serde::de::Visitor<'de> for InOrder {
+            type Value = Keys;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Keys, A::Error> {
+                let mut keys = Vec::new();
+                while let Some(key) = map.next_key::<String>()? {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                    keys.push(key);
+                }
+                Ok(Keys(keys))
+            }
+        }
+        deserializer.deserialize_map(InOrder)
+    }
 }
