@@ -29,6 +29,7 @@ mod inventory;
 mod pace;
 mod recovery;
 mod results;
+mod snapshot;
 mod tick;
 mod work;
 
@@ -125,6 +126,8 @@ pub struct Engine {
     gating: HashMap<(String, String), (bool, Instant)>,
     /// `/fleet`, as it is served.
     pub snapshot: Arc<RwLock<bytes::Bytes>>,
+    /// `/fleet`'s parts as last written, each written again only when it changes.
+    written: snapshot::Written,
     dirty: bool,
     /// When `/fleet` was last refreshed (the tick's clock).
     snapshot_at: Option<DateTime<Utc>>,
@@ -178,6 +181,7 @@ impl Engine {
             draining: HashMap::new(),
             gating: HashMap::new(),
             snapshot: Arc::new(RwLock::new(bytes::Bytes::from_static(b"null"))),
+            written: Default::default(),
             dirty: true,
             snapshot_at: None,
             snapshot_cost: None,
