@@ -21,6 +21,7 @@ mod config;
 mod contradictions;
 mod controls;
 mod evidence;
+mod fleet_parts;
 #[cfg(feature = "azure")]
 mod fleet_view;
 mod groups;
