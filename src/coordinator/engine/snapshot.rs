@@ -61,24 +61,20 @@ impl<T> Parts<T> {
         self.writes = 0;
         for (key, item) in items {
             while old.next_if(|part| part.key < *key).is_some() {}
-            let part = match old.next_if(|part| part.key == *key) {
+            let key = match old.next_if(|part| part.key == *key) {
                 Some(part) if same(&part.from, &item) => {
                     self.parts.push(part);
                     continue;
                 }
-                Some(Part { key, .. }) => Part {
-                    json: serde_json::value::to_raw_value(&item)?,
-                    from: kept(&item),
-                    key,
-                },
-                None => Part {
-                    json: serde_json::value::to_raw_value(&item)?,
-                    from: kept(&item),
-                    key: key.clone(),
-                },
+                Some(part) => part.key,
+                None => key.clone(),
             };
             self.writes += 1;
-            self.parts.push(part);
+            self.parts.push(Part {
+                json: serde_json::value::to_raw_value(&item)?,
+                from: kept(&item),
+                key,
+            });
         }
         Ok(())
     }
