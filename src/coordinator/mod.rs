@@ -118,7 +118,7 @@ pub async fn run(
     *role.write().unwrap_or_else(|e| e.into_inner()) = "active";
     tracing::info!(
         events = fleet.events.len(),
-        vms = fleet.vms.len(),
+        vms = fleet.vms().len(),
         dry_run = config.coordinator.dry_run,
         "Coordinator state loaded"
     );

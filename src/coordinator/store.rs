@@ -74,7 +74,7 @@ impl Store {
             let (key, value) = row.map_err(|e| e.to_string())?;
             let vm: Vm = serde_json::from_slice(value.value())
                 .map_err(|e| format!("stored VM {}: {e}", key.value()))?;
-            fleet.vms.insert(key.value().to_owned(), vm);
+            fleet.insert_vm(key.value().to_owned(), vm);
         }
         let seen = txn.open_table(SEEN).map_err(|e| e.to_string())?;
         for row in seen.iter().map_err(|e| e.to_string())? {

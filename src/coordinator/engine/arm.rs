@@ -32,7 +32,7 @@ impl Engine {
         // name in Resources), never from the resource id an agent reports.
         let scope = self
             .fleet
-            .azure
+            .azure()
             .get(&approval.approver)
             .and_then(|vm| acknowledge_scope(&vm.resource_id));
         // Refusals, not failures: neither mends itself by waiting. A VM no longer listed
@@ -95,7 +95,7 @@ impl Engine {
                 .into_iter()
                 .filter(|vm| {
                     self.fleet
-                        .azure
+                        .azure()
                         .get(vm)
                         .is_some_and(|listed| listed.down(false).is_none())
                 })
@@ -191,7 +191,7 @@ impl Engine {
             let shown_down = || {
                 let (acked_at, up) = view.up_at_ack.get(key)?;
                 up.iter().find_map(|vm| {
-                    let listed = self.fleet.azure.get(vm)?;
+                    let listed = self.fleet.azure().get(vm)?;
                     let power = listed.power.as_deref().filter(|p| *p != "running")?;
                     (listed_at(listed.group)? > *acked_at)
                         .then(|| format!("{vm}: Azure lists its power {power}"))

@@ -170,7 +170,7 @@ impl Engine {
             clash: self.fleet.azure_clash(),
             complete: view.complete,
             sources: &view.sources,
-            vms: &self.fleet.azure,
+            vms: self.fleet.azure(),
             warnings: &view.warnings,
         })
     }

@@ -46,7 +46,7 @@ impl Engine {
         let silent_after = self.policy.silent_after;
         let down = policy::down_now(&self.fleet, &self.policy, now);
         let mut left = Vec::new();
-        for (name, vm) in &self.fleet.vms {
+        for (name, vm) in self.fleet.vms() {
             let heard = vm.heartbeat.as_ref().map_or(vm.last_seen, |h| h.at);
             // An agent without heartbeats (an earlier version) is silent for this purpose when
             // it has said nothing for as long as a heartbeating one may miss at the default
@@ -100,7 +100,8 @@ impl Engine {
             if m.overdue {
                 continue;
             }
-            let vms: Vec<&String> = down
+            // (By name: the count's causes come in no order.)
+            let vms: std::collections::BTreeSet<&String> = down
                 .causes
                 .iter()
                 .filter(|(vm, causes)| {
@@ -215,7 +216,7 @@ impl Engine {
             }
             Admin::Release { vm, event } => {
                 let key = event.as_deref().map(crate::coordinator::fleet::key_of);
-                let known = self.fleet.vms.contains_key(&vm)
+                let known = self.fleet.vms().contains_key(&vm)
                     || self.fleet.events.values().any(|m| m.lists(&vm));
                 if !known {
                     return Err(format!("no VM named {vm:?} is known"));
@@ -224,8 +225,7 @@ impl Engine {
                 // A VM moved to another resource group, or recreated: its next report says
                 // which resource it is.
                 if event.is_none()
-                    && let Some(known) = self.fleet.vms.get_mut(&vm)
-                    && known.resource_id.take().is_some()
+                    && let Some(known) = self.fleet.forget_resource_id(&vm)
                 {
                     changes.vms.push((vm.clone(), known.clone()));
                 }
@@ -237,11 +237,11 @@ impl Engine {
                 }
                 let silent = self
                     .fleet
-                    .vms
+                    .vms()
                     .get(&vm)
                     .is_some_and(|v| v.silent(now, self.policy.silent_after));
                 if silent && event.is_none() {
-                    self.fleet.vms.remove(&vm);
+                    self.fleet.remove_vm(&vm);
                     changes.vms_removed.push(vm.clone());
                 }
                 tracing::warn!(vm = %vm, events = ?released, removed = silent && event.is_none(), "Released by an operator");

@@ -285,8 +285,8 @@ impl Engine {
         // A heartbeat of a VM already known alive changes no decision (unless it shows an
         // event over): deciding after each would cost a whole decision per VM per interval.
         let routine_beat = matches!(&incoming, fleet::Incoming::Heartbeat { vm, .. }
-            if self.fleet.vms.get(vm).is_some_and(|v| v.heartbeat.is_some() && !v.silent(now, self.policy.silent_after)));
-        let new_vm = vm.clone().filter(|vm| !self.fleet.vms.contains_key(vm));
+            if self.fleet.vms().get(vm).is_some_and(|v| v.heartbeat.is_some() && !v.silent(now, self.policy.silent_after)));
+        let new_vm = vm.clone().filter(|vm| !self.fleet.vms().contains_key(vm));
         let applied = self.fleet.apply(incoming, now);
         let routine_beat =
             routine_beat && matches!(&applied, Applied::Heartbeat(back) if back.is_empty());
@@ -340,7 +340,7 @@ impl Engine {
         }
         if let Some(vm) = vm
             .as_ref()
-            .and_then(|vm| Some((vm, self.fleet.vms.get(vm)?)))
+            .and_then(|vm| Some((vm, self.fleet.vms().get(vm)?)))
         {
             changes.vms.push((vm.0.clone(), vm.1.clone()));
         }
@@ -362,7 +362,7 @@ impl Engine {
             return;
         }
         let _ = delivery.handled.send(reply("accepted"));
-        if let Some(vm) = new_vm.filter(|vm| self.fleet.vms.contains_key(vm)) {
+        if let Some(vm) = new_vm.filter(|vm| self.fleet.vms().contains_key(vm)) {
             self.azure_new_agent(&vm);
         }
         if let Applied::Outcome(event_key) = &applied {

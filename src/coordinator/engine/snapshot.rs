@@ -184,7 +184,7 @@ impl Engine {
             .written
             .vms
             .refresh(
-                self.fleet.vms.iter().map(|(name, vm)| {
+                self.fleet.vms().iter().map(|(name, vm)| {
                     let silent = vm.silent(now, silent_after);
                     (name, VmView { vm, silent })
                 }),

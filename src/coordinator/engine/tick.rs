@@ -52,7 +52,7 @@ impl Engine {
                     .collect();
             holding.extend(
                 self.fleet
-                    .vms
+                    .vms()
                     .values()
                     .filter_map(|vm| vm.heartbeat.as_ref())
                     .flat_map(|h| h.events.iter().cloned()),
@@ -278,7 +278,7 @@ impl Engine {
         if state == CatchUp::CaughtUp {
             tracing::info!(
                 events = self.fleet.events.len(),
-                vms = self.fleet.vms.len(),
+                vms = self.fleet.vms().len(),
                 "Input caught up; deciding"
             );
             self.ready = true;

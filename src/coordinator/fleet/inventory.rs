@@ -95,6 +95,7 @@ pub struct Pause {
 /// (VM names must be unique on the broker: approvals are routed by name).
 pub(super) fn agent<'a>(
     vms: &'a mut BTreeMap<String, Vm>,
+    inventory: &mut Version,
     vm: &str,
     resource_id: Option<String>,
     now: DateTime<Utc>,
@@ -111,10 +112,14 @@ pub(super) fn agent<'a>(
             ));
         }
     }
-    let agent = vms.entry(vm.to_owned()).or_insert(Vm {
-        resource_id: None,
-        last_seen: now,
-        heartbeat: None,
+    let agent = vms.entry(vm.to_owned()).or_insert_with(|| {
+        // A VM that comes counts in a group.
+        *inventory = Version::next();
+        Vm {
+            resource_id: None,
+            last_seen: now,
+            heartbeat: None,
+        }
     });
     match (&agent.resource_id, resource_id) {
         (Some(known), Some(new)) if !known.eq_ignore_ascii_case(&new) => {
@@ -127,7 +132,11 @@ pub(super) fn agent<'a>(
                 "VM {vm:?} is known as {known}; a message that does not say which resource it comes from is not its agent's"
             ));
         }
-        (None, Some(new)) => agent.resource_id = Some(new),
+        (None, Some(new)) => {
+            // Its resource id may place it in another group.
+            *inventory = Version::next();
+            agent.resource_id = Some(new);
+        }
         (None, None) | (Some(_), Some(_)) => {}
     }
     agent.last_seen = now;
@@ -141,8 +150,49 @@ pub fn subject_token(vm: &str) -> String {
 }
 
 impl Fleet {
+    /// The VMs with an agent, by name.
+    pub fn vms(&self) -> &BTreeMap<String, Vm> {
+        &self.vms
+    }
+
+    /// The VMs Azure Resource Manager lists for the groups with an Azure source, by name.
+    pub fn azure(&self) -> &BTreeMap<String, crate::coordinator::azure::AzureVm> {
+        &self.azure
+    }
+
+    /// A mark of what decides where each VM counts: which VMs have an agent, the resource id
+    /// each agent reports, and what Azure lists. It changes with any of them (and differs
+    /// between any two fleets), so what was found from them can be kept while it stays the
+    /// same ([`crate::coordinator::policy::Placement`]). Every change to `vms` and `azure`
+    /// goes through this module, which takes a new mark for each.
+    pub fn inventory_version(&self) -> u64 {
+        self.inventory.0
+    }
+
+    /// Puts `vm` in the inventory as it was stored.
+    pub fn insert_vm(&mut self, name: String, vm: Vm) {
+        self.inventory = Version::next();
+        self.vms.insert(name, vm);
+    }
+
+    /// Takes `vm` out of the inventory.
+    pub fn remove_vm(&mut self, vm: &str) -> Option<Vm> {
+        self.inventory = Version::next();
+        self.vms.remove(vm)
+    }
+
+    /// Forgets the resource id `vm`'s agent reported (its next report says which resource
+    /// it is); the VM as it is now, if it had one.
+    pub fn forget_resource_id(&mut self, vm: &str) -> Option<&Vm> {
+        let known = self.vms.get_mut(vm)?;
+        known.resource_id.take()?;
+        self.inventory = Version::next();
+        Some(known)
+    }
+
     /// The VMs Azure Resource Manager lists now.
     pub fn set_azure(&mut self, vms: BTreeMap<String, crate::coordinator::azure::AzureVm>) {
+        self.inventory = Version::next();
         self.azure_ids = vms
             .iter()
             .map(|(name, vm)| (vm.resource_id.to_ascii_lowercase(), name.clone()))
@@ -206,7 +256,7 @@ impl Fleet {
         beat: Heartbeat,
         now: DateTime<Utc>,
     ) -> Applied {
-        let agent = match agent(&mut self.vms, vm, resource_id, now) {
+        let agent = match agent(&mut self.vms, &mut self.inventory, vm, resource_id, now) {
             Ok(agent) => agent,
             Err(conflict) => {
                 self.note_conflict(vm, &conflict);
@@ -254,7 +304,7 @@ impl Fleet {
     /// it (`by`: `left`), those still to come too (they cannot start on a VM that is gone),
     /// so it frees its places. Returns the keys of the events changed.
     pub fn leave(&mut self, vm: &str, now: DateTime<Utc>) -> Vec<String> {
-        self.vms.remove(vm);
+        self.remove_vm(vm);
         let mut changed = Vec::new();
         for (k, m) in self.events.iter_mut() {
             if m.lists(vm) && m.back.get(vm).is_none_or(|b| b.healthy_at.is_none()) {
@@ -290,5 +340,45 @@ impl Fleet {
             }
         }
         changed
+    }
+}
+
+/// A mark of one state of the inventory ([`Fleet::inventory_version`]), unique in the
+/// process: a new fleet (loaded, reloaded, made for a test) and every change takes the next
+/// number, so that no two states of any two fleets share one. A cache key, not state: two
+/// fleets compare equal whatever their marks, and a clone keeps its source's until either
+/// changes.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Version(pub(super) u64);
+
+impl Version {
+    pub(super) fn next() -> Version {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        Version(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
+impl Default for Version {
+    fn default() -> Self {
+        Version::next()
+    }
+}
+
+impl PartialEq for Version {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+/// The most names `/fleet` lists as conflicting (a publisher can claim any name).
+pub const MAX_CONFLICTS: usize = 1000;
+
+impl Fleet {
+    /// Notes why a message about `vm` was refused, for `/fleet` (at most
+    /// [`MAX_CONFLICTS`] names).
+    pub fn note_conflict(&mut self, vm: &str, why: &str) {
+        if self.conflicts.len() < MAX_CONFLICTS || self.conflicts.contains_key(vm) {
+            self.conflicts.insert(vm.to_owned(), why.to_owned());
+        }
     }
 }

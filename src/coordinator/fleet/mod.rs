@@ -19,8 +19,8 @@ mod read;
 mod said;
 
 pub use actions::{Approval, Drain, Outcome, Sent, Via};
-use inventory::agent;
-pub use inventory::{Back, Heartbeat, Pause, Vm};
+pub use inventory::{Back, Heartbeat, MAX_CONFLICTS, Pause, Vm};
+use inventory::{Version, agent};
 pub use read::{Incoming, MAX_RESOURCES, read, read_at};
 pub use said::Said;
 use said::{fields, said, together};
@@ -134,14 +134,19 @@ impl Maintenance {
     /// The VMs it takes down: those in Resources, or, if it lists none, the agents that say
     /// it affects them.
     pub fn affected(&self) -> Vec<String> {
-        if !self.resources.is_empty() {
-            return self.resources.clone();
-        }
-        self.reports
-            .iter()
-            .filter(|(_, report)| report.affects)
-            .map(|(vm, _)| vm.clone())
-            .collect()
+        self.affected_names().cloned().collect()
+    }
+
+    /// [`Maintenance::affected`], without copying the names.
+    pub fn affected_names(&self) -> impl Iterator<Item = &String> {
+        // The reports only when Resources lists none.
+        let reports = if self.resources.is_empty() {
+            self.reports.len()
+        } else {
+            0
+        };
+        let reported = self.reports.iter().take(reports).filter(|(_, r)| r.affects);
+        self.resources.iter().chain(reported.map(|(vm, _)| vm))
     }
 
     /// It holds its VMs: the coordinator drains or approved it, someone else approved it, or
@@ -221,7 +226,9 @@ pub enum Applied {
 pub struct Fleet {
     /// By upper-case EventId.
     pub events: BTreeMap<String, Maintenance>,
-    pub vms: BTreeMap<String, Vm>,
+    /// By name ([`Fleet::vms`]); changed only through the fleet's own functions, each of
+    /// which marks what changes where VMs count ([`Fleet::inventory_version`]).
+    vms: BTreeMap<String, Vm>,
     /// `(source, id)` of every message applied, with when: at-least-once input.
     #[serde(skip)]
     pub seen: HashMap<(String, String), DateTime<Utc>>,
@@ -233,16 +240,19 @@ pub struct Fleet {
     /// shown in `/fleet`, not stored.
     #[serde(skip)]
     pub conflicts: BTreeMap<String, String>,
-    /// The VMs Azure Resource Manager lists for the groups with an Azure source, by name:
-    /// listed again at every refresh, not stored.
+    /// The VMs Azure Resource Manager lists for the groups with an Azure source, by name
+    /// ([`Fleet::azure`]): listed again at every refresh ([`Fleet::set_azure`]), not stored.
     #[serde(skip)]
-    pub azure: BTreeMap<String, crate::coordinator::azure::AzureVm>,
+    azure: BTreeMap<String, crate::coordinator::azure::AzureVm>,
     /// The names of `azure` by lower-case resource id ([`Fleet::set_azure`]).
     #[serde(skip)]
-    pub azure_ids: HashMap<String, String>,
+    azure_ids: HashMap<String, String>,
     /// When each group's source was last listed whole (by the policy's group index).
     #[serde(skip)]
     pub azure_listed_at: BTreeMap<usize, DateTime<Utc>>,
+    /// Where VMs count: see [`Fleet::inventory_version`].
+    #[serde(skip)]
+    inventory: Version,
 }
 
 pub fn key_of(event_id: &str) -> String {
@@ -265,7 +275,7 @@ impl Fleet {
                 // to anything else: one without a resource id claims none.
                 let resource_id = source.starts_with("/subscriptions/").then_some(source);
                 let claims = resource_id.is_some();
-                match agent(&mut self.vms, &vm, resource_id, now) {
+                match agent(&mut self.vms, &mut self.inventory, &vm, resource_id, now) {
                     Ok(_) => Applied::Agent,
                     Err(_) if !claims => Applied::Agent,
                     Err(conflict) => {
@@ -291,7 +301,9 @@ impl Fleet {
                 event,
                 ..
             } => {
-                if let Err(conflict) = agent(&mut self.vms, &vm, resource_id, now) {
+                if let Err(conflict) =
+                    agent(&mut self.vms, &mut self.inventory, &vm, resource_id, now)
+                {
                     self.note_conflict(&vm, &conflict);
                     return Applied::Conflict(conflict);
                 }
@@ -382,7 +394,9 @@ impl Fleet {
                 dry_run,
                 ..
             } => {
-                if let Err(conflict) = agent(&mut self.vms, &vm, resource_id, now) {
+                if let Err(conflict) =
+                    agent(&mut self.vms, &mut self.inventory, &vm, resource_id, now)
+                {
                     self.note_conflict(&vm, &conflict);
                     return Applied::Conflict(conflict);
                 }
@@ -481,18 +495,5 @@ impl Fleet {
             self.seen.remove(key);
         }
         (gone, old)
-    }
-}
-
-/// The most names `/fleet` lists as conflicting (a publisher can claim any name).
-pub const MAX_CONFLICTS: usize = 1000;
-
-impl Fleet {
-    /// Notes why a message about `vm` was refused, for `/fleet` (at most
-    /// [`MAX_CONFLICTS`] names).
-    pub fn note_conflict(&mut self, vm: &str, why: &str) {
-        if self.conflicts.len() < MAX_CONFLICTS || self.conflicts.contains_key(vm) {
-            self.conflicts.insert(vm.to_owned(), why.to_owned());
-        }
     }
 }

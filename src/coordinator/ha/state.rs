@@ -141,7 +141,7 @@ impl KvState {
                     "v" => {
                         let vm: Vm = serde_json::from_slice(&value)
                             .map_err(|e| format!("KV VM {name}: {e}"))?;
-                        fleet.vms.insert(name, vm);
+                        fleet.insert_vm(name, vm);
                     }
                     "c" if name == "paused" => {
                         fleet.paused = Some(

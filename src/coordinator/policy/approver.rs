@@ -26,13 +26,19 @@ pub fn approver(
     agent_had_its_turn: bool,
     now: DateTime<Utc>,
 ) -> Option<Approver> {
+    let live = |vm: &str| {
+        fleet
+            .vms()
+            .get(vm)
+            .is_some_and(|v| !v.silent(now, policy.silent_after))
+    };
     choose(
         fleet,
         policy,
         m,
         &placed(fleet, policy, m),
         agent_had_its_turn,
-        now,
+        &live,
     )
     .ok()
 }
@@ -61,13 +67,14 @@ fn placed(fleet: &Fleet, policy: &Policy, m: &Maintenance) -> Vec<(String, usize
 /// [`approver`] with the event's VMs and their groups at hand. An agent first, where the
 /// groups allow agents (unless `agent_had_its_turn` and they allow ARM too); else ARM, at
 /// the first VM Azure lists; an event whose groups allow no common way is left to Azure.
+/// `live`: the VM has an agent that is not silent.
 pub(super) fn choose(
     fleet: &Fleet,
     policy: &Policy,
     m: &Maintenance,
     placed: &[(String, usize)],
     agent_had_its_turn: bool,
-    now: DateTime<Utc>,
+    live: &dyn Fn(&str) -> bool,
 ) -> Result<Approver, Wait> {
     let groups: BTreeSet<usize> = placed.iter().map(|(_, g)| *g).collect();
     let ways = || groups.iter().map(|g| policy.groups[*g].approve_via);
@@ -85,7 +92,7 @@ pub(super) fn choose(
     }
     let affected = placed.iter().map(|(vm, _)| vm);
     let by_agent = || {
-        approver_among(fleet, policy, m, affected.clone(), now).map(|vm| Approver {
+        approver_among(m, affected.clone(), live).map(|vm| Approver {
             vm,
             via: Via::Agent,
         })
@@ -99,7 +106,7 @@ pub(super) fn choose(
     if arm {
         // By the name Azure gives the VM (Resources names VMs so): never by the resource id
         // an agent reports, which would let an agent pick the scope.
-        if let Some(vm) = affected.clone().find(|vm| fleet.azure.contains_key(*vm)) {
+        if let Some(vm) = affected.clone().find(|vm| fleet.azure().contains_key(*vm)) {
             return Ok(Approver {
                 vm: vm.clone(),
                 via: Via::Arm,
@@ -118,18 +125,10 @@ pub(super) fn choose(
 /// reported the event (its document has it, so the agent will not answer `unknown_event`),
 /// else the first with a live agent at all. One approval releases every VM the event lists.
 fn approver_among<'a>(
-    fleet: &Fleet,
-    policy: &Policy,
     m: &Maintenance,
     affected: impl Iterator<Item = &'a String> + Clone,
-    now: DateTime<Utc>,
+    live: &dyn Fn(&str) -> bool,
 ) -> Option<String> {
-    let live = |vm: &String| {
-        fleet
-            .vms
-            .get(vm)
-            .is_some_and(|v| !v.silent(now, policy.silent_after))
-    };
     affected
         .clone()
         .find(|vm| live(vm) && m.reports.get(*vm).is_some_and(|r| !r.stage.is_over()))

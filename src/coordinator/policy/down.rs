@@ -6,12 +6,13 @@
 //! Azure starts each at its NotBefore at the latest, which is what an approval's window
 //! must leave room for.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
-use super::Policy;
+use super::{Placement, Policy};
 use crate::coordinator::fleet::{Fleet, Maintenance};
 
 /// Why a VM counts as down.
@@ -69,17 +70,15 @@ pub struct Start<'f> {
 }
 
 /// The whole fleet's count at one moment, over the fleet it was counted from.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Down<'f> {
-    /// Every VM down, with every reason.
-    pub causes: BTreeMap<String, BTreeSet<Cause>>,
-    /// Per group, how many VMs of the inventory it has (each VM's group is the policy's,
-    /// found once: [`Policy::group_of`]).
-    pub members: Vec<usize>,
+    /// Every VM down, with every reason. (A hash map: the decision looks each VM of every
+    /// waiting event's window up in it; nothing reads it in its order.)
+    pub causes: HashMap<String, BTreeSet<Cause>>,
+    /// The VMs of the agents' inventory whose agent is silent.
+    silent: HashSet<&'f str>,
     /// Per group, the VMs held past `max_hold` without evidence that they are back.
     pub overdue: Vec<BTreeSet<String>>,
-    /// Per group, the VMs of its Azure source that no agent speaks for.
-    pub without_agent: Vec<BTreeSet<String>>,
     /// Scheduled events nobody holds, earliest NotBefore first.
     pub pending: Vec<Pending<'f>>,
     /// Per group, how many of its VMs are down (the VMs of `causes` in it).
@@ -88,37 +87,56 @@ pub struct Down<'f> {
     /// event's key, earliest first: what an approval's window is checked against.
     pub starts: Vec<Vec<Start<'f>>>,
     /// Each VM of the inventory by name (an agent's, or one Azure lists), with its group
-    /// ([`Policy::group_of`]) and whether an agent speaks for it: found once per count, so
-    /// that what the count and the decision after it look up by name costs one hash, where
-    /// each lookup searched the fleet's VMs twice and the group memo once
-    /// (benches/profiling.md, section 27).
-    places: HashMap<&'f str, Place>,
-}
-
-/// A VM of the inventory, as the count found it.
-#[derive(Debug, Clone, Copy)]
-struct Place {
-    group: usize,
-    /// In the agents' inventory (`fleet.vms`).
-    agent: bool,
+    /// ([`Policy::group_of`]) and whether an agent speaks for it, per group how many VMs it
+    /// has and those of its Azure source no agent speaks for: what the count and the
+    /// decision after it look up by name costs one hash, and it is found again only when
+    /// the inventory changes (benches/profiling.md, sections 27 and 31).
+    placement: Arc<Placement>,
 }
 
 impl Down<'_> {
     /// The group of `vm` (as [`Policy::group_of`] finds it).
     pub fn group_of(&self, fleet: &Fleet, policy: &Policy, vm: &str) -> usize {
-        self.places
+        self.placement
+            .places
             .get(vm)
             .map_or_else(|| policy.group_of(fleet, vm), |place| place.group)
     }
 
-    /// `vm` has an agent in the inventory (`fleet.vms` has it).
+    /// [`Down::group_of`] and [`Down::has_agent`], in one lookup.
+    pub fn place_of(&self, fleet: &Fleet, policy: &Policy, vm: &str) -> (usize, bool) {
+        self.placement.places.get(vm).map_or_else(
+            || (policy.group_of(fleet, vm), false),
+            |place| (place.group, place.agent),
+        )
+    }
+
+    /// `vm` has an agent in the inventory (`fleet.vms()` has it).
     pub fn has_agent(&self, vm: &str) -> bool {
-        self.places.get(vm).is_some_and(|place| place.agent)
+        self.placement
+            .places
+            .get(vm)
+            .is_some_and(|place| place.agent)
+    }
+
+    /// `vm` has an agent in the inventory, and it is not silent.
+    pub fn live(&self, vm: &str) -> bool {
+        self.has_agent(vm) && !self.silent.contains(vm)
+    }
+
+    /// How many VMs of the inventory `group` has (each VM's group is the policy's).
+    pub fn members(&self, group: usize) -> usize {
+        self.placement.members[group]
+    }
+
+    /// The VMs of `group`'s Azure source that no agent speaks for.
+    pub fn without_agent(&self, group: usize) -> &BTreeSet<String> {
+        &self.placement.without_agent[group]
     }
 
     /// The group's size: the larger of the VMs known and the operator's expected size.
     pub fn size(&self, policy: &Policy, group: usize) -> usize {
-        let known = self.members[group];
+        let known = self.members(group);
         policy.groups[group]
             .expected_size
             .map_or(known, |expected| known.max(expected as usize))
@@ -149,7 +167,7 @@ pub fn holds(m: &Maintenance) -> bool {
 /// [`Back`]: crate::coordinator::fleet::Back
 fn back_times(fleet: &Fleet) -> HashMap<String, DateTime<Utc>> {
     let mut backs = HashMap::new();
-    if fleet.azure.is_empty() {
+    if fleet.azure().is_empty() {
         return backs;
     }
     let mut note = |vm: &str, at: DateTime<Utc>| {
@@ -163,7 +181,7 @@ fn back_times(fleet: &Fleet) -> HashMap<String, DateTime<Utc>> {
         if m.over() {
             let closed = m.reports.values().map(|r| r.at).max();
             for vm in m.affected() {
-                if !fleet.vms.contains_key(&vm)
+                if !fleet.vms().contains_key(&vm)
                     && !m.reports.contains_key(&vm)
                     && let Some(at) = closed
                 {
@@ -228,86 +246,53 @@ pub fn freed(policy: &Policy, m: &Maintenance, vm: &str, group: usize, has_agent
 pub fn down_now<'f>(fleet: &'f Fleet, policy: &Policy, now: DateTime<Utc>) -> Down<'f> {
     let groups = policy.groups.len();
     let mut down = Down {
-        members: vec![0; groups],
+        causes: HashMap::new(),
+        silent: HashSet::new(),
         overdue: vec![BTreeSet::new(); groups],
-        without_agent: vec![BTreeSet::new(); groups],
-        places: HashMap::with_capacity(fleet.vms.len() + fleet.azure.len()),
-        ..Down::default()
+        pending: Vec::new(),
+        counts: Vec::new(),
+        starts: Vec::new(),
+        placement: policy.placement(fleet),
     };
     let backs = back_times(fleet);
-    // The memo locked once for the walks over the inventory, and let go before anything
-    // else finds a group.
-    let mut lookup = policy.lookup();
     // Holding (by the coordinator, anyone else, or Azure) is the event's own state.
-    for (name, vm) in &fleet.vms {
-        // (A fleet without an Azure source looks nothing up for it.)
-        let azure = if fleet.azure.is_empty() {
-            None
-        } else {
-            fleet.azure_vm(name)
-        };
-        let resource_id = vm
-            .resource_id
-            .as_deref()
-            .or(azure.map(|a| a.resource_id.as_str()));
-        let g = lookup.group_of_known(name, resource_id, azure.map(|a| a.group));
-        down.places.insert(
-            name,
-            Place {
-                group: g,
-                agent: true,
-            },
-        );
-        down.members[g] += 1;
+    for (name, vm) in fleet.vms() {
         let silent = vm.silent(now, policy.silent_after);
         if silent {
+            down.silent.insert(name);
             down.causes
                 .entry(name.clone())
                 .or_default()
                 .insert(Cause::Silent);
         }
         // Azure's own word that the VM is not serving.
-        if let Some(why) = azure.and_then(|a| azure_down(fleet, &backs, name, a, !silent)) {
+        // (A fleet without an Azure source looks nothing up for it.)
+        if fleet.azure().is_empty() {
+            continue;
+        }
+        if let Some(why) = fleet
+            .azure_vm(name)
+            .and_then(|a| azure_down(fleet, &backs, name, a, !silent))
+        {
             down.causes
                 .entry(name.clone())
                 .or_default()
                 .insert(Cause::Azure(why));
         }
     }
-    // The VMs Azure lists that no agent speaks for: each is one of its group's, down when
-    // Azure says so.
-    // (A fleet without an Azure source pays nothing for this.)
-    let agent_ids = if fleet.azure.is_empty() {
-        Default::default()
-    } else {
-        fleet.agent_ids()
-    };
-    for (name, azure) in &fleet.azure {
-        let agent = fleet.vms.get(name);
-        let spoken_for = agent.is_some_and(|a| a.resource_id.is_none())
-            || agent_ids.contains(&azure.resource_id.to_ascii_lowercase());
-        if agent.is_some() && spoken_for {
-            continue;
-        }
-        let g = lookup.group_of_known(name, Some(&azure.resource_id), Some(azure.group));
-        // A VM no agent is named after is found by Azure's word alone, as `group_of` does.
-        down.places.entry(name).or_insert(Place {
-            group: g,
-            agent: false,
-        });
-        if spoken_for {
-            continue;
-        }
-        down.members[g] += 1;
-        down.without_agent[g].insert(name.clone());
-        if let Some(why) = azure_down(fleet, &backs, name, azure, false) {
+    // The VMs Azure lists that no agent speaks for: down when Azure says so.
+    for name in down.placement.without_agent.iter().flatten() {
+        if let Some(why) = fleet
+            .azure()
+            .get(name)
+            .and_then(|azure| azure_down(fleet, &backs, name, azure, false))
+        {
             down.causes
                 .entry(name.clone())
                 .or_default()
                 .insert(Cause::Azure(why));
         }
     }
-    drop(lookup);
     for (key, m) in &fleet.events {
         let held = holds(m);
         let starting = m.not_before.is_some_and(|at| at - now < policy.min_lead);
@@ -323,9 +308,9 @@ pub fn down_now<'f>(fleet: &'f Fleet, policy: &Policy, now: DateTime<Utc>) -> Do
         .unwrap_or(m.first_seen);
         let overdue = held && now - since > policy.max_hold;
         let mut waiting = Vec::new();
-        for vm in m.affected() {
-            let g = down.group_of(fleet, policy, &vm);
-            if freed(policy, m, &vm, g, down.has_agent(&vm)) {
+        for vm in m.affected_names() {
+            let (g, agent) = down.place_of(fleet, policy, vm);
+            if freed(policy, m, vm, g, agent) {
                 continue;
             }
             let cause = if held {
@@ -334,14 +319,14 @@ pub fn down_now<'f>(fleet: &'f Fleet, policy: &Policy, now: DateTime<Utc>) -> Do
                 Cause::Starting(key.clone())
             } else {
                 if is_pending {
-                    waiting.push(vm);
+                    waiting.push(vm.clone());
                 }
                 continue;
             };
             if overdue {
                 down.overdue[g].insert(vm.clone());
             }
-            down.causes.entry(vm).or_default().insert(cause);
+            down.causes.entry(vm.clone()).or_default().insert(cause);
         }
         if let (true, Some(not_before)) = (is_pending && !starting, m.not_before)
             && !waiting.is_empty()
@@ -354,8 +339,9 @@ pub fn down_now<'f>(fleet: &'f Fleet, policy: &Policy, now: DateTime<Utc>) -> Do
             });
         }
     }
+    // (Keys are unique: an unstable sort orders them the same, without a buffer.)
     down.pending
-        .sort_by(|a, b| (a.not_before, a.key).cmp(&(b.not_before, b.key)));
+        .sort_unstable_by(|a, b| (a.not_before, a.key).cmp(&(b.not_before, b.key)));
     down.counts = vec![0; groups];
     for vm in down.causes.keys() {
         let g = down.group_of(fleet, policy, vm);
@@ -415,13 +401,13 @@ pub fn usage(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Budgets {
         .map(|(g, group)| Usage {
             group: group.name.clone(),
             size: down.size(policy, g),
-            known: down.members[g],
+            known: down.members(g),
             expected_size: group.expected_size,
             limit: down.limit(policy, g),
             down: BTreeSet::new(),
             silent: BTreeSet::new(),
             overdue: down.overdue[g].clone(),
-            without_agent: down.without_agent[g].clone(),
+            without_agent: down.without_agent(g).clone(),
             why: BTreeMap::new(),
         })
         .collect();

@@ -20,7 +20,7 @@ async fn fleet_json_shows_every_change_since_the_last_refresh_and_writes_only_th
     world.settle().await;
     // A VM and an event that nothing changes: their parts are kept, and must still be
     // what a rewrite says. (A VM whose agent sends no heartbeat is never silent.)
-    world.engine.fleet.vms.insert(
+    world.engine.fleet.insert_vm(
         "batch-1".into(),
         Vm {
             resource_id: Some("/subscriptions/s/resourceGroups/rg/providers/Microsoft.Compute/virtualMachines/batch-1".into()),
@@ -42,7 +42,7 @@ async fn fleet_json_shows_every_change_since_the_last_refresh_and_writes_only_th
     let later = t0() + chrono::Duration::hours(2);
     world.beat("batch-2", later, later, &[]);
     world.beat("batch-3", later, later, &[]);
-    world.engine.fleet.vms.remove("batch-4");
+    world.engine.fleet.remove_vm("batch-4");
     world
         .engine
         .fleet

@@ -60,7 +60,7 @@ async fn fleet_json_says_what_the_engines_state_says_part_for_part() {
         "conflicts": fleet.conflicts,
         "groups": budgets.groups,
         "fleet": budgets.fleet,
-        "vms": fleet.vms.iter().map(|(name, vm)| {
+        "vms": fleet.vms().iter().map(|(name, vm)| {
             let mut value = json!(vm);
             value["silent"] = json!(vm.silent(later, policy.silent_after));
             (name.clone(), value)
@@ -71,7 +71,7 @@ async fn fleet_json_says_what_the_engines_state_says_part_for_part() {
             "clash": fleet.azure_clash(),
             "sources": view.sources,
             "warnings": view.warnings,
-            "vms": fleet.azure,
+            "vms": fleet.azure(),
         },
     });
     assert_eq!(shown, expected);
@@ -112,7 +112,7 @@ async fn fleet_json_says_what_the_engines_state_says_part_for_part() {
         .match_indices(r#""silent":"#)
         .filter(|(at, key)| !text[at + key.len()..].starts_with('['))
         .count();
-    assert_eq!(flags, fleet.vms.len(), "{text}");
+    assert_eq!(flags, fleet.vms().len(), "{text}");
 }
 
 /// An object's keys, in the order they were written.

@@ -78,41 +78,35 @@ fn the_count_places_every_vm_in_the_group_the_policy_finds_for_it() {
         heartbeat: None,
     };
     // Named as Azure lists it, with Azure's id.
-    fleet
-        .vms
-        .insert("batch-1".into(), agent(Some(id("batch-1"))));
+    fleet.insert_vm("batch-1".into(), agent(Some(id("batch-1"))));
     // Named as Azure lists it, without a resource id.
-    fleet.vms.insert("batch-2".into(), agent(None));
+    fleet.insert_vm("batch-2".into(), agent(None));
     // Azure's db-7, under another name.
-    fleet
-        .vms
-        .insert("db-7-renamed".into(), agent(Some(id("db-7"))));
+    fleet.insert_vm("db-7-renamed".into(), agent(Some(id("db-7"))));
     // Azure lists web-2 with another id.
     let elsewhere =
         "/subscriptions/s/resourceGroups/rg-web/providers/Microsoft.Compute/virtualMachines/web-2";
-    fleet
-        .vms
-        .insert("web-2".into(), agent(Some(elsewhere.into())));
+    fleet.insert_vm("web-2".into(), agent(Some(elsewhere.into())));
     // Azure's batch-4 under a name no pattern takes: batch by Azure's word alone.
-    fleet.vms.insert("x-1".into(), agent(Some(id("batch-4"))));
+    fleet.insert_vm("x-1".into(), agent(Some(id("batch-4"))));
     // Azure lists batch-7 with another id: the agent's batch-7 is not Azure's, so no
     // group takes it (batch takes only what its source lists).
-    fleet.vms.insert(
+    fleet.insert_vm(
         "batch-7".into(),
         agent(Some(elsewhere.replace("web-2", "batch-7"))),
     );
     // Agents Azure does not list.
-    fleet.vms.insert(
+    fleet.insert_vm(
         "web-1".into(),
         agent(Some(elsewhere.replace("web-2", "web-1"))),
     );
-    fleet.vms.insert("batch-9".into(), agent(None));
+    fleet.insert_vm("batch-9".into(), agent(None));
     fleet.set_azure(listed.vms.clone());
     let down = down_now(&fleet, policy, super::t0());
     let names: Vec<String> = fleet
-        .vms
+        .vms()
         .keys()
-        .chain(fleet.azure.keys())
+        .chain(fleet.azure().keys())
         .cloned()
         .chain(["nobody-knows-me".to_owned()])
         .collect();
@@ -122,7 +116,11 @@ fn the_count_places_every_vm_in_the_group_the_policy_finds_for_it() {
             policy.group_of(&fleet, name),
             "{name}"
         );
-        assert_eq!(down.has_agent(name), fleet.vms.contains_key(name), "{name}");
+        assert_eq!(
+            down.has_agent(name),
+            fleet.vms().contains_key(name),
+            "{name}"
+        );
     }
     // Where a lookup that missed Azure's word, or took it over the agent's, would differ.
     let group = |name: &str| {
@@ -139,5 +137,30 @@ fn the_count_places_every_vm_in_the_group_the_policy_finds_for_it() {
             group("db-7")
         ],
         ["batch", "batch", "default", "web", "db"]
+    );
+    drop(down);
+    // Azure lists again without batch-4 (x-1's resource): the count places x-1 by its name
+    // again, with what the policy kept for the last listing as without it.
+    let mut relisted = listed.vms.clone();
+    relisted.remove("batch-4");
+    let version = fleet.inventory_version();
+    fleet.set_azure(relisted);
+    assert_ne!(fleet.inventory_version(), version, "a new listing");
+    let kept = down_now(&fleet, policy, super::t0());
+    let scratch = down_now(&fleet, &policy.clone(), super::t0());
+    for name in &names {
+        assert_eq!(
+            kept.group_of(&fleet, policy, name),
+            scratch.group_of(&fleet, policy, name),
+            "{name}"
+        );
+    }
+    for g in 0..policy.groups.len() {
+        assert_eq!(kept.members(g), scratch.members(g));
+        assert_eq!(kept.without_agent(g), scratch.without_agent(g));
+    }
+    assert_eq!(
+        policy.groups[kept.group_of(&fleet, policy, "x-1")].name,
+        "default"
     );
 }

@@ -3,8 +3,7 @@
 //! decisions under budgets, including a property test that no decision ever takes a group
 //! over its budget.
 
-use std::collections::BTreeMap;
-use std::time::Duration;
+use std::{collections::BTreeMap, time::Duration};
 
 use chrono::{DateTime, TimeZone, Utc};
 use proptest::prelude::*;
@@ -27,6 +26,7 @@ mod fleet_view;
 mod groups;
 mod model;
 mod pacing;
+mod placement;
 pub(crate) mod quiet_day;
 mod trust;
 
@@ -191,7 +191,7 @@ fn an_agents_events_build_the_event_from_scheduled_to_completed() {
     assert_eq!(m.not_before, Some(t0() + chrono::Duration::seconds(900)));
     assert_eq!(m.reports["web-1"].stage, Stage::Scheduled);
     assert!(
-        fleet.vms["web-1"]
+        fleet.vms()["web-1"]
             .resource_id
             .as_deref()
             .unwrap()

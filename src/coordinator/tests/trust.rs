@@ -48,7 +48,7 @@ fn two_vms_whose_names_differ_only_by_dot_and_underscore_cannot_share_an_approva
         matches!(&applied, Applied::Conflict(why) if why.contains("share the subject")),
         "{applied:?}"
     );
-    assert!(!fleet.vms.contains_key("db.1"));
+    assert!(!fleet.vms().contains_key("db.1"));
 }
 
 #[test]
