@@ -100,8 +100,7 @@ impl Engine {
             if m.overdue {
                 continue;
             }
-            // (By name: the count's causes come in no order.)
-            let vms: std::collections::BTreeSet<&String> = down
+            let mut vms: Vec<&String> = down
                 .causes
                 .iter()
                 .filter(|(vm, causes)| {
@@ -109,6 +108,8 @@ impl Engine {
                 })
                 .map(|(vm, _)| vm)
                 .collect();
+            // By name, as before: the count's causes come in no order.
+            vms.sort();
             if !vms.is_empty() {
                 tracing::error!(event_id = %m.event_id, event_type = %m.event_type, vms = ?vms, max_hold = ?self.config.coordinator.max_hold, "Held past max_hold with no evidence that its VMs are back; their places stay taken: look at them, and release them by hand (sched-relay coordinate release) if they are fine or gone");
                 metrics::counter!("sched_relay_coordinator_holds_overdue_total").increment(1);

@@ -152,8 +152,12 @@ impl Policy {
             return Arc::clone(placement);
         }
         // Found in the last one's places when nothing else holds it (every count made from
-        // it has ended).
-        let last = kept.take().and_then(|last| Arc::try_unwrap(last).ok());
+        // it has ended) and it was found for an earlier version (one of this version, under
+        // other groups, would have its places count as found now).
+        let last = kept
+            .take()
+            .and_then(|last| Arc::try_unwrap(last).ok())
+            .filter(|last| last.version != fleet.inventory_version());
         let placement = Placement::find(fleet, &mut self.lookup(), groups, last);
         debug_assert_eq!(
             placement,
