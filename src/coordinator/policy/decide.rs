@@ -286,13 +286,7 @@ fn one(
     let approver = choose(fleet, policy, m, &placed, false, &|vm| down.live(vm))?;
     if matches!(candidate, Candidate::New) && now - m.first_seen < policy.report_wait {
         let missing: Vec<String> = affected
-            .filter(|vm| {
-                fleet
-                    .vms()
-                    .get(*vm)
-                    .is_some_and(|v| !v.silent(now, policy.silent_after))
-                    && !m.reports.contains_key(*vm)
-            })
+            .filter(|vm| down.live(vm) && !m.reports.contains_key(*vm))
             .cloned()
             .collect();
         if !missing.is_empty() {

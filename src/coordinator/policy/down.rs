@@ -97,10 +97,7 @@ pub struct Down<'f> {
 impl Down<'_> {
     /// The group of `vm` (as [`Policy::group_of`] finds it).
     pub fn group_of(&self, fleet: &Fleet, policy: &Policy, vm: &str) -> usize {
-        self.placement
-            .places
-            .get(vm)
-            .map_or_else(|| policy.group_of(fleet, vm), |place| place.group)
+        self.place_of(fleet, policy, vm).0
     }
 
     /// [`Down::group_of`] and [`Down::has_agent`], in one lookup.

@@ -306,6 +306,17 @@ fn a_host_level_event_waits_for_every_live_agents_report_up_to_report_wait() {
     feed(&mut fleet2, &published("web-1", None, &h));
     let late = t0() + chrono::Duration::seconds(5);
     assert_eq!(decide(&fleet2, &policy, late).steps.len(), 1);
+    // A silent agent is not waited for either.
+    let mut fleet3 = Fleet::default();
+    beat(
+        &mut fleet3,
+        "db-1",
+        t0() - minutes(20),
+        t0() - minutes(600),
+        &[],
+    );
+    feed(&mut fleet3, &published("web-1", None, &h));
+    assert_eq!(decide(&fleet3, &policy, t0()).steps.len(), 1);
 }
 
 #[test]
