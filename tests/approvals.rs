@@ -119,6 +119,18 @@ fn start(keys: &Keys, sources: &str) -> (tempfile::TempDir, SimProcess, AgentPro
     (dir, sim, agent)
 }
 
+/// [`start`] with a RabbitMQ approval source on a new exchange: the exchange, to publish to.
+fn start_with_rabbitmq(keys: &Keys) -> (tempfile::TempDir, SimProcess, AgentProcess, String) {
+    let exchange = unique("approvals");
+    let (dir, sim, agent) = start(
+        keys,
+        &format!(
+            "[approvals.amqp]\nconnection = {{ url = \"{AMQP_URL}\" }}\nexchange = \"{exchange}\"\nqueue = \"{exchange}.{{vmname}}\"\n"
+        ),
+    );
+    (dir, sim, agent, exchange)
+}
+
 fn wait_for_log(agent: &AgentProcess, text: &str) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while !agent.log().contains(text) {
@@ -383,18 +395,70 @@ fn signed_approval_through_a_rabbitmq_queue_starts_the_event() {
         return;
     }
     let keys = Keys::new();
-    let exchange = unique("approvals");
-    let (_dir, sim, agent) = start(
-        &keys,
-        &format!(
-            "[approvals.amqp]\nconnection = {{ url = \"{AMQP_URL}\" }}\nexchange = \"{exchange}\"\nqueue = \"{exchange}.{{vmname}}\"\n"
-        ),
-    );
+    let (_dir, sim, agent, exchange) = start_with_rabbitmq(&keys);
     let (draft, event) = keys.signed(FREEZE);
     let to = format!("{AMQP_URL}?exchange={exchange}&routing_key=approvals.WestNO_0");
     block_on(publish_to(&to, &event, None)).unwrap();
     first_post_after(&sim, Instant::now(), "RabbitMQ");
     assert_accepted_and_started(&sim, &agent, &draft.id);
+}
+
+/// A message's headers go in one frame, which on a broker left at its defaults may be as
+/// large as 128 KiB. A message with 100 KiB of headers on the approvals queue (not a request:
+/// rejected) neither cuts the source off nor holds up the signed request behind it; a source
+/// whose connection proposed a smaller frame would be disconnected by every redelivery of it.
+#[test]
+fn a_message_with_headers_near_the_brokers_frame_size_does_not_stop_rabbitmq_approvals() {
+    if !rabbitmq_available() {
+        return;
+    }
+    let keys = Keys::new();
+    let (_dir, sim, agent, exchange) = start_with_rabbitmq(&keys);
+    block_on(async {
+        use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+        use lapin::types::{AMQPValue, FieldTable};
+        // The broker's own frame size: no frame_max proposed.
+        let connection =
+            lapin::Connection::connect(AMQP_URL, lapin::ConnectionProperties::default())
+                .await
+                .unwrap();
+        let channel = connection.create_channel().await.unwrap();
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        let mut headers = FieldTable::default();
+        headers.insert(
+            "padding".into(),
+            AMQPValue::LongString("x".repeat(100 * 1024).into()),
+        );
+        let confirm = channel
+            .basic_publish(
+                exchange.as_str().into(),
+                "approvals.WestNO_0".into(),
+                BasicPublishOptions::default(),
+                b"{}",
+                lapin::BasicProperties::default().with_headers(headers),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(
+            confirm.is_ack(),
+            "the broker took the large message: {confirm:?}"
+        );
+    });
+    let (draft, event) = keys.signed(FREEZE);
+    let to = format!("{AMQP_URL}?exchange={exchange}&routing_key=approvals.WestNO_0");
+    block_on(publish_to(&to, &event, None)).unwrap();
+    first_post_after(&sim, Instant::now(), "RabbitMQ");
+    assert_accepted_and_started(&sim, &agent, &draft.id);
+    assert!(
+        !agent.log().contains("frame too large"),
+        "the source was disconnected by the large message:\n{}",
+        agent.log()
+    );
 }
 
 #[cfg(feature = "kafka")]
@@ -626,13 +690,7 @@ fn a_request_replayed_after_a_restart_is_answered_from_the_store_over_rabbitmq()
         return;
     }
     let keys = Keys::new();
-    let exchange = unique("approvals");
-    let (_dir, sim, mut agent) = start(
-        &keys,
-        &format!(
-            "[approvals.amqp]\nconnection = {{ url = \"{AMQP_URL}\" }}\nexchange = \"{exchange}\"\nqueue = \"{exchange}.{{vmname}}\"\n"
-        ),
-    );
+    let (_dir, sim, mut agent, exchange) = start_with_rabbitmq(&keys);
     let to = format!("{AMQP_URL}?exchange={exchange}&routing_key=approvals.WestNO_0");
     let (draft, event) = keys.signed(FREEZE);
     block_on(publish_to(&to, &event, None)).unwrap();

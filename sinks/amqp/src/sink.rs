@@ -46,8 +46,20 @@ pub fn close_in_background(connection: Connection, why: &'static str) {
 /// connection: at RabbitMQ's default of 128 KiB that is 8 MiB resident per connection, more
 /// than the rest of an idle agent. A larger body goes as several frames; the headers of the
 /// agent's events (attributes and short extensions: EventIds and request ids are at most
-/// 256 bytes) fit one. Approval sources keep the broker's frame size (see [`AmqpSink::open`]).
+/// 256 bytes) fit one. Consumers propose [`CONSUMER_FRAME_MAX`] instead.
 pub const FRAME_MAX: u32 = 8192;
+
+/// The frame a consumer (an approval source, the coordinator's input) proposes unless the URL's
+/// `frame_max` says otherwise: RabbitMQ's default, so on a broker left at its default the
+/// consumer's frame is the broker's. A header frame cannot be split, and a publisher's may be
+/// as large as the broker's frame: a consumer with a smaller frame would be disconnected by
+/// every delivery of such a message, and the message, unacknowledged, delivered again. Proposed
+/// rather than left to the broker because lapin sizes a connection's two buffers (32 frames
+/// each) at connecting by the frame proposed, as zeroed memory that stays untouched until
+/// bytes pass through it, but grows them to the negotiated size by writing zeroes: without a
+/// proposal, 8 MiB resident at once on every idle agent with a RabbitMQ approval source (and,
+/// on a broker whose `frame_max` is 0, unlimited, an allocation of 32 times 4 GiB).
+pub const CONSUMER_FRAME_MAX: u32 = 131_072;
 
 impl AmqpSink {
     pub fn new(config: AmqpSinkConfig) -> Self {
@@ -60,7 +72,7 @@ impl AmqpSink {
 
     /// The URL to connect with: the password from its file, and `frame_max` proposed unless
     /// the URL sets it.
-    fn uri(&self, frame_max: Option<u32>) -> Result<String, SinkError> {
+    fn uri(&self, frame_max: u32) -> Result<String, SinkError> {
         let password = sched_relay_transport::secret::resolve_for_connection(
             self.config.password.as_ref(),
             self.config.password_file.as_deref(),
@@ -72,9 +84,7 @@ impl AmqpSink {
             url.set_password(Some(&password))
                 .map_err(|_| SinkError::Permanent("url: cannot carry a password".into()))?;
         }
-        if let Some(frame_max) = frame_max
-            && !url.query_pairs().any(|(key, _)| key == "frame_max")
-        {
+        if !url.query_pairs().any(|(key, _)| key == "frame_max") {
             url.query_pairs_mut()
                 .append_pair("frame_max", &frame_max.to_string());
         }
@@ -139,7 +149,7 @@ impl AmqpSink {
     /// stamp of the files it was made with.
     async fn connect_declared(&self) -> Result<(Connection, Channel, Stamp), SinkError> {
         let files = self.files();
-        let (connection, channel) = self.open(true, Some(FRAME_MAX)).await?;
+        let (connection, channel) = self.open(true, FRAME_MAX).await?;
         if self.config.declare
             && let Err(error) = self.declare(&channel).await
         {
@@ -166,13 +176,12 @@ impl AmqpSink {
     /// Connects and opens a channel (with publisher confirms when asked); also used by the
     /// approval source, so both directions share the URL, credentials and TLS settings.
     ///
-    /// `frame_max`: the frame size to propose ([`FRAME_MAX`] to publish; `None`, the broker's,
-    /// to consume: a header frame cannot be split, so a consumer with a smaller frame than
-    /// the publisher's would be disconnected by each message with large headers).
+    /// `frame_max`: the frame size to propose unless the URL sets one ([`FRAME_MAX`] to
+    /// publish, [`CONSUMER_FRAME_MAX`] to consume).
     pub async fn open(
         &self,
         confirms: bool,
-        frame_max: Option<u32>,
+        frame_max: u32,
     ) -> Result<(Connection, Channel), SinkError> {
         let timeout = self.config.timeout;
         let connect = async {

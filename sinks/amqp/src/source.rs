@@ -17,7 +17,7 @@ use sched_relay_transport::inbound::{
 };
 use tokio::sync::watch;
 
-use crate::sink::close_in_background;
+use crate::sink::{CONSUMER_FRAME_MAX, close_in_background};
 use crate::{AmqpSink, AmqpSinkConfig};
 
 /// What to consume.
@@ -148,7 +148,10 @@ async fn consume(
     let sink = AmqpSink::new(spec.connection.clone());
     // Stamped before the files are read: a change while connecting shows as a change.
     let files = sink.files();
-    let (connection, channel) = sink.open(false, None).await.map_err(|e| e.to_string())?;
+    let (connection, channel) = sink
+        .open(false, CONSUMER_FRAME_MAX)
+        .await
+        .map_err(|e| e.to_string())?;
     let mut watch = tokio::time::interval(WATCH_EVERY);
     watch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     if spec.declare {
@@ -205,7 +208,7 @@ async fn consume(
             // gets in, this one is closed (its unacknowledged deliveries go back to the
             // queue) and the source connects again; until then it goes on.
             if sink.files() != files && sink.may_try_new_files() {
-                match sink.open(false, None).await {
+                match sink.open(false, CONSUMER_FRAME_MAX).await {
                     Ok((probe, _)) => {
                         close_in_background(probe, "probe");
                         close_in_background(connection, "credentials rotated");

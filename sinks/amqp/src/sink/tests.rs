@@ -45,24 +45,35 @@ fn sink(url: &str) -> AmqpSink {
 }
 
 #[test]
-fn the_sink_proposes_a_small_frame_unless_the_url_asks_for_another() {
+fn the_sink_proposes_a_small_frame_and_a_consumer_the_brokers_default_unless_the_url_asks_for_another()
+ {
     let uri = sink("amqp://guest:guest@127.0.0.1:5672/%2f")
-        .uri(Some(FRAME_MAX))
+        .uri(FRAME_MAX)
         .unwrap();
     assert_eq!(uri, "amqp://guest:guest@127.0.0.1:5672/%2f?frame_max=8192");
     let parsed: lapin::uri::AMQPUri = uri.parse().unwrap();
     assert_eq!(parsed.query.frame_max, Some(FRAME_MAX));
     assert_eq!(parsed.vhost, "/");
     let asked = sink("amqps://broker.example/prod?frame_max=131072&heartbeat=30")
-        .uri(Some(FRAME_MAX))
+        .uri(FRAME_MAX)
         .unwrap();
     assert_eq!(
         asked,
         "amqps://broker.example/prod?frame_max=131072&heartbeat=30"
     );
-    // A consumer takes the broker's frame size: its URL is left as it is.
+    // A consumer proposes RabbitMQ's default frame, unless its URL asks for another.
     let consumer = sink("amqp://guest:guest@127.0.0.1:5672/%2f")
-        .uri(None)
+        .uri(CONSUMER_FRAME_MAX)
         .unwrap();
-    assert_eq!(consumer, "amqp://guest:guest@127.0.0.1:5672/%2f");
+    assert_eq!(
+        consumer,
+        "amqp://guest:guest@127.0.0.1:5672/%2f?frame_max=131072"
+    );
+    let asked = sink("amqp://guest:guest@127.0.0.1:5672/%2f?frame_max=1048576")
+        .uri(CONSUMER_FRAME_MAX)
+        .unwrap();
+    assert_eq!(
+        asked,
+        "amqp://guest:guest@127.0.0.1:5672/%2f?frame_max=1048576"
+    );
 }
