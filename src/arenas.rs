@@ -1,10 +1,17 @@
-//! How many malloc arenas the process allocates from. glibc's malloc gives each thread that
-//! allocates its own arena, up to eight per core, and each keeps what its threads freed. The
-//! coordinator at 10,000 VMs builds and drops large maps on whichever of its threads a
-//! message lands: with glibc's default its peak resident set was 283-342 MiB, with two
-//! arenas 215-226 MiB, at the same CPU and with decision latency within run-to-run noise
-//! (`benches/profiling.md`, section 28). The agent keeps the default: its drains of a
-//! backlog cost 15 % more CPU with two arenas.
+//! malloc's arenas: how many the process allocates from, and handing back what they hold
+//! free. glibc's malloc gives each thread that allocates its own arena, up to eight per core,
+//! and each keeps what its threads freed. The coordinator at 10,000 VMs builds and drops
+//! large maps on whichever of its threads a message lands: with glibc's default its peak
+//! resident set was 283-342 MiB, with two arenas 215-226 MiB, at the same CPU and with
+//! decision latency within run-to-run noise (`benches/profiling.md`, section 28). The agent
+//! keeps the default: its drains of a backlog cost 15 % more CPU with two arenas. Instead,
+//! while it reads a backlog back and once it has drained one, it hands the pages its arenas
+//! hold free back to the kernel (section 33), which glibc does by itself only for free memory
+//! at the top of a heap.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 /// The arenas the coordinator allocates from.
 pub const COORDINATOR_ARENAS: i32 = 2;
@@ -39,6 +46,127 @@ fn set_cap(arenas: i32) -> bool {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn set_cap(_arenas: i32) -> bool {
     false
+}
+
+/// How often at most the agent hands free memory back while it reads a backlog back.
+pub const GIVE_BACK_EVERY: Duration = Duration::from_millis(250);
+
+static GIVE_BACK: Pacer = Pacer::new(GIVE_BACK_EVERY);
+static GIVEN_BACK: AtomicU64 = AtomicU64::new(0);
+
+/// Hands back to the kernel the pages that malloc's arenas hold free (`malloc_trim`), unless
+/// a call did less than [`GIVE_BACK_EVERY`] ago; with `now`, whatever the last call. It walks
+/// every arena under its lock, so it belongs on a blocking thread, after work that freed
+/// much (a batch read back from the outbox), never on an idle path. True when it ran.
+pub fn give_back(now: bool) -> bool {
+    if !GIVE_BACK.due(since_start(), now) {
+        return false;
+    }
+    trim();
+    GIVEN_BACK.fetch_add(1, Ordering::Relaxed);
+    true
+}
+
+/// How many times [`give_back`] ran in this process.
+pub fn given_back() -> u64 {
+    GIVEN_BACK.load(Ordering::Relaxed)
+}
+
+/// Milliseconds since the first call (the pacer's clock: monotonic).
+fn since_start() -> u64 {
+    static START: OnceLock<Instant> = OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_millis() as u64
+}
+
+/// Lets one call through per period, across threads.
+struct Pacer {
+    every: u64,
+    /// One more than the millisecond of the last call let through; 0: none yet.
+    last: AtomicU64,
+}
+
+impl Pacer {
+    const fn new(every: Duration) -> Pacer {
+        Pacer {
+            every: every.as_millis() as u64,
+            last: AtomicU64::new(0),
+        }
+    }
+
+    /// Whether a call at `now` (ms) goes through: always with `force`, else when none went
+    /// through in the last period (of calls at once, one).
+    fn due(&self, now: u64, force: bool) -> bool {
+        let last = self.last.load(Ordering::Relaxed);
+        if force {
+            self.last.store(now + 1, Ordering::Relaxed);
+            return true;
+        }
+        if last != 0 && now < last - 1 + self.every {
+            return false;
+        }
+        self.last
+            .compare_exchange(last, now + 1, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    }
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn trim() {
+    // SAFETY: malloc_trim takes each arena's lock in turn; it frees nothing in use.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn trim() {}
+
+/// Set in the child process that [`in_a_process_of_its_own`] starts.
+#[cfg(test)]
+const CHILD: &str = "SCHED_RELAY_ARENAS_TEST_CHILD";
+
+/// Runs test `name` again in a process of its own, without the environment's malloc
+/// settings, and says whether this is that process (the test's body runs there). Arenas,
+/// their caps and the count of give-backs are process-wide, and `cargo test` runs every
+/// test in one process.
+#[cfg(test)]
+pub(crate) fn in_a_process_of_its_own(name: &str) -> bool {
+    if std::env::var_os(CHILD).is_some() {
+        return true;
+    }
+    let child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD, "1")
+        .env_remove("MALLOC_ARENA_MAX")
+        .env_remove("GLIBC_TUNABLES")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&child.stdout).into_owned()
+        + &String::from_utf8_lossy(&child.stderr);
+    assert!(child.status.success(), "the child failed:\n{said}");
+    assert!(said.contains("1 passed"), "the child ran no test:\n{said}");
+    false
+}
+
+#[cfg(test)]
+mod pacer_tests {
+    use super::*;
+
+    #[test]
+    fn one_give_back_per_period_unless_forced() {
+        let pacer = Pacer::new(Duration::from_millis(250));
+        assert!(pacer.due(0, false), "the first goes through");
+        assert!(!pacer.due(0, false));
+        assert!(!pacer.due(249, false));
+        assert!(pacer.due(250, false), "a period later");
+        assert!(!pacer.due(300, false));
+        assert!(pacer.due(300, true), "forced: a drain ended");
+        assert!(
+            !pacer.due(549, false),
+            "a forced one starts the period again"
+        );
+        assert!(pacer.due(550, false));
+    }
 }
 
 #[cfg(all(test, target_os = "linux", target_env = "gnu"))]
@@ -83,27 +211,12 @@ mod tests {
         }
     }
 
-    /// Set in the child process the test below starts.
-    const CHILD: &str = "SCHED_RELAY_ARENAS_TEST_CHILD";
-
     #[test]
     fn a_capped_process_allocates_from_no_more_arenas_than_the_cap() {
-        if std::env::var_os(CHILD).is_none() {
-            // glibc fixes its arena limit once a process has made more than eight arenas,
-            // and the cap is process-wide: measured in a process of its own, whatever the
-            // runner (`cargo test` runs every test in one), without the environment's cap.
-            let name = "arenas::tests::a_capped_process_allocates_from_no_more_arenas_than_the_cap";
-            let child = std::process::Command::new(std::env::current_exe().unwrap())
-                .args([name, "--exact", "--nocapture", "--test-threads=1"])
-                .env(CHILD, "1")
-                .env_remove("MALLOC_ARENA_MAX")
-                .env_remove("GLIBC_TUNABLES")
-                .output()
-                .unwrap();
-            let said = String::from_utf8_lossy(&child.stdout).into_owned()
-                + &String::from_utf8_lossy(&child.stderr);
-            assert!(child.status.success(), "the child failed:\n{said}");
-            assert!(said.contains("1 passed"), "the child ran no test:\n{said}");
+        // glibc fixes its arena limit once a process has made more than eight arenas.
+        if !in_a_process_of_its_own(
+            "arenas::tests::a_capped_process_allocates_from_no_more_arenas_than_the_cap",
+        ) {
             return;
         }
         assert!(limit(COORDINATOR_ARENAS), "mallopt refused the cap");
@@ -114,6 +227,46 @@ mod tests {
             made <= before.max(COORDINATOR_ARENAS as usize),
             "{made} arenas after eight threads allocated ({before} before), with a cap of {COORDINATOR_ARENAS}"
         );
+    }
+
+    /// The process's resident set, in KiB.
+    fn resident_kib() -> u64 {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    }
+
+    #[test]
+    fn memory_freed_in_the_middle_of_the_arenas_goes_back_to_the_kernel_when_given_back() {
+        if !in_a_process_of_its_own(
+            "arenas::tests::memory_freed_in_the_middle_of_the_arenas_goes_back_to_the_kernel_when_given_back",
+        ) {
+            return;
+        }
+        // Four threads (four arenas) each allocate 16 MiB in 1 KiB pieces and free 15 of
+        // every 16: the free memory lies between pieces still in use, where free() leaves
+        // it resident, as a drain's decoded batches and the store's pages leave it.
+        let kept: Vec<Vec<Vec<u8>>> = (0..4)
+            .map(|_| {
+                std::thread::spawn(|| {
+                    let pieces: Vec<Vec<u8>> =
+                        (0..16 * 1024).map(|i| vec![i as u8; 1024]).collect();
+                    pieces.into_iter().step_by(16).collect::<Vec<_>>()
+                })
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|thread| thread.join().unwrap())
+            .collect();
+        let before = resident_kib();
+        assert!(give_back(true));
+        let after = resident_kib();
+        assert!(
+            after + 32 * 1024 < before,
+            "resident {before} KiB before giving back, {after} KiB after: less than 32 of the 60 MiB freed went back"
+        );
+        assert_eq!(given_back(), 1);
+        drop(std::hint::black_box(kept));
     }
 
     #[test]

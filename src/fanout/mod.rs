@@ -211,6 +211,7 @@ impl Fanout {
                 removed_below: 0,
                 removed_in: outbox.generation(),
                 volatile_since: None,
+                read_back: false,
             };
             tasks.spawn(worker.run());
             names.push(name);

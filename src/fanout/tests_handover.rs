@@ -275,3 +275,46 @@ async fn after_a_restart_new_events_are_delivered_even_once_the_old_backlog_has_
     fanout.shutdown(Duration::from_secs(5)).await;
     assert_eq!(ids(&sink.delivered()), ["1", "2", "3", "4", "5"]);
 }
+
+/// What reading a backlog back left free in malloc's arenas goes back to the kernel once the
+/// backlog is drained (not only now and then while it drains), and events delivered from
+/// memory, as an agent that keeps up delivers them, never pay for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_backlog_gives_its_memory_back_and_events_delivered_from_memory_do_not() {
+    if !crate::arenas::in_a_process_of_its_own(
+        "fanout::tests_handover::a_drained_backlog_gives_its_memory_back_and_events_delivered_from_memory_do_not",
+    ) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let outbox = Outbox::open(dir.path(), 1000, false).unwrap();
+        outbox
+            .commit(&["s".to_owned()], &events(1..=300), None)
+            .unwrap();
+    }
+    // Just given back: the backlog's reads, within the next 250 ms, give back nothing.
+    assert!(crate::arenas::give_back(true));
+    let before = crate::arenas::given_back();
+    let sink = RecordingSink::new();
+    let (fanout, outbox, _faults, _released) = start_on_faults(dir.path(), &sink);
+    until("the backlog delivered and removed", || {
+        sink.delivered().len() == 300 && outbox.depth("s").unwrap() == 0
+    })
+    .await;
+    until("the drained backlog's memory given back", || {
+        crate::arenas::given_back() > before
+    })
+    .await;
+    let drained = crate::arenas::given_back();
+    for i in 301..=303 {
+        fanout.publish(&events(i..=i), None).await.unwrap();
+        until("the new event delivered", || sink.delivered().len() == i).await;
+    }
+    fanout.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(
+        crate::arenas::given_back(),
+        drained,
+        "events delivered from memory gave memory back"
+    );
+}

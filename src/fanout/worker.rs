@@ -42,6 +42,8 @@ pub(super) struct Worker {
     pub(super) removed_in: u64,
     /// Since when removals are not durable.
     pub(super) volatile_since: Option<Instant>,
+    /// Events were read back from the outbox since the task last had nothing to deliver.
+    pub(super) read_back: bool,
 }
 
 /// A batch of one sink's events and their outbox numbers.
@@ -133,6 +135,12 @@ impl Worker {
                     continue;
                 }
                 self.flush().await;
+                if std::mem::take(&mut self.read_back) {
+                    // A backlog is drained: what reading it back left free in malloc's
+                    // arenas goes back to the kernel now, rather than stay with the agent
+                    // for as long as it idles.
+                    let _ = tokio::task::spawn_blocking(|| crate::arenas::give_back(true)).await;
+                }
                 if *self.mode.borrow() == Mode::Drain {
                     // Events stored while the read ran (just before the drain began) woke
                     // us: drain them too rather than leave them for the next start.
@@ -194,7 +202,13 @@ impl Worker {
             let name = self.name.clone();
             let from = self.cursor;
             let stored = tokio::task::spawn_blocking(move || {
-                outbox.pending_between(&name, from, until, max)
+                let stored = outbox.pending_between(&name, from, until, max);
+                if stored.as_ref().is_ok_and(|stored| !stored.is_empty()) {
+                    // A backlog read back: what the batches before this one freed (decoded
+                    // events, the store's pages) goes back to the kernel now and then.
+                    crate::arenas::give_back(false);
+                }
+                stored
             })
             .await
             .map_err(|e| StoreError::Io {
@@ -232,6 +246,7 @@ impl Worker {
                 }
             }
             if !events.is_empty() {
+                self.read_back = true;
                 return Ok(Some(Batch {
                     events: Events::Read(events),
                     seqs,
