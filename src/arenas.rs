@@ -52,24 +52,44 @@ fn set_cap(_arenas: i32) -> bool {
 pub const GIVE_BACK_EVERY: Duration = Duration::from_millis(250);
 
 static GIVE_BACK: Pacer = Pacer::new(GIVE_BACK_EVERY);
-static GIVEN_BACK: AtomicU64 = AtomicU64::new(0);
+static GIVEN_BACK_PACED: AtomicU64 = AtomicU64::new(0);
+static GIVEN_BACK_NOW: AtomicU64 = AtomicU64::new(0);
 
-/// Hands back to the kernel the pages that malloc's arenas hold free (`malloc_trim`), unless
-/// a call did less than [`GIVE_BACK_EVERY`] ago; with `now`, whatever the last call. It walks
-/// every arena under its lock, so it belongs on a blocking thread, after work that freed
-/// much (a batch read back from the outbox), never on an idle path. True when it ran.
+/// Hands back to the kernel the pages that malloc's arenas hold free (`malloc_trim`, on
+/// glibc; elsewhere nothing), unless a call did less than [`GIVE_BACK_EVERY`] ago; with
+/// `now`, whatever the last call. It walks every arena, holding each one's lock while it
+/// does (threads allocating from that arena wait), so it belongs on a blocking thread after
+/// work that freed much (a batch read back from the outbox), never on an idle path. True
+/// when it ran.
 pub fn give_back(now: bool) -> bool {
     if !GIVE_BACK.due(since_start(), now) {
         return false;
     }
     trim();
-    GIVEN_BACK.fetch_add(1, Ordering::Relaxed);
+    let count = if now {
+        &GIVEN_BACK_NOW
+    } else {
+        &GIVEN_BACK_PACED
+    };
+    count.fetch_add(1, Ordering::Relaxed);
     true
 }
 
 /// How many times [`give_back`] ran in this process.
-pub fn given_back() -> u64 {
-    GIVEN_BACK.load(Ordering::Relaxed)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GivenBack {
+    /// Paced (`now` false).
+    pub paced: u64,
+    /// Asked for `now`.
+    pub now: u64,
+}
+
+/// The counts of [`give_back`] so far.
+pub fn given_back() -> GivenBack {
+    GivenBack {
+        paced: GIVEN_BACK_PACED.load(Ordering::Relaxed),
+        now: GIVEN_BACK_NOW.load(Ordering::Relaxed),
+    }
 }
 
 /// Milliseconds since the first call (the pacer's clock: monotonic).
@@ -94,13 +114,14 @@ impl Pacer {
     }
 
     /// Whether a call at `now` (ms) goes through: always with `force`, else when none went
-    /// through in the last period (of calls at once, one).
+    /// through in the last period (of calls at once, one). A call whose clock was read
+    /// before another's went through never moves the period back.
     fn due(&self, now: u64, force: bool) -> bool {
-        let last = self.last.load(Ordering::Relaxed);
         if force {
-            self.last.store(now + 1, Ordering::Relaxed);
+            self.last.fetch_max(now + 1, Ordering::Relaxed);
             return true;
         }
+        let last = self.last.load(Ordering::Relaxed);
         if last != 0 && now < last - 1 + self.every {
             return false;
         }
@@ -134,13 +155,20 @@ pub(crate) fn in_a_process_of_its_own(name: &str) -> bool {
     if std::env::var_os(CHILD).is_some() {
         return true;
     }
-    let child = std::process::Command::new(std::env::current_exe().unwrap())
+    let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+    command
         .args([name, "--exact", "--nocapture", "--test-threads=1"])
         .env(CHILD, "1")
-        .env_remove("MALLOC_ARENA_MAX")
+        // glibc's own settings (`MALLOC_ARENA_MAX`, `MALLOC_TRIM_THRESHOLD_`, ...), and any
+        // allocator put in its place.
         .env_remove("GLIBC_TUNABLES")
-        .output()
-        .unwrap();
+        .env_remove("LD_PRELOAD");
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("MALLOC_") {
+            command.env_remove(name);
+        }
+    }
+    let child = command.output().unwrap();
     let said = String::from_utf8_lossy(&child.stdout).into_owned()
         + &String::from_utf8_lossy(&child.stderr);
     assert!(child.status.success(), "the child failed:\n{said}");
@@ -166,6 +194,12 @@ mod pacer_tests {
             "a forced one starts the period again"
         );
         assert!(pacer.due(550, false));
+        assert!(
+            pacer.due(500, true),
+            "a forced call with an older clock goes through"
+        );
+        assert!(!pacer.due(799, false), "and does not move the period back");
+        assert!(pacer.due(800, false));
     }
 }
 
@@ -265,7 +299,7 @@ mod tests {
             after + 32 * 1024 < before,
             "resident {before} KiB before giving back, {after} KiB after: less than 32 of the 60 MiB freed went back"
         );
-        assert_eq!(given_back(), 1);
+        assert_eq!(given_back(), GivenBack { paced: 0, now: 1 });
         drop(std::hint::black_box(kept));
     }
 

@@ -396,24 +396,21 @@ fn signed_approval_through_a_rabbitmq_queue_starts_the_event() {
     }
     let keys = Keys::new();
     let (_dir, sim, agent, exchange) = start_with_rabbitmq(&keys);
+    approve_through_rabbitmq(&keys, &sim, &agent, &exchange);
+}
+
+/// A signed request for the Freeze, published to `exchange`: posted and started.
+fn approve_through_rabbitmq(keys: &Keys, sim: &SimProcess, agent: &AgentProcess, exchange: &str) {
     let (draft, event) = keys.signed(FREEZE);
     let to = format!("{AMQP_URL}?exchange={exchange}&routing_key=approvals.WestNO_0");
     block_on(publish_to(&to, &event, None)).unwrap();
-    first_post_after(&sim, Instant::now(), "RabbitMQ");
-    assert_accepted_and_started(&sim, &agent, &draft.id);
+    first_post_after(sim, Instant::now(), "RabbitMQ");
+    assert_accepted_and_started(sim, agent, &draft.id);
 }
 
-/// A message's headers go in one frame, which on a broker left at its defaults may be as
-/// large as 128 KiB. A message with 100 KiB of headers on the approvals queue (not a request:
-/// rejected) neither cuts the source off nor holds up the signed request behind it; a source
-/// whose connection proposed a smaller frame would be disconnected by every redelivery of it.
-#[test]
-fn a_message_with_headers_near_the_brokers_frame_size_does_not_stop_rabbitmq_approvals() {
-    if !rabbitmq_available() {
-        return;
-    }
-    let keys = Keys::new();
-    let (_dir, sim, agent, exchange) = start_with_rabbitmq(&keys);
+/// Publishes to `exchange`, as any client of the broker may, a message that is not a request,
+/// with 100 KiB of headers: its header frame is 100 KiB, under RabbitMQ's default frame.
+fn publish_with_large_headers(exchange: &str) {
     block_on(async {
         use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
         use lapin::types::{AMQPValue, FieldTable};
@@ -434,7 +431,7 @@ fn a_message_with_headers_near_the_brokers_frame_size_does_not_stop_rabbitmq_app
         );
         let confirm = channel
             .basic_publish(
-                exchange.as_str().into(),
+                exchange.into(),
                 "approvals.WestNO_0".into(),
                 BasicPublishOptions::default(),
                 b"{}",
@@ -449,16 +446,47 @@ fn a_message_with_headers_near_the_brokers_frame_size_does_not_stop_rabbitmq_app
             "the broker took the large message: {confirm:?}"
         );
     });
-    let (draft, event) = keys.signed(FREEZE);
-    let to = format!("{AMQP_URL}?exchange={exchange}&routing_key=approvals.WestNO_0");
-    block_on(publish_to(&to, &event, None)).unwrap();
-    first_post_after(&sim, Instant::now(), "RabbitMQ");
-    assert_accepted_and_started(&sim, &agent, &draft.id);
+}
+
+/// A message's headers go in one frame, which on a broker left at its defaults may be as
+/// large as 128 KiB. A message with 100 KiB of headers on the approvals queue (not a request:
+/// rejected) neither cuts the source off nor holds up the signed request behind it.
+#[test]
+fn a_message_with_headers_near_the_brokers_frame_size_does_not_stop_rabbitmq_approvals() {
+    if !rabbitmq_available() {
+        return;
+    }
+    let keys = Keys::new();
+    let (_dir, sim, agent, exchange) = start_with_rabbitmq(&keys);
+    publish_with_large_headers(&exchange);
+    approve_through_rabbitmq(&keys, &sim, &agent, &exchange);
     assert!(
-        !agent.log().contains("frame too large"),
+        !agent.log().contains("did not fit the frame"),
         "the source was disconnected by the large message:\n{}",
         agent.log()
     );
+}
+
+/// On a broker whose frame is larger than the source's (here the source's URL asks for 8
+/// KiB), a message whose headers outgrow the source's frame ends its connection; the source
+/// then proposes a larger frame, takes the message (rejected) and the signed request behind
+/// it, rather than be handed the same message at every connection for ever.
+#[test]
+fn a_message_that_outgrows_the_rabbitmq_sources_frame_makes_it_propose_a_larger_one() {
+    if !rabbitmq_available() {
+        return;
+    }
+    let keys = Keys::new();
+    let exchange = unique("approvals");
+    let (_dir, sim, agent) = start(
+        &keys,
+        &format!(
+            "[approvals.amqp]\nconnection = {{ url = \"{AMQP_URL}?frame_max=8192\" }}\nexchange = \"{exchange}\"\nqueue = \"{exchange}.{{vmname}}\"\n"
+        ),
+    );
+    publish_with_large_headers(&exchange);
+    approve_through_rabbitmq(&keys, &sim, &agent, &exchange);
+    wait_for_log(&agent, "did not fit the frame");
 }
 
 #[cfg(feature = "kafka")]

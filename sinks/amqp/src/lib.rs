@@ -23,7 +23,7 @@ mod sink;
 #[cfg(feature = "client")]
 pub mod source;
 #[cfg(feature = "client")]
-pub use sink::{AmqpFault, AmqpSink, fault};
+pub use sink::{AmqpFault, AmqpSink, Frame, fault};
 #[cfg(feature = "testing")]
 pub mod testing;
 

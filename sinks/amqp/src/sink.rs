@@ -58,8 +58,24 @@ pub const FRAME_MAX: u32 = 8192;
 /// each) at connecting by the frame proposed, as zeroed memory that stays untouched until
 /// bytes pass through it, but grows them to the negotiated size by writing zeroes: without a
 /// proposal, 8 MiB resident at once on every idle agent with a RabbitMQ approval source (and,
-/// on a broker whose `frame_max` is 0, unlimited, an allocation of 32 times 4 GiB).
+/// on a broker whose `frame_max` is 0, unlimited, an allocation of 32 times 4 GiB). On a
+/// broker with a larger frame, a message whose headers outgrow it makes the consumer
+/// propose more (see [`Frame::Override`]).
 pub const CONSUMER_FRAME_MAX: u32 = 131_072;
+
+/// The largest frame a consumer proposes after messages outgrew its frame: lapin's buffers
+/// are 32 frames each way (2 x 256 MiB of address space here, resident only as far as bytes
+/// pass through them).
+pub const CONSUMER_FRAME_CEILING: u32 = 8 << 20;
+
+/// The frame size a connection proposes to the broker, which may ask for less.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Frame {
+    /// This size, unless the URL's `frame_max` says otherwise.
+    UnlessSet(u32),
+    /// This size, whatever the URL says: a consumer whose frame a message outgrew.
+    Override(u32),
+}
 
 impl AmqpSink {
     pub fn new(config: AmqpSinkConfig) -> Self {
@@ -70,9 +86,8 @@ impl AmqpSink {
         }
     }
 
-    /// The URL to connect with: the password from its file, and `frame_max` proposed unless
-    /// the URL sets it.
-    fn uri(&self, frame_max: u32) -> Result<String, SinkError> {
+    /// The URL to connect with: the password from its file, and the frame to propose.
+    fn uri(&self, frame: Frame) -> Result<String, SinkError> {
         let password = sched_relay_transport::secret::resolve_for_connection(
             self.config.password.as_ref(),
             self.config.password_file.as_deref(),
@@ -84,9 +99,24 @@ impl AmqpSink {
             url.set_password(Some(&password))
                 .map_err(|_| SinkError::Permanent("url: cannot carry a password".into()))?;
         }
-        if !url.query_pairs().any(|(key, _)| key == "frame_max") {
-            url.query_pairs_mut()
-                .append_pair("frame_max", &frame_max.to_string());
+        let set = url.query_pairs().any(|(key, _)| key == "frame_max");
+        match frame {
+            Frame::UnlessSet(_) if set => {}
+            Frame::UnlessSet(size) => {
+                url.query_pairs_mut()
+                    .append_pair("frame_max", &size.to_string());
+            }
+            Frame::Override(size) => {
+                let others: Vec<(String, String)> = url
+                    .query_pairs()
+                    .filter(|(key, _)| key != "frame_max")
+                    .map(|(key, value)| (key.into_owned(), value.into_owned()))
+                    .collect();
+                url.query_pairs_mut()
+                    .clear()
+                    .extend_pairs(others)
+                    .append_pair("frame_max", &size.to_string());
+            }
         }
         Ok(url.to_string())
     }
@@ -149,7 +179,7 @@ impl AmqpSink {
     /// stamp of the files it was made with.
     async fn connect_declared(&self) -> Result<(Connection, Channel, Stamp), SinkError> {
         let files = self.files();
-        let (connection, channel) = self.open(true, FRAME_MAX).await?;
+        let (connection, channel) = self.open(true, Frame::UnlessSet(FRAME_MAX)).await?;
         if self.config.declare
             && let Err(error) = self.declare(&channel).await
         {
@@ -176,12 +206,12 @@ impl AmqpSink {
     /// Connects and opens a channel (with publisher confirms when asked); also used by the
     /// approval source, so both directions share the URL, credentials and TLS settings.
     ///
-    /// `frame_max`: the frame size to propose unless the URL sets one ([`FRAME_MAX`] to
-    /// publish, [`CONSUMER_FRAME_MAX`] to consume).
+    /// `frame`: the frame size to propose ([`FRAME_MAX`] to publish, [`CONSUMER_FRAME_MAX`]
+    /// to consume, unless the URL sets one).
     pub async fn open(
         &self,
         confirms: bool,
-        frame_max: u32,
+        frame: Frame,
     ) -> Result<(Connection, Channel), SinkError> {
         let timeout = self.config.timeout;
         let connect = async {
@@ -214,7 +244,7 @@ impl AmqpSink {
             let runtime = lapin::runtime::default_runtime()
                 .map_err(|e| SinkError::Permanent(format!("no async runtime for AMQP: {e}")))?;
             let connection =
-                Connection::connect_with_config(&self.uri(frame_max)?, properties, tls, runtime)
+                Connection::connect_with_config(&self.uri(frame)?, properties, tls, runtime)
                     .await
                     .map_err(|e| self.classify(e, "cannot connect"))?;
             let channel = connection

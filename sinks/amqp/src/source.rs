@@ -3,6 +3,8 @@
 //! is acknowledged only once the agent has handled it; if the agent stops first, the broker
 //! delivers it again.
 
+use std::sync::atomic::{AtomicU32, Ordering};
+
 use futures_util::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{
@@ -17,8 +19,8 @@ use sched_relay_transport::inbound::{
 };
 use tokio::sync::watch;
 
-use crate::sink::{CONSUMER_FRAME_MAX, close_in_background};
-use crate::{AmqpSink, AmqpSinkConfig};
+use crate::sink::{CONSUMER_FRAME_CEILING, CONSUMER_FRAME_MAX, close_in_background};
+use crate::{AmqpSink, AmqpSinkConfig, Frame};
 
 /// What to consume.
 #[derive(Debug, Clone)]
@@ -53,9 +55,11 @@ pub async fn run(
 ) {
     let what = format!("AMQP queue {}", spec.queue);
     let backlog = Backlog::new(progress);
-    let (spec, deliveries, backlog) = (&spec, &deliveries, &backlog);
+    // The frame proposed: raised for the source's life once a message outgrew it (0: not).
+    let raised = AtomicU32::new(0);
+    let (spec, deliveries, backlog, raised) = (&spec, &deliveries, &backlog, &raised);
     keep_consuming(spec.role, &what, stop, |mut stop| async move {
-        consume(spec, deliveries, backlog, &mut stop).await
+        consume(spec, deliveries, backlog, raised, &mut stop).await
     })
     .await
 }
@@ -138,20 +142,43 @@ async fn declare(
     Ok(queue.message_count())
 }
 
+/// Whether lapin ended the connection for a frame larger than the one negotiated (a
+/// message's headers, which cannot be split, outgrew it): AMQP's frame error, 501.
+fn too_large(error: &lapin::Error) -> bool {
+    matches!(error.kind(), lapin::ErrorKind::ProtocolError(e) if e.get_id() == 501)
+}
+
+/// A message outgrew the frame `negotiated`: the next connections propose eight times it
+/// (the broker takes the smaller of that and its own), up to [`CONSUMER_FRAME_CEILING`],
+/// so that a message with headers as large as the broker's frame is not delivered, refused
+/// and delivered again for ever, stopping the queue behind it.
+fn outgrown(spec: &AmqpSourceSpec, negotiated: u32, raised: &AtomicU32) {
+    let next = negotiated.saturating_mul(8).min(CONSUMER_FRAME_CEILING);
+    if next <= negotiated {
+        tracing::error!(queue = %spec.queue, frame = negotiated, "A message's headers are larger than the largest frame the source proposes; it will be delivered again at each connection, and the messages behind it wait (remove it from the queue)");
+        return;
+    }
+    raised.fetch_max(next, Ordering::Relaxed);
+    tracing::warn!(queue = %spec.queue, frame = negotiated, next, "A message's headers did not fit the frame this connection negotiated with the broker; connecting again proposing a larger one (set the broker's frame_max in the source's URL to start there)");
+}
+
 /// Stops between messages, never in the middle of one.
 async fn consume(
     spec: &AmqpSourceSpec,
     deliveries: &Deliveries,
     backlog: &Backlog,
+    raised: &AtomicU32,
     stop: &mut watch::Receiver<bool>,
 ) -> Result<(), String> {
     let sink = AmqpSink::new(spec.connection.clone());
     // Stamped before the files are read: a change while connecting shows as a change.
     let files = sink.files();
-    let (connection, channel) = sink
-        .open(false, CONSUMER_FRAME_MAX)
-        .await
-        .map_err(|e| e.to_string())?;
+    let frame = match raised.load(Ordering::Relaxed) {
+        0 => Frame::UnlessSet(CONSUMER_FRAME_MAX),
+        size => Frame::Override(size),
+    };
+    let (connection, channel) = sink.open(false, frame).await.map_err(|e| e.to_string())?;
+    let negotiated = connection.configuration().frame_max();
     let mut watch = tokio::time::interval(WATCH_EVERY);
     watch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     if spec.declare {
@@ -208,7 +235,7 @@ async fn consume(
             // gets in, this one is closed (its unacknowledged deliveries go back to the
             // queue) and the source connects again; until then it goes on.
             if sink.files() != files && sink.may_try_new_files() {
-                match sink.open(false, CONSUMER_FRAME_MAX).await {
+                match sink.open(false, frame).await {
                     Ok((probe, _)) => {
                         close_in_background(probe, "probe");
                         close_in_background(connection, "credentials rotated");
@@ -221,9 +248,12 @@ async fn consume(
             }
             continue;
         };
-        let delivery = delivery
-            .ok_or("the consumer was cancelled")?
-            .map_err(|e| sink.classify(e, "the consumer failed").to_string())?;
+        let delivery = delivery.ok_or("the consumer was cancelled")?.map_err(|e| {
+            if too_large(&e) {
+                outgrown(spec, negotiated, raised);
+            }
+            sink.classify(e, "the consumer failed").to_string()
+        })?;
         let shared = spec.fleet_routing_key.as_deref() == Some(delivery.routing_key.as_str());
         let message = inbound(&spec.queue, &delivery, shared);
         match hand_over(deliveries, message).await {

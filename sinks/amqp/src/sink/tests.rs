@@ -48,14 +48,14 @@ fn sink(url: &str) -> AmqpSink {
 fn the_sink_proposes_a_small_frame_and_a_consumer_the_brokers_default_unless_the_url_asks_for_another()
  {
     let uri = sink("amqp://guest:guest@127.0.0.1:5672/%2f")
-        .uri(FRAME_MAX)
+        .uri(Frame::UnlessSet(FRAME_MAX))
         .unwrap();
     assert_eq!(uri, "amqp://guest:guest@127.0.0.1:5672/%2f?frame_max=8192");
     let parsed: lapin::uri::AMQPUri = uri.parse().unwrap();
     assert_eq!(parsed.query.frame_max, Some(FRAME_MAX));
     assert_eq!(parsed.vhost, "/");
     let asked = sink("amqps://broker.example/prod?frame_max=131072&heartbeat=30")
-        .uri(FRAME_MAX)
+        .uri(Frame::UnlessSet(FRAME_MAX))
         .unwrap();
     assert_eq!(
         asked,
@@ -63,17 +63,25 @@ fn the_sink_proposes_a_small_frame_and_a_consumer_the_brokers_default_unless_the
     );
     // A consumer proposes RabbitMQ's default frame, unless its URL asks for another.
     let consumer = sink("amqp://guest:guest@127.0.0.1:5672/%2f")
-        .uri(CONSUMER_FRAME_MAX)
+        .uri(Frame::UnlessSet(CONSUMER_FRAME_MAX))
         .unwrap();
     assert_eq!(
         consumer,
         "amqp://guest:guest@127.0.0.1:5672/%2f?frame_max=131072"
     );
     let asked = sink("amqp://guest:guest@127.0.0.1:5672/%2f?frame_max=1048576")
-        .uri(CONSUMER_FRAME_MAX)
+        .uri(Frame::UnlessSet(CONSUMER_FRAME_MAX))
         .unwrap();
     assert_eq!(
         asked,
         "amqp://guest:guest@127.0.0.1:5672/%2f?frame_max=1048576"
+    );
+    // A consumer whose frame a message outgrew proposes more, whatever the URL says.
+    let raised = sink("amqp://guest:guest@127.0.0.1:5672/%2f?heartbeat=30&frame_max=8192")
+        .uri(Frame::Override(65536))
+        .unwrap();
+    assert_eq!(
+        raised,
+        "amqp://guest:guest@127.0.0.1:5672/%2f?heartbeat=30&frame_max=65536"
     );
 }
