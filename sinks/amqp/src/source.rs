@@ -151,10 +151,13 @@ fn too_large(error: &lapin::Error) -> bool {
 /// A message outgrew the frame `negotiated`: the next connections propose eight times it
 /// (the broker takes the smaller of that and its own), up to [`CONSUMER_FRAME_CEILING`],
 /// so that a message with headers as large as the broker's frame is not delivered, refused
-/// and delivered again for ever, stopping the queue behind it.
+/// and delivered again for ever, stopping the queue behind it. Once the broker took less
+/// than a raised proposal, its frame is the largest there is: nothing more is proposed.
 fn outgrown(spec: &AmqpSourceSpec, negotiated: u32, raised: &AtomicU32) {
+    let proposed = raised.load(Ordering::Relaxed);
+    let capped = proposed != 0 && negotiated < proposed;
     let next = negotiated.saturating_mul(8).min(CONSUMER_FRAME_CEILING);
-    if next <= negotiated {
+    if capped || next <= negotiated {
         tracing::error!(queue = %spec.queue, frame = negotiated, "A message's headers are larger than the largest frame the source proposes; it will be delivered again at each connection, and the messages behind it wait (remove it from the queue)");
         return;
     }
