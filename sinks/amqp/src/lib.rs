@@ -18,12 +18,14 @@ use serde::{Deserialize, Serialize};
 
 #[cfg(feature = "client")]
 mod confirms;
+mod frame;
 #[cfg(feature = "client")]
 mod sink;
 #[cfg(feature = "client")]
 pub mod source;
 #[cfg(feature = "client")]
-pub use sink::{AmqpFault, AmqpSink, Frame, fault};
+pub use frame::{CONSUMER_FRAME_CEILING, CONSUMER_FRAME_MAX, FRAME_MAX, Frame};
+pub use sink::{AmqpFault, AmqpSink, fault};
 #[cfg(feature = "testing")]
 pub mod testing;
 

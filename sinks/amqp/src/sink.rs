@@ -13,7 +13,7 @@ use sched_relay_transport::files::Stamp;
 use sched_relay_transport::{DeliveryError, Event, Sink, SinkError};
 use tokio::sync::Mutex;
 
-use crate::{AmqpSinkConfig, HeaderStyle};
+use crate::{AmqpSinkConfig, FRAME_MAX, Frame, HeaderStyle};
 
 /// Publishes CloudEvents to an AMQP 0-9-1 exchange with publisher confirms. Connects on first
 /// use and again after any connection or channel failure, and once a password or
@@ -41,42 +41,6 @@ pub fn close_in_background(connection: Connection, why: &'static str) {
     });
 }
 
-/// The largest frame the sink proposes (the broker may ask for less), unless the URL's
-/// `frame_max` says otherwise. lapin keeps a zeroed send and receive buffer of 32 frames per
-/// connection: at RabbitMQ's default of 128 KiB that is 8 MiB resident per connection, more
-/// than the rest of an idle agent. A larger body goes as several frames; the headers of the
-/// agent's events (attributes and short extensions: EventIds and request ids are at most
-/// 256 bytes) fit one. Consumers propose [`CONSUMER_FRAME_MAX`] instead.
-pub const FRAME_MAX: u32 = 8192;
-
-/// The frame a consumer (an approval source, the coordinator's input) proposes unless the URL's
-/// `frame_max` says otherwise: RabbitMQ's default, so on a broker left at its default the
-/// consumer's frame is the broker's. A header frame cannot be split, and a publisher's may be
-/// as large as the broker's frame: a consumer with a smaller frame would be disconnected by
-/// every delivery of such a message, and the message, unacknowledged, delivered again. Proposed
-/// rather than left to the broker because lapin sizes a connection's two buffers (32 frames
-/// each) at connecting by the frame proposed, as zeroed memory that stays untouched until
-/// bytes pass through it, but grows them to the negotiated size by writing zeroes: without a
-/// proposal, 8 MiB resident at once on every idle agent with a RabbitMQ approval source (and,
-/// on a broker whose `frame_max` is 0, unlimited, an allocation of 32 times 4 GiB). On a
-/// broker with a larger frame, a message whose headers outgrow it makes the consumer
-/// propose more (see [`Frame::Override`]).
-pub const CONSUMER_FRAME_MAX: u32 = 131_072;
-
-/// The largest frame a consumer proposes after messages outgrew its frame: lapin's buffers
-/// are 32 frames each way (2 x 256 MiB of address space here, resident only as far as bytes
-/// pass through them).
-pub const CONSUMER_FRAME_CEILING: u32 = 8 << 20;
-
-/// The frame size a connection proposes to the broker, which may ask for less.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Frame {
-    /// This size, unless the URL's `frame_max` says otherwise.
-    UnlessSet(u32),
-    /// This size, whatever the URL says: a consumer whose frame a message outgrew.
-    Override(u32),
-}
-
 impl AmqpSink {
     pub fn new(config: AmqpSinkConfig) -> Self {
         AmqpSink {
@@ -99,25 +63,7 @@ impl AmqpSink {
             url.set_password(Some(&password))
                 .map_err(|_| SinkError::Permanent("url: cannot carry a password".into()))?;
         }
-        let set = url.query_pairs().any(|(key, _)| key == "frame_max");
-        match frame {
-            Frame::UnlessSet(_) if set => {}
-            Frame::UnlessSet(size) => {
-                url.query_pairs_mut()
-                    .append_pair("frame_max", &size.to_string());
-            }
-            Frame::Override(size) => {
-                let others: Vec<(String, String)> = url
-                    .query_pairs()
-                    .filter(|(key, _)| key != "frame_max")
-                    .map(|(key, value)| (key.into_owned(), value.into_owned()))
-                    .collect();
-                url.query_pairs_mut()
-                    .clear()
-                    .extend_pairs(others)
-                    .append_pair("frame_max", &size.to_string());
-            }
-        }
+        frame.propose(&mut url);
         Ok(url.to_string())
     }
 

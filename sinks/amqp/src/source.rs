@@ -19,8 +19,8 @@ use sched_relay_transport::inbound::{
 };
 use tokio::sync::watch;
 
-use crate::sink::{CONSUMER_FRAME_CEILING, CONSUMER_FRAME_MAX, close_in_background};
-use crate::{AmqpSink, AmqpSinkConfig, Frame};
+use crate::sink::close_in_background;
+use crate::{AmqpSink, AmqpSinkConfig, CONSUMER_FRAME_CEILING, CONSUMER_FRAME_MAX, Frame};
 
 /// What to consume.
 #[derive(Debug, Clone)]

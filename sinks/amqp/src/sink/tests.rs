@@ -1,4 +1,5 @@
 use super::*;
+use crate::CONSUMER_FRAME_MAX;
 use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPHardError, AMQPSoftError};
 
 fn reply(code: u16) -> lapin::ErrorKind {
