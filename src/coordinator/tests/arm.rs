@@ -14,7 +14,7 @@ use super::quiet_day::{World, start_with};
 use crate::coordinator::azure::acknowledge::Acknowledger;
 use crate::coordinator::azure::{AzureConfig, refresh};
 use crate::coordinator::engine::AzureView;
-use crate::simulator::{ArmOptions, ArmStandIn, Phase, Scenario, Simulator};
+use crate::simulator::{ArmOptions, ArmRequest, ArmStandIn, Phase, Scenario, Simulator};
 use sched_relay_core::document::Document;
 
 const SUB: &str = "0b1f6471-1bf0-4dda-aec3-444455556666";
@@ -156,6 +156,18 @@ async fn until(world: &mut World, now: DateTime<Utc>, done: impl Fn(&World) -> b
     panic!("never happened");
 }
 
+/// Asks the stand-in for the answers a test needs (`POST /__arm/<name>`).
+async fn hook(arm: &ArmStandIn, name: &str, body: serde_json::Value) {
+    let answer = reqwest::Client::new()
+        .post(format!("{}/__arm/{name}", arm.url()))
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert!(answer.status().is_success(), "{name}: {}", answer.status());
+}
+
 async fn stop(vms: Vec<Simulator>, arm: ArmStandIn) {
     for vm in vms {
         vm.stop().await;
@@ -295,27 +307,34 @@ async fn an_approval_no_agent_answers_within_outcome_timeout_goes_through_arm() 
     stop(vms, arm).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_throttled_acknowledgement_is_sent_again_only_after_arms_retry_after() {
+/// E1 of web_1 approved through ARM after the stand-in was asked for the answers of
+/// `hook` (`POST /__arm/<name>`): every acknowledgement ARM received, with its status.
+async fn acknowledged_after(name: &str, body: serde_json::Value) -> Vec<ArmRequest> {
     let e1 = reboot("E1", &["web_1"]);
     let (vms, arm) = scale_set([&e1, &e1, &e1]).await;
     let (mut world, _) = world(&arm, "arm").await;
-    let throttled = reqwest::Client::new()
-        .post(format!("{}/__arm/throttle", arm.url()))
-        .header("content-type", "application/json")
-        .body(json!({"count": 1, "retry_after": 4}).to_string())
-        .send()
-        .await
-        .unwrap();
-    assert!(throttled.status().is_success());
+    hook(&arm, name, body).await;
     let now = Utc::now();
     report(&mut world, 0, &document(2, &[("E1", &["web_1"])], now), now);
-    until(&mut world, now, |_| started(&vms[1], "E1")).await;
-    let calls: Vec<_> = arm
+    // The engine tries a failed acknowledgement again every 2 s (`until` may not last).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !started(&vms[1], "E1") {
+        assert!(std::time::Instant::now() < deadline, "never approved");
+        world.engine.tick(now);
+        world.settle().await;
+    }
+    let calls = arm
         .requests()
         .into_iter()
         .filter(|r| r.path.ends_with("/acknowledge"))
         .collect();
+    stop(vms, arm).await;
+    calls
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_throttled_acknowledgement_is_sent_again_only_after_arms_retry_after() {
+    let calls = acknowledged_after("throttle", json!({"count": 1, "retry_after": 4})).await;
     let statuses: Vec<_> = calls.iter().map(|r| r.status).collect();
     assert_eq!(statuses, [Some(429), Some(200)], "{calls:?}");
     let waited = calls[1].at_ms - calls[0].at_ms;
@@ -323,7 +342,19 @@ async fn a_throttled_acknowledgement_is_sent_again_only_after_arms_retry_after()
         waited >= 4000,
         "sent again {waited} ms after a Retry-After of 4 s"
     );
-    stop(vms, arm).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledgements_wait_longer_after_each_arm_server_error_in_a_row() {
+    // An outage of ARM: its next two calls answer 503.
+    let calls = acknowledged_after("fail", json!({"count": 2, "status": 503})).await;
+    let statuses: Vec<_> = calls.iter().map(|r| r.status).collect();
+    assert_eq!(statuses, [Some(503), Some(503), Some(200)], "{calls:?}");
+    let waits: Vec<u64> = calls.windows(2).map(|w| w[1].at_ms - w[0].at_ms).collect();
+    assert!(
+        waits[0] >= 2000 && waits[1] >= 4000,
+        "sent again {waits:?} ms after each failure: the wait doubles"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -93,6 +93,8 @@ pub(super) struct Gate {
     writes: HashMap<String, VecDeque<Instant>>,
     /// The next `.0` ARM requests answer 429 with `Retry-After: .1`.
     throttle: Option<(u32, u64)>,
+    /// The next `.0` ARM requests answer the server error `.1` (an outage).
+    failing: Option<(u32, u16)>,
 }
 
 impl Gate {
@@ -157,6 +159,21 @@ impl Gate {
             self.throttle = None;
         }
         Some(retry_after)
+    }
+
+    pub(super) fn fail(&mut self, count: u32, status: u16) {
+        self.failing = (count > 0).then_some((count, status));
+    }
+
+    /// Takes one of the failed answers a test asked for: its status.
+    pub(super) fn take_failure(&mut self) -> Option<u16> {
+        let (count, status) = self.failing.as_mut()?;
+        let status = *status;
+        *count -= 1;
+        if *count == 0 {
+            self.failing = None;
+        }
+        Some(status)
     }
 
     fn window(

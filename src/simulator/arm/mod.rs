@@ -13,7 +13,8 @@
 //! `WWW-Authenticate`, told apart: missing, never issued, expired, other audience), the
 //! api-version is required, ARM path segments and names compare case-insensitively, lists
 //! are paged with an absolute `nextLink`, per-subscription read and write limits answer 429
-//! with `Retry-After`. Test hooks (not Azure): `GET /__arm/requests`, `POST /__arm/throttle`.
+//! with `Retry-After`. Test hooks (not Azure): `GET /__arm/requests`, `POST /__arm/throttle`,
+//! `POST /__arm/fail`.
 //!
 //! Layout: `inventory` turns the scenarios' `[vm]` tables into ARM resources and maps a VM's
 //! simulated life to its power and provisioning state; `render` writes Azure's JSON shapes;

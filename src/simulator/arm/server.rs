@@ -32,6 +32,7 @@ pub(super) async fn handle(
     match path {
         "/__arm/requests" => return axum::Json(lock(&arm.requests).clone()).into_response(),
         "/__arm/throttle" => return throttle_hook(&arm, &method, &body),
+        "/__arm/fail" => return fail_hook(&arm, &method, &body),
         _ => {}
     }
     let now = Instant::now();
@@ -82,6 +83,39 @@ fn throttle_hook(arm: &Arm, method: &Method, body: &[u8]) -> Response {
         Err(error) => (
             StatusCode::BAD_REQUEST,
             format!("expected {{\"count\": N, \"retry_after\": S}}: {error}"),
+        )
+            .into_response(),
+    }
+}
+
+/// `POST /__arm/fail {"count": N, "status": S}`: the next N ARM calls answer the server
+/// error S (500-599), as ARM or its gateway does in an outage.
+fn fail_hook(arm: &Arm, method: &Method, body: &[u8]) -> Response {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Fail {
+        count: u32,
+        status: u16,
+    }
+    if *method != Method::POST {
+        return StatusCode::METHOD_NOT_ALLOWED.into_response();
+    }
+    match serde_json::from_slice::<Fail>(body) {
+        Ok(fail) if (500..=599).contains(&fail.status) => {
+            lock(&arm.gate).fail(fail.count, fail.status);
+            axum::Json(json!({"count": fail.count, "status": fail.status})).into_response()
+        }
+        Ok(fail) => (
+            StatusCode::BAD_REQUEST,
+            format!(
+                "expected a server error (500-599) as status, not {}",
+                fail.status
+            ),
+        )
+            .into_response(),
+        Err(error) => (
+            StatusCode::BAD_REQUEST,
+            format!("expected {{\"count\": N, \"status\": S}}: {error}"),
         )
             .into_response(),
     }
@@ -142,6 +176,15 @@ fn arm_call(
     let mut gate = lock(&arm.gate);
     if let Err(refusal) = gate.check(authorization, now) {
         return (unauthorized(&refusal), false);
+    }
+    if let Some(status) = gate.take_failure() {
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+        let failed = failure(
+            status,
+            "ServiceUnavailable",
+            "The service is temporarily unavailable. Please try again later.",
+        );
+        return (failed.into_response(), true);
     }
     let segments: Vec<&str> = uri.path().split('/').filter(|s| !s.is_empty()).collect();
     let subscription = segments.get(1).copied().unwrap_or_default();

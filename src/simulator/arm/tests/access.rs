@@ -159,6 +159,34 @@ async fn simulator_arm_throttle_hook_answers_429_with_retry_after() {
 }
 
 #[tokio::test]
+async fn simulator_arm_fail_hook_answers_the_server_error_asked_for_then_serves_again() {
+    let fleet = fleet(&[web(0, "")], ArmOptions::default()).await;
+    let token = fleet.token().await;
+    let hook = async |body: &'static str| {
+        let answer = fleet
+            .http
+            .post(format!("{}/__arm/fail", fleet.arm.url()))
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        answer.status()
+    };
+    // Only server errors: anything else is a test's mistake, said.
+    assert_eq!(hook(r#"{"count": 1, "status": 404}"#).await, 400);
+    assert_eq!(hook(r#"{"count": 2, "status": 503}"#).await, 200);
+    let path = format!("{}?{VERSION}", scale_set_path(""));
+    for _ in 0..2 {
+        let failed = fleet.get(&path, Some(&token)).await;
+        assert_eq!((failed.status, failed.code()), (503, "ServiceUnavailable"));
+        // Tokens are not ARM calls.
+        fleet.token().await;
+    }
+    assert_eq!(fleet.get(&path, Some(&token)).await.status, 200);
+    fleet.stop().await;
+}
+
+#[tokio::test]
 async fn simulator_arm_past_the_read_limit_answers_429_and_writes_count_apart() {
     let options = ArmOptions {
         read_limit_per_hour: 3,
