@@ -1,6 +1,8 @@
 # Multi-stage build: the agent is one binary on a slim base, run as non-root.
 # FEATURES picks the sinks compiled in (nats, amqp, webhook are the defaults; kafka builds
-# librdkafka from source with OpenSSL).
+# librdkafka from source with OpenSSL). An image for a coordinator with an `[azure]` section
+# needs `--build-arg FEATURES="kafka azure"` (Azure Resource Manager's client; agents never
+# need it, so the default leaves it out).
 # The compiler deploy/symbol-order.txt was recorded with (its header says which): symbol names
 # carry a hash of the compiler's version, and with another one the release binary's code
 # keeps the default layout (build.rs; about 4 MiB more resident memory). The `dist` profile

@@ -54,6 +54,8 @@ impl Store {
         super::offload::blocking(|| self.load_now())
     }
 
+    // Without NATS the store has one kind, and the match one arm.
+    #[cfg_attr(not(feature = "nats"), allow(clippy::infallible_destructuring_match))]
     fn load_now(&self) -> Result<Fleet, String> {
         let db = match self {
             Store::Redb(db) => db,
@@ -98,6 +100,8 @@ impl Store {
         super::offload::blocking(|| self.write_now(changes))
     }
 
+    // Without NATS the store has one kind, and the match one arm.
+    #[cfg_attr(not(feature = "nats"), allow(clippy::infallible_destructuring_match))]
     fn write_now(&self, changes: &Changes) -> Result<(), String> {
         let db = match self {
             Store::Redb(db) => db,

@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 
 #[cfg(feature = "client")]
 mod confirms;
+#[cfg(feature = "client")]
 mod frame;
 #[cfg(feature = "client")]
 mod sink;
@@ -25,6 +26,7 @@ mod sink;
 pub mod source;
 #[cfg(feature = "client")]
 pub use frame::{CONSUMER_FRAME_CEILING, CONSUMER_FRAME_MAX, FRAME_MAX, Frame};
+#[cfg(feature = "client")]
 pub use sink::{AmqpFault, AmqpSink, fault};
 #[cfg(feature = "testing")]
 pub mod testing;

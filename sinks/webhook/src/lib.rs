@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 
 #[cfg(feature = "client")]
 mod built;
+#[cfg(feature = "client")]
 mod sink;
 #[cfg(feature = "client")]
 mod tls;
