@@ -252,7 +252,7 @@ pub const METRICS: &[(&str, &str, &str)] = &[
     (
         "sched_relay_coordinator_arm_acknowledgements_total",
         "counter",
-        "Acknowledgements through Azure Resource Manager (approve_via), by result: approved, refused, failed.",
+        "Acknowledgements through Azure Resource Manager (approve_via), by result: approved, refused, failed, held (not sent: the subscription is throttled or failing).",
     ),
     (
         "sched_relay_coordinator_holds_overdue",

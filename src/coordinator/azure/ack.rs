@@ -11,6 +11,9 @@ pub enum Acked {
     Refused { reason: String, message: String },
     /// Not answered, throttled (429) or a server error: tried again.
     Failed(String),
+    /// Not sent: the subscription's acknowledgements are held back (after a 429, or
+    /// failures in a row): tried again, and no failure of its own.
+    Held(String),
 }
 
 /// Acknowledges scheduled events through ARM (the `azure` feature's client; a test's

@@ -125,7 +125,13 @@ impl Arm {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.trim().parse::<u64>().ok())
             .map(Duration::from_secs);
-        let body = response.text().await.map_err(|e| format!("{what}: {e}"))?;
+        let body = match response.text().await {
+            Ok(body) => body,
+            // The status is ARM's answer (an acknowledgement's 2xx has been acted on); a
+            // body lost after it takes nothing from it. A listing's empty body is no JSON.
+            Err(_) if status.is_success() => String::new(),
+            Err(error) => return Err(format!("{what}: {error}")),
+        };
         Ok(Answer {
             status,
             retry_after,

@@ -5,7 +5,8 @@
 //! VMs, [`inventory`] reads ARM's answers (pure); with the `azure` feature, `credential`
 //! gets tokens through Microsoft's `azure_identity`, `client` makes the calls (pages,
 //! throttling), [`refresh`] lists every source on an interval for the engine, and
-//! [`acknowledge`] approves events through ARM (`approve_via`).
+//! [`acknowledge`] approves events through ARM (`approve_via`), held back per subscription
+//! by `hold` while ARM throttles or fails.
 
 mod ack;
 #[cfg(feature = "azure")]
@@ -14,6 +15,8 @@ pub mod acknowledge;
 mod client;
 #[cfg(feature = "azure")]
 mod credential;
+#[cfg(feature = "azure")]
+mod hold;
 pub mod inventory;
 #[cfg(feature = "azure")]
 pub mod refresh;

@@ -245,3 +245,80 @@ async fn a_token_for_another_audience_is_refused_and_said() {
         "{error}"
     );
 }
+
+/// `POST /__arm/fail` with `body`.
+async fn fail(arm: &ArmStandIn, body: &str) {
+    let answer = reqwest::Client::new()
+        .post(format!("{}/__arm/fail", arm.url()))
+        .body(body.to_owned())
+        .send()
+        .await
+        .unwrap();
+    assert!(answer.status().is_success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_of_arm_costs_one_acknowledgement_per_wait_however_many_events_wait() {
+    use super::acknowledge::Acknowledger;
+    use super::{Acked, Acknowledge};
+    let (_vms, arm) = fleet().await;
+    crate::install_crypto_provider();
+    let acknowledger = Arc::new(Acknowledger::new(&config(&arm)).unwrap());
+    // An outage whose failures take their time, as a gateway's timeouts do: while one is
+    // on its way, every other event is tried again.
+    fail(&arm, r#"{"count": 1000, "status": 503, "delay_ms": 500}"#).await;
+    // Ten events, each tried again every 100 ms (the engine: every 2 s) until ARM answers
+    // it: 404 here, as no VM has these events.
+    let scope = format!(
+        "/subscriptions/{SUB}/resourceGroups/rg-db/providers/Microsoft.Compute/virtualMachines/db1"
+    );
+    let tasks: Vec<_> = (0..10)
+        .map(|n| {
+            let (acknowledger, scope) = (acknowledger.clone(), scope.clone());
+            tokio::spawn(async move {
+                loop {
+                    match acknowledger
+                        .acknowledge(&scope, &format!("E{n}"), "r")
+                        .await
+                    {
+                        Acked::Refused { .. } => return,
+                        Acked::Held(_) | Acked::Failed(_) => {
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                        }
+                        Acked::Approved => panic!("no VM has E{n}"),
+                    }
+                }
+            })
+        })
+        .collect();
+    // ARM comes back after the second failure's wait began (2 s, then 4 s).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    fail(&arm, r#"{"count": 0, "status": 503}"#).await;
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(30), task)
+            .await
+            .expect("every event answered once ARM is back")
+            .unwrap();
+    }
+    let calls: Vec<(u64, u16)> = arm
+        .requests()
+        .iter()
+        .filter(|r| r.path.ends_with("/acknowledge"))
+        .map(|r| (r.at_ms, r.status.unwrap_or_default()))
+        .collect();
+    let start = calls[0].0;
+    let at = |from: u64, to: u64, status: u16| {
+        calls
+            .iter()
+            .filter(|(ms, s)| *s == status && (from..to).contains(&(ms - start)))
+            .count()
+    };
+    // The outage's start: those sent before the first failure came back.
+    assert!(at(0, 1000, 503) >= 1, "{calls:?}");
+    // Then one probe after the first wait (2 s), one after the second (4 s more): ARM's
+    // answer to it lets every other event go.
+    assert_eq!(at(1000, 5500, 503), 1, "one probe after 2 s: {calls:?}");
+    assert_eq!(at(0, 5500, 404), 0, "{calls:?}");
+    assert_eq!(at(5500, u64::MAX, 404), 10, "{calls:?}");
+    assert_eq!(calls.len(), at(0, 1000, 503) + 11, "{calls:?}");
+}

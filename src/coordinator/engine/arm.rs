@@ -119,6 +119,7 @@ impl Engine {
             Acked::Approved => "approved",
             Acked::Refused { .. } => "refused",
             Acked::Failed(_) => "failed",
+            Acked::Held(_) => "held",
         };
         metrics::counter!("sched_relay_coordinator_arm_acknowledgements_total", "result" => label)
             .increment(1);
@@ -142,6 +143,10 @@ impl Engine {
                     at: now,
                 });
                 true
+            }
+            Acked::Held(why) => {
+                tracing::debug!(event_id = %event_id, why = %why, retry_in = ?super::PUBLISH_RETRY, "An acknowledgement through Azure Resource Manager held back");
+                false
             }
             Acked::Failed(why) => {
                 metrics::counter!("sched_relay_coordinator_publish_failures_total").increment(1);

@@ -93,8 +93,9 @@ pub(super) struct Gate {
     writes: HashMap<String, VecDeque<Instant>>,
     /// The next `.0` ARM requests answer 429 with `Retry-After: .1`.
     throttle: Option<(u32, u64)>,
-    /// The next `.0` ARM requests answer the server error `.1` (an outage).
-    failing: Option<(u32, u16)>,
+    /// The next `.0` ARM requests answer the server error `.1` (an outage), each after
+    /// `.2` (a gateway that times out).
+    failing: Option<(u32, u16, Duration)>,
 }
 
 impl Gate {
@@ -161,19 +162,19 @@ impl Gate {
         Some(retry_after)
     }
 
-    pub(super) fn fail(&mut self, count: u32, status: u16) {
-        self.failing = (count > 0).then_some((count, status));
+    pub(super) fn fail(&mut self, count: u32, status: u16, delay: Duration) {
+        self.failing = (count > 0).then_some((count, status, delay));
     }
 
     /// Takes one of the failed answers a test asked for: its status.
-    pub(super) fn take_failure(&mut self) -> Option<u16> {
-        let (count, status) = self.failing.as_mut()?;
-        let status = *status;
+    pub(super) fn take_failure(&mut self) -> Option<(u16, Duration)> {
+        let (count, status, delay) = self.failing.as_mut()?;
+        let (status, delay) = (*status, *delay);
         *count -= 1;
         if *count == 0 {
             self.failing = None;
         }
-        Some(status)
+        Some((status, delay))
     }
 
     fn window(

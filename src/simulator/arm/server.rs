@@ -3,7 +3,7 @@
 //! (bearer, throttle, rate limit), then routes on the path's segments compared without case.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
@@ -40,7 +40,10 @@ pub(super) async fn handle(
     let (response, bearer_valid) = if path.eq_ignore_ascii_case(TOKEN_PATH) {
         (token(&arm, &method, &query, &headers, now), None)
     } else if starts_with_ignoring_case(path, "/subscriptions/") {
-        let (response, valid) = arm_call(&arm, &method, &uri, &query, &headers, now);
+        let (response, valid, delay) = arm_call(&arm, &method, &uri, &query, &headers, now);
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
         (response, Some(valid))
     } else {
         let answer = failure(StatusCode::NOT_FOUND, "NotFound", "No such path");
@@ -88,22 +91,29 @@ fn throttle_hook(arm: &Arm, method: &Method, body: &[u8]) -> Response {
     }
 }
 
-/// `POST /__arm/fail {"count": N, "status": S}`: the next N ARM calls answer the server
-/// error S (500-599), as ARM or its gateway does in an outage.
+/// `POST /__arm/fail {"count": N, "status": S, "delay_ms": D}`: the next N ARM calls answer
+/// the server error S (500-599), each after D ms (default 0), as ARM or its gateway does in
+/// an outage.
 fn fail_hook(arm: &Arm, method: &Method, body: &[u8]) -> Response {
     #[derive(serde::Deserialize)]
     #[serde(deny_unknown_fields)]
     struct Fail {
         count: u32,
         status: u16,
+        #[serde(default)]
+        delay_ms: u64,
     }
     if *method != Method::POST {
         return StatusCode::METHOD_NOT_ALLOWED.into_response();
     }
     match serde_json::from_slice::<Fail>(body) {
         Ok(fail) if (500..=599).contains(&fail.status) => {
-            lock(&arm.gate).fail(fail.count, fail.status);
-            axum::Json(json!({"count": fail.count, "status": fail.status})).into_response()
+            let delay = Duration::from_millis(fail.delay_ms);
+            lock(&arm.gate).fail(fail.count, fail.status, delay);
+            axum::Json(
+                json!({"count": fail.count, "status": fail.status, "delay_ms": fail.delay_ms}),
+            )
+            .into_response()
         }
         Ok(fail) => (
             StatusCode::BAD_REQUEST,
@@ -115,7 +125,7 @@ fn fail_hook(arm: &Arm, method: &Method, body: &[u8]) -> Response {
             .into_response(),
         Err(error) => (
             StatusCode::BAD_REQUEST,
-            format!("expected {{\"count\": N, \"status\": S}}: {error}"),
+            format!("expected {{\"count\": N, \"status\": S, \"delay_ms\": D}}: {error}"),
         )
             .into_response(),
     }
@@ -161,7 +171,7 @@ fn token(arm: &Arm, method: &Method, query: &Query, headers: &HeaderMap, now: In
 }
 
 /// One `/subscriptions/...` call: the gate, then the route. Also says whether the bearer was
-/// valid.
+/// valid, and how long to wait before answering (a failure a test asked for).
 fn arm_call(
     arm: &Arm,
     method: &Method,
@@ -169,22 +179,22 @@ fn arm_call(
     query: &Query,
     headers: &HeaderMap,
     now: Instant,
-) -> (Response, bool) {
+) -> (Response, bool, Duration) {
     let authorization = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
     let mut gate = lock(&arm.gate);
     if let Err(refusal) = gate.check(authorization, now) {
-        return (unauthorized(&refusal), false);
+        return (unauthorized(&refusal), false, Duration::ZERO);
     }
-    if let Some(status) = gate.take_failure() {
+    if let Some((status, delay)) = gate.take_failure() {
         let status = StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
         let failed = failure(
             status,
             "ServiceUnavailable",
             "The service is temporarily unavailable. Please try again later.",
         );
-        return (failed.into_response(), true);
+        return (failed.into_response(), true, delay);
     }
     let segments: Vec<&str> = uri.path().split('/').filter(|s| !s.is_empty()).collect();
     let subscription = segments.get(1).copied().unwrap_or_default();
@@ -239,7 +249,7 @@ fn arm_call(
     response
         .headers_mut()
         .insert(access.remaining_header(), HeaderValue::from(remaining));
-    (response, true)
+    (response, true, Duration::ZERO)
 }
 
 fn unauthorized(refusal: &Refusal) -> Response {
