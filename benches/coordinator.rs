@@ -26,10 +26,11 @@
 //!    and a probe event is reported at once: timed from the start to that event's
 //!    approval, which comes only after the state is loaded and the backlog read.
 //!    With `--ha` instead: two coordinators share their state in NATS KV (the shipped
-//!    10 s lease); the active one is stopped (SIGSTOP) and a probe event is reported at
-//!    once: timed from the stop to the standby's approval of it.
+//!    10 s lease, or `--lease`'s); the active one is stopped (SIGSTOP) right after it
+//!    renewed its lease, the phase after which a standby waits longest, and a probe event
+//!    is reported at once: timed from the stop to the standby's approval of it.
 //!
-//!   cargo bench --profile dist --all-features --bench coordinator -- [--vms 500,2000,10000] [--ha]
+//!   cargo bench --profile dist --all-features --bench coordinator -- [--vms 500,2000,10000] [--ha [--lease 10s]]
 
 #[path = "coordinator/agents.rs"]
 mod agents;
@@ -89,11 +90,19 @@ fn main() {
         })
         .unwrap_or_else(|| vec![500, 2000, 10000]);
     let ha = args.iter().any(|a| a == "--ha");
-    let runs: Vec<Run> = scales.iter().map(|&vms| run(vms, ha)).collect();
-    report(&runs, &scales, ha);
+    let lease = args
+        .iter()
+        .position(|a| a == "--lease")
+        .and_then(|i| args.get(i + 1))
+        .cloned();
+    let runs: Vec<Run> = scales
+        .iter()
+        .map(|&vms| run(vms, ha, lease.as_deref()))
+        .collect();
+    report(&runs, &scales, ha, lease.as_deref());
 }
 
-fn run(vms: usize, ha: bool) -> Run {
+fn run(vms: usize, ha: bool, lease: Option<&str>) -> Run {
     eprintln!(
         "coordinator at {vms} VMs{}",
         if ha { " with a standby" } else { "" }
@@ -180,7 +189,10 @@ fn run(vms: usize, ha: bool) -> Run {
             state = dir.path().join("state").display(),
             key = key_file.display(),
             ha_section = if ha {
-                format!("[ha]\nurl = \"{url}\"\n")
+                match lease {
+                    Some(lease) => format!("[ha]\nurl = \"{url}\"\nlease = \"{lease}\"\n"),
+                    None => format!("[ha]\nurl = \"{url}\"\n"),
+                }
             } else {
                 String::new()
             },
@@ -323,6 +335,10 @@ fn run(vms: usize, ha: bool) -> Run {
             (load, approved.duration_since(started).as_secs_f64())
         }
         Some(second) => {
+            // Stopped just after a renewal: the lease then lives a whole period on, the
+            // longest a standby can have to wait (stopped at a random moment, it waits
+            // between two thirds of a period and one).
+            runtime.block_on(renewed(&url));
             coordinator.signal("STOP");
             let stopped = Instant::now();
             let id = probe(0).id;
@@ -464,7 +480,27 @@ fn ms(samples: &[f64], q: f64) -> String {
     format!("{:.1}", sorted[index] * 1000.0)
 }
 
-fn report(runs: &[Run], scales: &[usize], ha: bool) {
+/// Returns once the active coordinator renewed its lease (the `leader` key of the shipped
+/// bucket's lease bucket written again).
+async fn renewed(url: &str) {
+    use futures_util::StreamExt;
+    let client = async_nats::connect(url).await.unwrap();
+    let lease = async_nats::jetstream::new(client)
+        .get_key_value("sched-relay-coordinator-lease")
+        .await
+        .unwrap();
+    let mut watch = lease.watch("leader").await.unwrap();
+    // The first entry is the value as it is; the next one a renewal.
+    let first = watch.next().await.unwrap().unwrap().revision;
+    loop {
+        let entry = watch.next().await.unwrap().unwrap();
+        if entry.revision > first && entry.operation == async_nats::jetstream::kv::Operation::Put {
+            return;
+        }
+    }
+}
+
+fn report(runs: &[Run], scales: &[usize], ha: bool, lease: Option<&str>) {
     let list = scales
         .iter()
         .map(usize::to_string)
@@ -475,8 +511,9 @@ fn report(runs: &[Run], scales: &[usize], ha: bool) {
         if ha { ", with a standby" } else { "" }
     );
     println!(
-        "`cargo bench --profile dist --all-features --bench coordinator -- --vms {list}{}` (`scripts/coordinator-load`), on {} CPU(s); the load and how each figure is taken are described in `benches/coordinator.rs`. Latencies are from the load generator's own record: its publication of a report, the arrival of the drain call or approval it caused.\n",
+        "`cargo bench --profile dist --all-features --bench coordinator -- --vms {list}{}{}` (`scripts/coordinator-load`), on {} CPU(s); the load and how each figure is taken are described in `benches/coordinator.rs`. Latencies are from the load generator's own record: its publication of a report, the arrival of the drain call or approval it caused.\n",
         if ha { " --ha" } else { "" },
+        lease.map(|l| format!(" --lease {l}")).unwrap_or_default(),
         std::thread::available_parallelism().map_or(0, |n| n.get()),
     );
     let header: Vec<String> = runs.iter().map(|r| format!("{} VMs", r.vms)).collect();
@@ -582,12 +619,15 @@ fn report(runs: &[Run], scales: &[usize], ha: bool) {
     );
     if ha {
         row(
-            "takeover: the active one stopped to the standby active (/healthz), s (lease 10 s)",
+            &format!(
+                "takeover: the active one stopped right after a renewal to the standby active (/healthz), s (lease {})",
+                lease.unwrap_or("10s")
+            ),
             runs.iter().map(|r| format!("{:.2}", r.load)).collect(),
             "",
         );
         row(
-            "takeover: the active one stopped to the standby's approval of a probe event reported then, s",
+            "takeover: the active one stopped right after a renewal to the standby's approval of a probe event reported then, s",
             runs.iter().map(|r| format!("{:.2}", r.restart)).collect(),
             "≤ 10",
         );
