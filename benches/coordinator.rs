@@ -481,7 +481,7 @@ fn ms(samples: &[f64], q: f64) -> String {
 }
 
 /// Returns once the active coordinator renewed its lease (the `leader` key of the shipped
-/// bucket's lease bucket written again).
+/// bucket's lease bucket written again; a KV watch delivers new writes only).
 async fn renewed(url: &str) {
     use futures_util::StreamExt;
     let client = async_nats::connect(url).await.unwrap();
@@ -490,14 +490,17 @@ async fn renewed(url: &str) {
         .await
         .unwrap();
     let mut watch = lease.watch("leader").await.unwrap();
-    // The first entry is the value as it is; the next one a renewal.
-    let first = watch.next().await.unwrap().unwrap().revision;
-    loop {
-        let entry = watch.next().await.unwrap().unwrap();
-        if entry.revision > first && entry.operation == async_nats::jetstream::kv::Operation::Put {
-            return;
+    let renewal = async {
+        while let Some(entry) = watch.next().await {
+            if entry.unwrap().operation == async_nats::jetstream::kv::Operation::Put {
+                return;
+            }
         }
-    }
+        panic!("the lease's watch ended");
+    };
+    tokio::time::timeout(Duration::from_secs(60), renewal)
+        .await
+        .expect("the active coordinator renews its lease within a minute");
 }
 
 fn report(runs: &[Run], scales: &[usize], ha: bool, lease: Option<&str>) {

@@ -365,7 +365,7 @@ max_down_percent = 20
     }
     match second.take() {
         // The active one stalls (SIGSTOP): the standby takes over within a lease period
-        // of its last renewal, and a second. Woken again, the old one must not act: its lease is
+        // of its last renewal, and a quarter of a second. Woken again, the old one must not act: its lease is
         // stale, and its next renewal fails, so it exits.
         Some(standby) if matches!(failover, Some(Failover::Kill)) => {
             coordinator.kill9();

@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::time::Duration;
 
 use tokio::time::Instant;
 
@@ -19,6 +20,9 @@ use super::{Acked, Acknowledge};
 pub struct Acknowledger {
     arm: Arm,
     api_version: String,
+    /// How long a probe may take before another goes: longer than a call can (its
+    /// timeout, and a token's fetch with azure_core's retries).
+    patience: Duration,
     /// Per subscription (lower case), what holds its acknowledgements back.
     holds: Mutex<HashMap<String, Hold>>,
 }
@@ -28,6 +32,7 @@ impl Acknowledger {
         Ok(Acknowledger {
             arm: Arm::new(config)?,
             api_version: config.maintenance_api_version.clone(),
+            patience: config.timeout * 2 + Duration::from_secs(60),
             holds: Mutex::new(HashMap::new()),
         })
     }
@@ -86,7 +91,7 @@ impl Acknowledge for Acknowledger {
             };
         }
         let subscription = subscription_of(scope);
-        let ticket = match self.hold(&subscription, |hold| hold.admit(Instant::now())) {
+        let ticket = match self.hold(&subscription, |hold| hold.admit(Instant::now(), self.patience)) {
             Ok(ticket) => ticket,
             Err(why) => return Acked::Held(why),
         };
@@ -156,7 +161,8 @@ impl Acknowledge for Acknowledger {
             ),
             // A server error: ARM's, or its gateway's.
             500..=599 => (Acked::Failed(said()), Judged::SharedFailure),
-            // Anything else (a redirect, which is not followed) is this call's own.
+            // Anything else (a 1xx, or a redirect the client could not follow) is this
+            // call's own.
             _ => (Acked::Failed(said()), Judged::OwnFailure),
         };
         self.judged(&subscription, ticket, acked, judged)

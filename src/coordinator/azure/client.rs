@@ -104,10 +104,16 @@ impl Arm {
             .post(url)
             .header("x-ms-client-request-id", request_id)
             .header(reqwest::header::CONTENT_LENGTH, 0);
-        self.send(request, &format!("POST {path}")).await
+        self.send(request, &format!("POST {path}"), true).await
     }
 
-    async fn send(&self, request: reqwest::RequestBuilder, what: &str) -> Result<Answer, String> {
+    /// One call; `status_is_enough`: a success whose body is lost is still an answer.
+    async fn send(
+        &self,
+        request: reqwest::RequestBuilder,
+        what: &str,
+        status_is_enough: bool,
+    ) -> Result<Answer, String> {
         let token = self
             .credential
             .get_token(&[&self.scope], None)
@@ -127,9 +133,9 @@ impl Arm {
             .map(Duration::from_secs);
         let body = match response.text().await {
             Ok(body) => body,
-            // The status is ARM's answer (an acknowledgement's 2xx has been acted on); a
-            // body lost after it takes nothing from it. A listing's empty body is no JSON.
-            Err(_) if status.is_success() => String::new(),
+            // An acknowledgement's status is ARM's answer (a 2xx has been acted on): a body
+            // lost after it takes nothing from it. A listing needs its body.
+            Err(_) if status.is_success() && status_is_enough => String::new(),
             Err(error) => return Err(format!("{what}: {error}")),
         };
         Ok(Answer {
@@ -147,7 +153,7 @@ impl Arm {
                 status,
                 retry_after,
                 body,
-            } = self.send(self.http.get(url.clone()), &what).await?;
+            } = self.send(self.http.get(url.clone()), &what, false).await?;
             if status.is_success() {
                 return serde_json::from_str(&body).map_err(|e| format!("{what}: not JSON ({e})"));
             }

@@ -2,7 +2,7 @@
 //! limits are per subscription, and so is this.
 //!
 //! - A 429 holds every acknowledgement of the subscription until its `Retry-After` has
-//!   passed.
+//!   passed; then one goes first, as after failures.
 //! - A failure every event would share (a server error, a timeout, a 401, no token, no
 //!   connection) holds them for a wait that doubles with each such failure in a row (2 s
 //!   to 64 s). When the wait is over, one acknowledgement goes first (the probe) and the
@@ -10,7 +10,7 @@
 //!   however many events wait (1,200 an hour per subscription, shared with everything
 //!   else that writes there).
 //! - An answer from ARM (accepted or refused) to a request sent since the last failure
-//!   counted ends the row, and the wait with it.
+//!   counted (or 429) ends the row, and a failure's wait with it.
 //! - Requests in flight together when a failure is counted (several events are
 //!   acknowledged at once) are not counted again when they fail too.
 //!
@@ -24,8 +24,7 @@ use tokio::time::Instant;
 /// The wait after a first shared failure; it doubles with each one in a row, up to
 /// [`FAILED_WAIT_MAX`].
 pub const FAILED_WAIT_FIRST: Duration = Duration::from_secs(2);
-/// The longest wait after failures in a row: an outage's end is noticed within it (and a
-/// probe's answer).
+/// The longest wait after failures in a row: an outage's end is noticed within it.
 pub const FAILED_WAIT_MAX: Duration = Duration::from_secs(64);
 
 /// One subscription's hold.
@@ -37,11 +36,14 @@ pub(super) struct Hold {
     failures: u32,
     /// The next request's ticket.
     next_ticket: u64,
-    /// Tickets below this were let through before the last failure counted.
+    /// Tickets below this were let through before the last failure counted or 429: their
+    /// answers say less of now than that did.
     counted_upto: u64,
-    /// The probe in flight after failures: its ticket and when it went (a probe whose
-    /// answer never comes, its task gone, stops holding the others after
-    /// [`FAILED_WAIT_MAX`]).
+    /// ARM throttled since the last current answer: the next request is a probe too.
+    throttled: bool,
+    /// The probe in flight after failures or a 429: its ticket and when it went (a probe
+    /// whose answer never comes, its task gone, stops holding the others after the
+    /// `patience` [`Hold::admit`] is given: longer than any call can take).
     probe: Option<(u64, Instant)>,
 }
 
@@ -72,8 +74,9 @@ impl Hold {
             .min(FAILED_WAIT_MAX)
     }
 
-    /// Lets a request through at `now` (its ticket), or says why not.
-    pub(super) fn admit(&mut self, now: Instant) -> Result<u64, String> {
+    /// Lets a request through at `now` (its ticket), or says why not; `patience`: how long
+    /// a probe may take before another goes (longer than a call's timeout).
+    pub(super) fn admit(&mut self, now: Instant, patience: Duration) -> Result<u64, String> {
         if let Some((until, why)) = self.until.filter(|(until, _)| *until > now) {
             let left = (until - now).as_secs() + 1;
             return Err(match why {
@@ -86,15 +89,14 @@ impl Hold {
                 ),
             });
         }
-        if self.failures > 0 {
+        if self.failures > 0 || self.throttled {
             if self
                 .probe
-                .is_some_and(|(_, sent)| now.duration_since(sent) < FAILED_WAIT_MAX)
+                .is_some_and(|(_, sent)| now.duration_since(sent) < patience)
             {
-                return Err(format!(
-                    "not sent: after {} failures in a row, another acknowledgement is trying whether Azure Resource Manager answers again",
-                    self.failures
-                ));
+                return Err(
+                    "not sent: another acknowledgement is trying whether Azure Resource Manager takes them again".into()
+                );
             }
             self.probe = Some((self.next_ticket, now));
         }
@@ -114,6 +116,7 @@ impl Hold {
         match judged {
             Judged::Answered if current => {
                 self.failures = 0;
+                self.throttled = false;
                 self.probe = None;
                 if matches!(self.until, Some((_, HeldBy::Failing))) {
                     self.until = None;
@@ -137,6 +140,8 @@ impl Hold {
 
     /// A 429 seen at `now`: nothing is sent for `wait`.
     pub(super) fn throttled(&mut self, wait: Duration, now: Instant) {
+        self.throttled = true;
+        self.counted_upto = self.next_ticket;
         let until = now + wait;
         if self.until.is_none_or(|(held, _)| held < until) {
             self.until = Some((until, HeldBy::Throttled));
@@ -152,6 +157,8 @@ impl Hold {
 mod tests {
     use super::*;
 
+    const PATIENCE: Duration = Duration::from_secs(90);
+
     #[test]
     fn the_wait_after_failures_in_a_row_doubles_up_to_its_ceiling() {
         let waits: Vec<u64> = (1..=8).map(|n| Hold::wait(n).as_secs()).collect();
@@ -164,7 +171,7 @@ mod tests {
         let mut hold = Hold::default();
         let t0 = Instant::now();
         // Three events sent at once as an outage starts: one failure, a 2 s wait.
-        let tickets: Vec<u64> = (0..3).map(|_| hold.admit(t0).unwrap()).collect();
+        let tickets: Vec<u64> = (0..3).map(|_| hold.admit(t0, PATIENCE).unwrap()).collect();
         let at = t0 + Duration::from_millis(100);
         assert_eq!(
             hold.judged(tickets[0], Judged::SharedFailure, at),
@@ -173,35 +180,35 @@ mod tests {
         assert_eq!(hold.judged(tickets[1], Judged::SharedFailure, at), None);
         assert_eq!(hold.judged(tickets[2], Judged::SharedFailure, at), None);
         assert_eq!(hold.failures(), 1);
-        assert!(hold.admit(at + Duration::from_millis(1900)).is_err());
+        assert!(hold.admit(at + Duration::from_millis(1900), PATIENCE).is_err());
         // The next one, sent after that wait, fails: the wait doubles.
         let again = at + FAILED_WAIT_FIRST;
-        let probe = hold.admit(again).unwrap();
+        let probe = hold.admit(again, PATIENCE).unwrap();
         assert_eq!(
             hold.judged(probe, Judged::SharedFailure, again),
             Some(FAILED_WAIT_FIRST * 2)
         );
-        assert!(hold.admit(again + Duration::from_millis(3900)).is_err());
+        assert!(hold.admit(again + Duration::from_millis(3900), PATIENCE).is_err());
     }
 
     #[test]
     fn after_a_wait_one_probe_goes_and_the_others_wait_for_its_answer() {
         let mut hold = Hold::default();
         let t0 = Instant::now();
-        let first = hold.admit(t0).unwrap();
+        let first = hold.admit(t0, PATIENCE).unwrap();
         hold.judged(first, Judged::SharedFailure, t0);
         let after = t0 + FAILED_WAIT_FIRST;
-        let probe = hold.admit(after).unwrap();
+        let probe = hold.admit(after, PATIENCE).unwrap();
         // Every other event, however many, waits for the probe's answer.
         for n in 0..100 {
-            let why = hold.admit(after + Duration::from_millis(n)).unwrap_err();
+            let why = hold.admit(after + Duration::from_millis(n), PATIENCE).unwrap_err();
             assert!(why.contains("another acknowledgement is trying"), "{why}");
         }
         // ARM answers: the row ends, everything goes.
         assert_eq!(hold.judged(probe, Judged::Answered, after), None);
         assert_eq!(hold.failures(), 0);
         for _ in 0..3 {
-            hold.admit(after).unwrap();
+            hold.admit(after, PATIENCE).unwrap();
         }
     }
 
@@ -209,52 +216,67 @@ mod tests {
     fn a_probe_whose_answer_never_comes_stops_holding_the_others() {
         let mut hold = Hold::default();
         let t0 = Instant::now();
-        let first = hold.admit(t0).unwrap();
+        let first = hold.admit(t0, PATIENCE).unwrap();
         hold.judged(first, Judged::SharedFailure, t0);
         let after = t0 + FAILED_WAIT_FIRST;
-        hold.admit(after).unwrap();
-        assert!(hold.admit(after + FAILED_WAIT_MAX / 2).is_err());
-        hold.admit(after + FAILED_WAIT_MAX).unwrap();
+        hold.admit(after, PATIENCE).unwrap();
+        assert!(hold.admit(after + PATIENCE / 2, PATIENCE).is_err());
+        hold.admit(after + PATIENCE, PATIENCE).unwrap();
     }
 
     #[test]
     fn an_events_own_failure_holds_no_other() {
         let mut hold = Hold::default();
         let t0 = Instant::now();
-        let conflict = hold.admit(t0).unwrap();
+        let conflict = hold.admit(t0, PATIENCE).unwrap();
         assert_eq!(hold.judged(conflict, Judged::OwnFailure, t0), None);
         assert_eq!(hold.failures(), 0);
-        hold.admit(t0).unwrap();
+        hold.admit(t0, PATIENCE).unwrap();
     }
 
     #[test]
     fn only_an_answer_sent_since_the_last_failure_ends_the_row() {
         let mut hold = Hold::default();
         let t0 = Instant::now();
-        let (early, failed) = (hold.admit(t0).unwrap(), hold.admit(t0).unwrap());
+        let (early, failed) = (hold.admit(t0, PATIENCE).unwrap(), hold.admit(t0, PATIENCE).unwrap());
         hold.judged(failed, Judged::SharedFailure, t0);
         // An answer to a request sent before that failure was counted says less of now.
         hold.judged(early, Judged::Answered, t0);
         assert_eq!(hold.failures(), 1);
-        assert!(hold.admit(t0 + Duration::from_secs(1)).is_err());
+        assert!(hold.admit(t0 + Duration::from_secs(1), PATIENCE).is_err());
         // The probe's answer does end it, the wait with it.
-        let probe = hold.admit(t0 + FAILED_WAIT_FIRST).unwrap();
+        let probe = hold.admit(t0 + FAILED_WAIT_FIRST, PATIENCE).unwrap();
         hold.judged(probe, Judged::Answered, t0 + FAILED_WAIT_FIRST);
         assert_eq!(hold.failures(), 0);
-        hold.admit(t0 + FAILED_WAIT_FIRST).unwrap();
+        hold.admit(t0 + FAILED_WAIT_FIRST, PATIENCE).unwrap();
     }
 
     #[test]
     fn a_throttles_longer_wait_stands_after_an_answer_and_a_failure() {
         let mut hold = Hold::default();
         let t0 = Instant::now();
-        let (answered, failed) = (hold.admit(t0).unwrap(), hold.admit(t0).unwrap());
+        let (answered, failed) = (hold.admit(t0, PATIENCE).unwrap(), hold.admit(t0, PATIENCE).unwrap());
         hold.throttled(Duration::from_secs(300), t0);
         // Requests let through before the 429 neither end its wait nor shorten it.
         hold.judged(answered, Judged::Answered, t0);
         hold.judged(failed, Judged::SharedFailure, t0);
-        let why = hold.admit(t0 + Duration::from_secs(299)).unwrap_err();
+        let why = hold.admit(t0 + Duration::from_secs(299), PATIENCE).unwrap_err();
         assert!(why.contains("429"), "{why}");
-        hold.admit(t0 + Duration::from_secs(300)).unwrap();
+        hold.admit(t0 + Duration::from_secs(300), PATIENCE).unwrap();
+    }
+
+    #[test]
+    fn after_a_429s_wait_one_goes_first_and_its_answer_lets_the_others_go() {
+        let mut hold = Hold::default();
+        let t0 = Instant::now();
+        let ticket = hold.admit(t0, PATIENCE).unwrap();
+        hold.throttled(Duration::from_secs(10), t0);
+        hold.judged(ticket, Judged::OwnFailure, t0);
+        let after = t0 + Duration::from_secs(10);
+        let probe = hold.admit(after, PATIENCE).unwrap();
+        assert!(hold.admit(after, PATIENCE).is_err(), "the others wait");
+        hold.judged(probe, Judged::Answered, after);
+        hold.admit(after, PATIENCE).unwrap();
+        hold.admit(after, PATIENCE).unwrap();
     }
 }

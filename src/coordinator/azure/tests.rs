@@ -291,8 +291,28 @@ async fn an_outage_of_arm_costs_one_acknowledgement_per_wait_however_many_events
             })
         })
         .collect();
-    // ARM comes back after the second failure's wait began (2 s, then 4 s).
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // ARM comes back once the first probe has failed (after 2 s), so the second probe
+    // (4 s later) is answered.
+    let acknowledgements = || {
+        let calls: Vec<(u64, u16)> = arm
+            .requests()
+            .iter()
+            .filter(|r| r.path.ends_with("/acknowledge"))
+            .map(|r| (r.at_ms, r.status.unwrap_or_default()))
+            .collect();
+        // Recorded as answered (each after its delay): the first to arrive is the least.
+        let start = calls.iter().map(|(ms, _)| *ms).min().unwrap_or_default();
+        (calls, start)
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (calls, start) = acknowledgements();
+        if calls.iter().any(|(ms, s)| *s == 503 && ms - start >= 1000) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no probe: {calls:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     fail(&arm, r#"{"count": 0, "status": 503}"#).await;
     for task in tasks {
         tokio::time::timeout(Duration::from_secs(30), task)
@@ -300,13 +320,7 @@ async fn an_outage_of_arm_costs_one_acknowledgement_per_wait_however_many_events
             .expect("every event answered once ARM is back")
             .unwrap();
     }
-    let calls: Vec<(u64, u16)> = arm
-        .requests()
-        .iter()
-        .filter(|r| r.path.ends_with("/acknowledge"))
-        .map(|r| (r.at_ms, r.status.unwrap_or_default()))
-        .collect();
-    let start = calls[0].0;
+    let (calls, start) = acknowledgements();
     let at = |from: u64, to: u64, status: u16| {
         calls
             .iter()
