@@ -91,7 +91,9 @@ impl Acknowledge for Acknowledger {
             };
         }
         let subscription = subscription_of(scope);
-        let ticket = match self.hold(&subscription, |hold| hold.admit(Instant::now(), self.patience)) {
+        let ticket = match self.hold(&subscription, |hold| {
+            hold.admit(Instant::now(), self.patience)
+        }) {
             Ok(ticket) => ticket,
             Err(why) => return Acked::Held(why),
         };

@@ -180,7 +180,10 @@ mod tests {
         assert_eq!(hold.judged(tickets[1], Judged::SharedFailure, at), None);
         assert_eq!(hold.judged(tickets[2], Judged::SharedFailure, at), None);
         assert_eq!(hold.failures(), 1);
-        assert!(hold.admit(at + Duration::from_millis(1900), PATIENCE).is_err());
+        assert!(
+            hold.admit(at + Duration::from_millis(1900), PATIENCE)
+                .is_err()
+        );
         // The next one, sent after that wait, fails: the wait doubles.
         let again = at + FAILED_WAIT_FIRST;
         let probe = hold.admit(again, PATIENCE).unwrap();
@@ -188,7 +191,10 @@ mod tests {
             hold.judged(probe, Judged::SharedFailure, again),
             Some(FAILED_WAIT_FIRST * 2)
         );
-        assert!(hold.admit(again + Duration::from_millis(3900), PATIENCE).is_err());
+        assert!(
+            hold.admit(again + Duration::from_millis(3900), PATIENCE)
+                .is_err()
+        );
     }
 
     #[test]
@@ -201,7 +207,9 @@ mod tests {
         let probe = hold.admit(after, PATIENCE).unwrap();
         // Every other event, however many, waits for the probe's answer.
         for n in 0..100 {
-            let why = hold.admit(after + Duration::from_millis(n), PATIENCE).unwrap_err();
+            let why = hold
+                .admit(after + Duration::from_millis(n), PATIENCE)
+                .unwrap_err();
             assert!(why.contains("another acknowledgement is trying"), "{why}");
         }
         // ARM answers: the row ends, everything goes.
@@ -238,7 +246,10 @@ mod tests {
     fn only_an_answer_sent_since_the_last_failure_ends_the_row() {
         let mut hold = Hold::default();
         let t0 = Instant::now();
-        let (early, failed) = (hold.admit(t0, PATIENCE).unwrap(), hold.admit(t0, PATIENCE).unwrap());
+        let (early, failed) = (
+            hold.admit(t0, PATIENCE).unwrap(),
+            hold.admit(t0, PATIENCE).unwrap(),
+        );
         hold.judged(failed, Judged::SharedFailure, t0);
         // An answer to a request sent before that failure was counted says less of now.
         hold.judged(early, Judged::Answered, t0);
@@ -255,12 +266,17 @@ mod tests {
     fn a_throttles_longer_wait_stands_after_an_answer_and_a_failure() {
         let mut hold = Hold::default();
         let t0 = Instant::now();
-        let (answered, failed) = (hold.admit(t0, PATIENCE).unwrap(), hold.admit(t0, PATIENCE).unwrap());
+        let (answered, failed) = (
+            hold.admit(t0, PATIENCE).unwrap(),
+            hold.admit(t0, PATIENCE).unwrap(),
+        );
         hold.throttled(Duration::from_secs(300), t0);
         // Requests let through before the 429 neither end its wait nor shorten it.
         hold.judged(answered, Judged::Answered, t0);
         hold.judged(failed, Judged::SharedFailure, t0);
-        let why = hold.admit(t0 + Duration::from_secs(299), PATIENCE).unwrap_err();
+        let why = hold
+            .admit(t0 + Duration::from_secs(299), PATIENCE)
+            .unwrap_err();
         assert!(why.contains("429"), "{why}");
         hold.admit(t0 + Duration::from_secs(300), PATIENCE).unwrap();
     }
