@@ -22,6 +22,8 @@ const THROTTLE_WAIT_MAX: Duration = Duration::from_secs(300);
 
 pub struct Arm {
     http: reqwest::Client,
+    /// One call's limit (`[azure] timeout`), the token's fetch bounded by it too.
+    timeout: Duration,
     credential: Arc<dyn TokenCredential>,
     base: Url,
     scope: String,
@@ -43,6 +45,7 @@ impl Arm {
         let scope = format!("{}/.default", audience.trim_end_matches('/'));
         Ok(Arm {
             http,
+            timeout: config.timeout,
             credential,
             base,
             scope,
@@ -114,11 +117,21 @@ impl Arm {
         what: &str,
         status_is_enough: bool,
     ) -> Result<Answer, String> {
-        let token = self
-            .credential
-            .get_token(&[&self.scope], None)
-            .await
-            .map_err(|e| format!("azure: no token for {}: {e}", self.scope))?;
+        // azure_core retries a token's fetch for up to a minute and more: bounded here, so
+        // that no call takes longer than twice `timeout` (the acknowledger's probe waits
+        // that long and a minute before another goes).
+        let token = tokio::time::timeout(
+            self.timeout,
+            self.credential.get_token(&[&self.scope], None),
+        )
+        .await
+        .map_err(|_| {
+            format!(
+                "azure: no token for {} within {:?}",
+                self.scope, self.timeout
+            )
+        })?
+        .map_err(|e| format!("azure: no token for {}: {e}", self.scope))?;
         let response = request
             .bearer_auth(token.token.secret())
             .send()
@@ -133,9 +146,10 @@ impl Arm {
             .map(Duration::from_secs);
         let body = match response.text().await {
             Ok(body) => body,
-            // An acknowledgement's status is ARM's answer (a 2xx has been acted on): a body
-            // lost after it takes nothing from it. A listing needs its body.
-            Err(_) if status.is_success() && status_is_enough => String::new(),
+            // An acknowledgement's status is ARM's answer (a 2xx has been acted on, a 429
+            // carries its Retry-After in a header): a body lost after it takes only the
+            // error's words from it. A listing needs its body.
+            Err(_) if status_is_enough => String::new(),
             Err(error) => return Err(format!("{what}: {error}")),
         };
         Ok(Answer {

@@ -138,7 +138,9 @@ impl Hold {
         }
     }
 
-    /// A 429 seen at `now`: nothing is sent for `wait`.
+    /// A 429 seen at `now`: nothing is sent for `wait`, then a probe. Whatever the ticket
+    /// of the request it answered: ARM's word of now, so that answers to requests let
+    /// through before it (a probe's included) are stale.
     pub(super) fn throttled(&mut self, wait: Duration, now: Instant) {
         self.throttled = true;
         self.counted_upto = self.next_ticket;

@@ -321,8 +321,9 @@ fn now() -> u64 {
 mod tests;
 
 /// How often a standby tries to take the lease: a twelfth of a period, at most 250 ms, so
-/// that it takes over within a quarter of a second of the lease's expiry (one create
-/// request each time, which the server refuses while the lease is held: four a second).
+/// that it takes over within a quarter of a second of the lease's expiry (a create, which
+/// the server refuses while the lease is held, then a read of the key: eight requests a
+/// second).
 fn standby_poll(period: Duration) -> Duration {
     (period / 12).min(Duration::from_millis(250))
 }
