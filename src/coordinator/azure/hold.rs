@@ -161,6 +161,14 @@ mod tests {
 
     const PATIENCE: Duration = Duration::from_secs(90);
 
+    /// A hold after one shared failure at `t0`.
+    fn failed_once(t0: Instant) -> Hold {
+        let mut hold = Hold::default();
+        let first = hold.admit(t0, PATIENCE).unwrap();
+        hold.judged(first, Judged::SharedFailure, t0);
+        hold
+    }
+
     #[test]
     fn the_wait_after_failures_in_a_row_doubles_up_to_its_ceiling() {
         let waits: Vec<u64> = (1..=8).map(|n| Hold::wait(n).as_secs()).collect();
@@ -201,10 +209,8 @@ mod tests {
 
     #[test]
     fn after_a_wait_one_probe_goes_and_the_others_wait_for_its_answer() {
-        let mut hold = Hold::default();
         let t0 = Instant::now();
-        let first = hold.admit(t0, PATIENCE).unwrap();
-        hold.judged(first, Judged::SharedFailure, t0);
+        let mut hold = failed_once(t0);
         let after = t0 + FAILED_WAIT_FIRST;
         let probe = hold.admit(after, PATIENCE).unwrap();
         // Every other event, however many, waits for the probe's answer.
@@ -224,10 +230,8 @@ mod tests {
 
     #[test]
     fn a_probe_whose_answer_never_comes_stops_holding_the_others() {
-        let mut hold = Hold::default();
         let t0 = Instant::now();
-        let first = hold.admit(t0, PATIENCE).unwrap();
-        hold.judged(first, Judged::SharedFailure, t0);
+        let mut hold = failed_once(t0);
         let after = t0 + FAILED_WAIT_FIRST;
         hold.admit(after, PATIENCE).unwrap();
         assert!(hold.admit(after + PATIENCE / 2, PATIENCE).is_err());

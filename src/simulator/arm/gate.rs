@@ -91,11 +91,38 @@ pub(super) struct Gate {
     tokens: HashMap<String, Issued>,
     reads: HashMap<String, VecDeque<Instant>>,
     writes: HashMap<String, VecDeque<Instant>>,
-    /// The next `.0` ARM requests answer 429 with `Retry-After: .1`.
-    throttle: Option<(u32, u64)>,
-    /// The next `.0` ARM requests answer the server error `.1` (an outage), each after
-    /// `.2` (a gateway that times out).
-    failing: Option<(u32, u16, Duration)>,
+    /// The next ARM requests answer 429 with this `Retry-After`.
+    throttle: Countdown<u64>,
+    /// The next ARM requests answer this server error (an outage), each after this delay
+    /// (a gateway that times out).
+    failing: Countdown<(u16, Duration)>,
+}
+
+/// An answer a test asked the next `count` requests to get.
+struct Countdown<T>(Option<(u32, T)>);
+
+impl<T> Default for Countdown<T> {
+    fn default() -> Self {
+        Countdown(None)
+    }
+}
+
+impl<T: Copy> Countdown<T> {
+    /// The next `count` requests get `answer` (0: none does).
+    fn ask(&mut self, count: u32, answer: T) {
+        self.0 = (count > 0).then_some((count, answer));
+    }
+
+    /// Takes one of the answers asked for.
+    fn take(&mut self) -> Option<T> {
+        let (count, answer) = self.0.as_mut()?;
+        let answer = *answer;
+        *count -= 1;
+        if *count == 0 {
+            self.0 = None;
+        }
+        Some(answer)
+    }
 }
 
 impl Gate {
@@ -148,33 +175,21 @@ impl Gate {
     }
 
     pub(super) fn throttle(&mut self, count: u32, retry_after: u64) {
-        self.throttle = (count > 0).then_some((count, retry_after));
+        self.throttle.ask(count, retry_after);
     }
 
     /// Takes one of the throttled answers a test asked for: its `Retry-After`.
     pub(super) fn take_throttle(&mut self) -> Option<u64> {
-        let (count, retry_after) = self.throttle.as_mut()?;
-        let retry_after = *retry_after;
-        *count -= 1;
-        if *count == 0 {
-            self.throttle = None;
-        }
-        Some(retry_after)
+        self.throttle.take()
     }
 
     pub(super) fn fail(&mut self, count: u32, status: u16, delay: Duration) {
-        self.failing = (count > 0).then_some((count, status, delay));
+        self.failing.ask(count, (status, delay));
     }
 
-    /// Takes one of the failed answers a test asked for: its status.
+    /// Takes one of the failed answers a test asked for: its status and delay.
     pub(super) fn take_failure(&mut self) -> Option<(u16, Duration)> {
-        let (count, status, delay) = self.failing.as_mut()?;
-        let (status, delay) = (*status, *delay);
-        *count -= 1;
-        if *count == 0 {
-            self.failing = None;
-        }
-        Some((status, delay))
+        self.failing.take()
     }
 
     fn window(

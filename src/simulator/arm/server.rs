@@ -66,36 +66,50 @@ fn starts_with_ignoring_case(text: &str, prefix: &str) -> bool {
         .is_some_and(|head| head.eq_ignore_ascii_case(prefix))
 }
 
+/// A test hook: a POST of `T` as JSON (`expected` says its shape), applied by `apply` or
+/// refused with its reason; answered with what it took.
+fn hook<T: serde::de::DeserializeOwned + serde::Serialize>(
+    method: &Method,
+    body: &[u8],
+    expected: &str,
+    apply: impl FnOnce(&T) -> Result<(), String>,
+) -> Response {
+    if *method != Method::POST {
+        return StatusCode::METHOD_NOT_ALLOWED.into_response();
+    }
+    let asked = serde_json::from_slice::<T>(body)
+        .map_err(|error| format!("expected {expected}: {error}"))
+        .and_then(|asked| apply(&asked).map(|()| asked));
+    match asked {
+        Ok(asked) => axum::Json(asked).into_response(),
+        Err(why) => (StatusCode::BAD_REQUEST, why).into_response(),
+    }
+}
+
 /// `POST /__arm/throttle {"count": N, "retry_after": S}`: the next N ARM calls answer 429.
 fn throttle_hook(arm: &Arm, method: &Method, body: &[u8]) -> Response {
-    #[derive(serde::Deserialize)]
+    #[derive(serde::Deserialize, serde::Serialize)]
     #[serde(deny_unknown_fields)]
     struct Throttle {
         count: u32,
         retry_after: u64,
     }
-    if *method != Method::POST {
-        return StatusCode::METHOD_NOT_ALLOWED.into_response();
-    }
-    match serde_json::from_slice::<Throttle>(body) {
-        Ok(throttle) => {
-            lock(&arm.gate).throttle(throttle.count, throttle.retry_after);
-            axum::Json(json!({"count": throttle.count, "retry_after": throttle.retry_after}))
-                .into_response()
-        }
-        Err(error) => (
-            StatusCode::BAD_REQUEST,
-            format!("expected {{\"count\": N, \"retry_after\": S}}: {error}"),
-        )
-            .into_response(),
-    }
+    hook(
+        method,
+        body,
+        r#"{"count": N, "retry_after": S}"#,
+        |t: &Throttle| {
+            lock(&arm.gate).throttle(t.count, t.retry_after);
+            Ok(())
+        },
+    )
 }
 
 /// `POST /__arm/fail {"count": N, "status": S, "delay_ms": D}`: the next N ARM calls answer
 /// the server error S (500-599), each after D ms (default 0), as ARM or its gateway does in
 /// an outage.
 fn fail_hook(arm: &Arm, method: &Method, body: &[u8]) -> Response {
-    #[derive(serde::Deserialize)]
+    #[derive(serde::Deserialize, serde::Serialize)]
     #[serde(deny_unknown_fields)]
     struct Fail {
         count: u32,
@@ -103,32 +117,22 @@ fn fail_hook(arm: &Arm, method: &Method, body: &[u8]) -> Response {
         #[serde(default)]
         delay_ms: u64,
     }
-    if *method != Method::POST {
-        return StatusCode::METHOD_NOT_ALLOWED.into_response();
-    }
-    match serde_json::from_slice::<Fail>(body) {
-        Ok(fail) if (500..=599).contains(&fail.status) => {
-            let delay = Duration::from_millis(fail.delay_ms);
-            lock(&arm.gate).fail(fail.count, fail.status, delay);
-            axum::Json(
-                json!({"count": fail.count, "status": fail.status, "delay_ms": fail.delay_ms}),
-            )
-            .into_response()
-        }
-        Ok(fail) => (
-            StatusCode::BAD_REQUEST,
-            format!(
-                "expected a server error (500-599) as status, not {}",
-                fail.status
-            ),
-        )
-            .into_response(),
-        Err(error) => (
-            StatusCode::BAD_REQUEST,
-            format!("expected {{\"count\": N, \"status\": S, \"delay_ms\": D}}: {error}"),
-        )
-            .into_response(),
-    }
+    hook(
+        method,
+        body,
+        r#"{"count": N, "status": S, "delay_ms": D}"#,
+        |f: &Fail| {
+            if !(500..=599).contains(&f.status) {
+                return Err(format!(
+                    "expected a server error (500-599) as status, not {}",
+                    f.status
+                ));
+            }
+            let delay = Duration::from_millis(f.delay_ms);
+            lock(&arm.gate).fail(f.count, f.status, delay);
+            Ok(())
+        },
+    )
 }
 
 /// The IMDS managed-identity token endpoint, as a VM's IMDS serves it.
