@@ -367,3 +367,5 @@ fn incarnation_value(incarnation: u64) -> cloudevents::event::ExtensionValue {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_encodings;

@@ -48,12 +48,11 @@ impl FileSink {
 pub fn encode_json_lines(batch: &[Event]) -> Result<Vec<u8>, SinkError> {
     let mut buffer = Vec::with_capacity(batch.len() * 1024);
     for event in batch {
-        serde_json::to_writer(&mut buffer, event).map_err(|e| {
-            SinkError::Permanent(format!(
-                "event {} cannot be encoded as JSON: {e}",
-                event.id()
-            ))
-        })?;
+        // The JSON the outbox stored, made once for every sink.
+        let json = event
+            .structured_json()
+            .map_err(|e| SinkError::Permanent(e.0))?;
+        buffer.extend_from_slice(json);
         buffer.push(b'\n');
     }
     Ok(buffer)
