@@ -9,7 +9,7 @@
 //! pin old versions of rdkafka, reqwest and async-nats.
 
 use cloudevents::AttributesReader;
-use cloudevents::event::{AttributeValue, ExtensionValue};
+use cloudevents::event::{AttributeValue, Data, ExtensionValue};
 use serde::{Deserialize, Serialize};
 
 use crate::Event;
@@ -76,8 +76,7 @@ pub const AMQP_1_0: HeaderStyle = HeaderStyle {
     percent_encode: false,
 };
 
-/// Encodes an event in one content mode for one protocol. What every protocol shares (the
-/// JSON, the attribute values) is the event's own, made once for all its sinks.
+/// Encodes an event in one content mode for one protocol.
 pub fn encode(
     event: &Event,
     mode: ContentMode,
@@ -90,21 +89,28 @@ pub fn encode(
             body: structured_json(event)?,
         }),
         ContentMode::Binary => {
-            let parts = event.binary_parts()?;
-            let headers = parts
-                .attributes
-                .iter()
-                .map(|(name, value)| {
-                    (
-                        format!("{}{name}", style.prefix),
-                        header_value(value, style),
-                    )
-                })
-                .collect();
+            let mut headers = Vec::new();
+            let mut content_type = "application/json".to_owned();
+            for (name, value) in event.iter_attributes() {
+                if name == "datacontenttype" {
+                    content_type = value.to_string();
+                    continue;
+                }
+                headers.push((
+                    format!("{}{name}", style.prefix),
+                    header_value(&value.to_string(), style),
+                ));
+            }
+            for (name, value) in event.iter_extensions() {
+                headers.push((
+                    format!("{}{name}", style.prefix),
+                    header_value(&value.to_string(), style),
+                ));
+            }
             Ok(Encoded {
                 headers,
-                content_type: parts.content_type.clone(),
-                body: parts.body.clone(),
+                content_type,
+                body: data_bytes(event)?,
             })
         }
     }
@@ -112,25 +118,29 @@ pub fn encode(
 
 /// The event as one structured-mode JSON document.
 pub fn structured_json(event: &Event) -> Result<Vec<u8>, EncodeError> {
-    event.structured_json().map(<[u8]>::to_vec)
+    serde_json::to_vec(event).map_err(|e| {
+        EncodeError(format!(
+            "event {} cannot be encoded as JSON: {e}",
+            event.id()
+        ))
+    })
 }
 
 /// A batch of events as one `application/cloudevents-batch+json` array.
 pub fn batch_json(events: &[Event]) -> Result<Vec<u8>, EncodeError> {
-    let mut parts = Vec::with_capacity(events.len());
-    for event in events {
-        parts.push(event.structured_json()?);
+    serde_json::to_vec(events)
+        .map_err(|e| EncodeError(format!("batch cannot be encoded as JSON: {e}")))
+}
+
+/// The event's `data` as bytes (empty when the event has none).
+pub fn data_bytes(event: &Event) -> Result<Vec<u8>, EncodeError> {
+    match event.data() {
+        None => Ok(Vec::new()),
+        Some(Data::Binary(bytes)) => Ok(bytes.clone()),
+        Some(Data::String(text)) => Ok(text.clone().into_bytes()),
+        Some(Data::Json(value)) => serde_json::to_vec(value)
+            .map_err(|e| EncodeError(format!("data of {} cannot be encoded: {e}", event.id()))),
     }
-    let mut out = Vec::with_capacity(parts.iter().map(|p| p.len() + 1).sum::<usize>() + 2);
-    out.push(b'[');
-    for (index, part) in parts.into_iter().enumerate() {
-        if index > 0 {
-            out.push(b',');
-        }
-        out.extend_from_slice(part);
-    }
-    out.push(b']');
-    Ok(out)
 }
 
 /// A value of one context attribute, by name (`id`, `type`, an extension, ...).
@@ -235,7 +245,6 @@ pub fn unknown_template_fields(template: &str) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cloudevents::event::Data;
     use cloudevents::{EventBuilder, EventBuilderV10};
 
     pub(crate) fn sample() -> Event {

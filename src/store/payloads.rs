@@ -50,7 +50,7 @@ impl Outbox {
     pub(super) fn store_copies(
         &self,
         txn: &WriteTransaction,
-        encoded: &[&[u8]],
+        encoded: &[Vec<u8>],
         holders: impl Fn(usize) -> u32,
     ) -> Result<u64, StoreError> {
         let mut payloads = txn.open_table(PAYLOADS).map_err(|e| self.io(e))?;
@@ -62,7 +62,9 @@ impl Outbox {
                 continue;
             }
             let id = first + index as u64;
-            payloads.insert(id, *bytes).map_err(|e| self.io(e))?;
+            payloads
+                .insert(id, bytes.as_slice())
+                .map_err(|e| self.io(e))?;
             if holders > 1 {
                 counts.insert(id, holders).map_err(|e| self.io(e))?;
             } else {

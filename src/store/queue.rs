@@ -82,11 +82,13 @@ impl Outbox {
             self.note_issued(counter.next);
         }
         placed(&placements);
-        // Encoded once the sinks have the events (for a burst this is milliseconds), and
-        // then theirs: the file and webhook sinks send these bytes.
-        let encoded: Vec<&[u8]> = events
+        // Encoded once the sinks have the events: for a burst this is milliseconds.
+        let encoded: Vec<Vec<u8>> = events
             .iter()
-            .map(|e| e.structured_json().map_err(|error| self.io(error.0)))
+            .map(|e| {
+                serde_json::to_vec(e)
+                    .map_err(|error| self.io(format!("cannot encode {}: {error}", e.id())))
+            })
             .collect::<Result<_, _>>()?;
         let document = document
             .map(|processed| {
@@ -357,7 +359,7 @@ fn count_until_error<T, E>(entries: impl Iterator<Item = Result<T, E>>) -> Resul
 
 /// A stored event, or why it cannot be read (with what was stored, for the log).
 fn decode(bytes: &[u8]) -> Result<Event, String> {
-    Event::from_own_json(bytes)
+    Event::from_json_slice(bytes)
         .map_err(|e| format!("{e}; stored bytes: {}", String::from_utf8_lossy(bytes)))
 }
 

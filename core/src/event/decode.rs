@@ -31,19 +31,6 @@ impl Event {
             None => serde_json::from_slice(bytes),
         }
     }
-
-    /// As [`Event::from_json_slice`], for JSON this process's own [`Event::structured_json`]
-    /// wrote (the outbox's stored copies): an event of the common shape keeps `bytes` as its
-    /// structured JSON, so a sink that sends that (file, webhook) does not encode it again.
-    pub fn from_own_json(bytes: &[u8]) -> serde_json::Result<Event> {
-        match fast_path(bytes) {
-            Some(event) => {
-                event.keep_structured_json(bytes);
-                Ok(event)
-            }
-            None => serde_json::from_slice(bytes),
-        }
-    }
 }
 
 /// The event, when it has the common shape; `None` leaves it to the SDK.

@@ -367,5 +367,3 @@ fn incarnation_value(incarnation: u64) -> cloudevents::event::ExtensionValue {
 
 #[cfg(test)]
 mod tests;
-#[cfg(test)]
-mod tests_encodings;

@@ -48,11 +48,12 @@ impl FileSink {
 pub fn encode_json_lines(batch: &[Event]) -> Result<Vec<u8>, SinkError> {
     let mut buffer = Vec::with_capacity(batch.len() * 1024);
     for event in batch {
-        // The JSON the outbox stored, made once for every sink.
-        let json = event
-            .structured_json()
-            .map_err(|e| SinkError::Permanent(e.0))?;
-        buffer.extend_from_slice(json);
+        serde_json::to_writer(&mut buffer, event).map_err(|e| {
+            SinkError::Permanent(format!(
+                "event {} cannot be encoded as JSON: {e}",
+                event.id()
+            ))
+        })?;
         buffer.push(b'\n');
     }
     Ok(buffer)
