@@ -337,3 +337,23 @@ async fn an_outage_of_arm_costs_one_acknowledgement_per_wait_however_many_events
     assert_eq!(at(5500, u64::MAX, 404), 10, "{calls:?}");
     assert_eq!(calls.len(), at(0, 1000, 503) + 11, "{calls:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conflict_on_one_event_holds_back_none_of_the_subscriptions_other_events() {
+    use super::acknowledge::Acknowledger;
+    use super::{Acked, Acknowledge};
+    let (_vms, arm) = fleet().await;
+    crate::install_crypto_provider();
+    let acknowledger = Acknowledger::new(&config(&arm)).unwrap();
+    let scope = format!(
+        "/subscriptions/{SUB}/resourceGroups/rg-db/providers/Microsoft.Compute/virtualMachines/db1"
+    );
+    // Another operation on E1 (a 409): E1's own failure, tried again on the engine's tick.
+    fail(&arm, r#"{"count": 1, "status": 409}"#).await;
+    let first = acknowledger.acknowledge(&scope, "E1", "r1").await;
+    assert!(matches!(first, Acked::Failed(_)), "{first:?}");
+    // The next event of the subscription is sent at once (a shared failure would hold it
+    // for 2 s), and ARM answers it: no VM has E2.
+    let second = acknowledger.acknowledge(&scope, "E2", "r2").await;
+    assert!(matches!(second, Acked::Refused { .. }), "{second:?}");
+}

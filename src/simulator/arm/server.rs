@@ -107,7 +107,7 @@ fn throttle_hook(arm: &Arm, method: &Method, body: &[u8]) -> Response {
 
 /// `POST /__arm/fail {"count": N, "status": S, "delay_ms": D}`: the next N ARM calls answer
 /// the server error S (500-599), each after D ms (default 0), as ARM or its gateway does in
-/// an outage.
+/// an outage; or 409, ARM's `Conflict` (another operation on the resource).
 fn fail_hook(arm: &Arm, method: &Method, body: &[u8]) -> Response {
     #[derive(serde::Deserialize, serde::Serialize)]
     #[serde(deny_unknown_fields)]
@@ -122,9 +122,9 @@ fn fail_hook(arm: &Arm, method: &Method, body: &[u8]) -> Response {
         body,
         r#"{"count": N, "status": S, "delay_ms": D}"#,
         |f: &Fail| {
-            if !(500..=599).contains(&f.status) {
+            if !(500..=599).contains(&f.status) && f.status != 409 {
                 return Err(format!(
-                    "expected a server error (500-599) as status, not {}",
+                    "expected a server error (500-599) or 409 as status, not {}",
                     f.status
                 ));
             }
@@ -193,11 +193,19 @@ fn arm_call(
     }
     if let Some((status, delay)) = gate.take_failure() {
         let status = StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
-        let failed = failure(
-            status,
-            "ServiceUnavailable",
-            "The service is temporarily unavailable. Please try again later.",
-        );
+        let failed = if status == StatusCode::CONFLICT {
+            failure(
+                status,
+                "Conflict",
+                "The operation conflicts with another operation in progress on the resource.",
+            )
+        } else {
+            failure(
+                status,
+                "ServiceUnavailable",
+                "The service is temporarily unavailable. Please try again later.",
+            )
+        };
         return (failed.into_response(), true, delay);
     }
     let segments: Vec<&str> = uri.path().split('/').filter(|s| !s.is_empty()).collect();

@@ -159,7 +159,7 @@ async fn simulator_arm_throttle_hook_answers_429_with_retry_after() {
 }
 
 #[tokio::test]
-async fn simulator_arm_fail_hook_answers_the_server_error_asked_for_then_serves_again() {
+async fn simulator_arm_fail_hook_answers_the_error_asked_for_then_serves_again() {
     let fleet = fleet(&[web(0, "")], ArmOptions::default()).await;
     let token = fleet.token().await;
     let hook = async |body: &'static str| {
@@ -172,7 +172,7 @@ async fn simulator_arm_fail_hook_answers_the_server_error_asked_for_then_serves_
             .unwrap();
         answer.status()
     };
-    // Only server errors: anything else is a test's mistake, said.
+    // Only server errors and a conflict: anything else is a test's mistake, said.
     assert_eq!(hook(r#"{"count": 1, "status": 404}"#).await, 400);
     assert_eq!(hook(r#"{"count": 2, "status": 503}"#).await, 200);
     let path = format!("{}?{VERSION}", scale_set_path(""));
@@ -182,6 +182,10 @@ async fn simulator_arm_fail_hook_answers_the_server_error_asked_for_then_serves_
         // Tokens are not ARM calls.
         fleet.token().await;
     }
+    assert_eq!(fleet.get(&path, Some(&token)).await.status, 200);
+    assert_eq!(hook(r#"{"count": 1, "status": 409}"#).await, 200);
+    let conflict = fleet.get(&path, Some(&token)).await;
+    assert_eq!((conflict.status, conflict.code()), (409, "Conflict"));
     assert_eq!(fleet.get(&path, Some(&token)).await.status, 200);
     fleet.stop().await;
 }
