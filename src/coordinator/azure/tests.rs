@@ -357,3 +357,39 @@ async fn a_conflict_on_one_event_holds_back_none_of_the_subscriptions_other_even
     let second = acknowledger.acknowledge(&scope, "E2", "r2").await;
     assert!(matches!(second, Acked::Refused { .. }), "{second:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_identity_endpoint_that_never_answers_costs_an_acknowledgement_one_timeout() {
+    use super::acknowledge::Acknowledger;
+    use super::{Acked, Acknowledge};
+    // Accepts every connection and answers none: a hung IMDS identity endpoint.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", silent.local_addr().unwrap());
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = silent.accept().await {
+            held.push(socket);
+        }
+    });
+    let config: AzureConfig = toml::from_str(&format!(
+        "resource_manager = '{url}'\nmanaged_identity_endpoint = '{url}'\naudience = 'https://management.azure.com'\ntimeout = '1s'\n"
+    ))
+    .unwrap();
+    crate::install_crypto_provider();
+    let acknowledger = Acknowledger::new(&config).unwrap();
+    let scope = format!(
+        "/subscriptions/{SUB}/resourceGroups/rg-db/providers/Microsoft.Compute/virtualMachines/db1"
+    );
+    // azure_core alone would try the token again with back-off for a minute and more, and
+    // the acknowledger's probe would outlive its patience.
+    let acked = tokio::time::timeout(
+        Duration::from_secs(4),
+        acknowledger.acknowledge(&scope, "E1", "r1"),
+    )
+    .await
+    .expect("the token's fetch is bounded by [azure] timeout");
+    match acked {
+        Acked::Failed(why) => assert!(why.contains("no token"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+}
