@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use tokio::sync::{Notify, mpsc, watch};
 
-use super::{AzureConfig, Credential, Snapshot, Source, refresh};
+use super::acknowledge::Acknowledger;
+use super::{Acked, Acknowledge, AzureConfig, Credential, Snapshot, Source, refresh};
 use crate::simulator::{ArmOptions, ArmRequest, ArmStandIn, Scenario, Simulator};
 
 const SUB: &str = "0b1f6471-1bf0-4dda-aec3-111122223333";
@@ -69,6 +70,13 @@ fn config(arm: &ArmStandIn) -> AzureConfig {
         "the shipped default"
     );
     config
+}
+
+/// The ARM resource id of the stand-in's VM `db1`, which no test's event lists.
+fn db1() -> String {
+    format!(
+        "/subscriptions/{SUB}/resourceGroups/rg-db/providers/Microsoft.Compute/virtualMachines/db1"
+    )
 }
 
 fn sources(names: &[&str]) -> Vec<(usize, Source)> {
@@ -259,8 +267,6 @@ async fn fail(arm: &ArmStandIn, body: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outage_of_arm_costs_one_acknowledgement_per_wait_however_many_events_wait() {
-    use super::acknowledge::Acknowledger;
-    use super::{Acked, Acknowledge};
     let (_vms, arm) = fleet().await;
     crate::install_crypto_provider();
     let acknowledger = Arc::new(Acknowledger::new(&config(&arm)).unwrap());
@@ -269,9 +275,7 @@ async fn an_outage_of_arm_costs_one_acknowledgement_per_wait_however_many_events
     fail(&arm, r#"{"count": 1000, "status": 503, "delay_ms": 500}"#).await;
     // Ten events, each tried again every 100 ms (the engine: every 2 s) until ARM answers
     // it: 404 here, as no VM has these events.
-    let scope = format!(
-        "/subscriptions/{SUB}/resourceGroups/rg-db/providers/Microsoft.Compute/virtualMachines/db1"
-    );
+    let scope = db1();
     let tasks: Vec<_> = (0..10)
         .map(|n| {
             let (acknowledger, scope) = (acknowledger.clone(), scope.clone());
@@ -340,14 +344,10 @@ async fn an_outage_of_arm_costs_one_acknowledgement_per_wait_however_many_events
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_conflict_on_one_event_holds_back_none_of_the_subscriptions_other_events() {
-    use super::acknowledge::Acknowledger;
-    use super::{Acked, Acknowledge};
     let (_vms, arm) = fleet().await;
     crate::install_crypto_provider();
     let acknowledger = Acknowledger::new(&config(&arm)).unwrap();
-    let scope = format!(
-        "/subscriptions/{SUB}/resourceGroups/rg-db/providers/Microsoft.Compute/virtualMachines/db1"
-    );
+    let scope = db1();
     let unknown =
         |acked: &Acked| matches!(acked, Acked::Refused { reason, .. } if reason == "unknown_event");
     // Another operation on E1 (a 409): E1's own failure, tried again on the engine's tick.
@@ -386,8 +386,6 @@ async fn a_conflict_on_one_event_holds_back_none_of_the_subscriptions_other_even
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_identity_endpoint_that_never_answers_costs_an_acknowledgement_one_timeout() {
-    use super::acknowledge::Acknowledger;
-    use super::{Acked, Acknowledge};
     // Accepts every connection and answers none: a hung IMDS identity endpoint.
     let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", silent.local_addr().unwrap());
@@ -403,9 +401,7 @@ async fn an_identity_endpoint_that_never_answers_costs_an_acknowledgement_one_ti
     .unwrap();
     crate::install_crypto_provider();
     let acknowledger = Acknowledger::new(&config).unwrap();
-    let scope = format!(
-        "/subscriptions/{SUB}/resourceGroups/rg-db/providers/Microsoft.Compute/virtualMachines/db1"
-    );
+    let scope = db1();
     // azure_core alone would try the token again with back-off for a minute and more, and
     // the acknowledger's probe would outlive its patience.
     let acked = tokio::time::timeout(
@@ -426,8 +422,6 @@ async fn an_identity_endpoint_that_never_answers_costs_an_acknowledgement_one_ti
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_approval_whose_answer_loses_its_body_is_still_an_approval() {
-    use super::acknowledge::Acknowledger;
-    use super::{Acked, Acknowledge};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let (_vms, arm) = fleet().await;
     crate::install_crypto_provider();
@@ -453,9 +447,7 @@ async fn an_approval_whose_answer_loses_its_body_is_still_an_approval() {
     let mut config = config(&arm);
     config.resource_manager = url;
     let acknowledger = Acknowledger::new(&config).unwrap();
-    let scope = format!(
-        "/subscriptions/{SUB}/resourceGroups/rg-db/providers/Microsoft.Compute/virtualMachines/db1"
-    );
+    let scope = db1();
     // ARM acted on it: trying it again would be refused (the event started), and counting
     // it a failure would hold back the subscription's other acknowledgements.
     let acked = acknowledger.acknowledge(&scope, "E1", "r1").await;

@@ -193,20 +193,18 @@ fn arm_call(
     }
     if let Some((status, delay)) = gate.take_failure() {
         let status = StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
-        let failed = if status == StatusCode::CONFLICT {
-            failure(
-                status,
+        let (code, message) = if status == StatusCode::CONFLICT {
+            (
                 "Conflict",
                 "The operation conflicts with another operation in progress on the resource.",
             )
         } else {
-            failure(
-                status,
+            (
                 "ServiceUnavailable",
                 "The service is temporarily unavailable. Please try again later.",
             )
         };
-        return (failed.into_response(), true, delay);
+        return (failure(status, code, message).into_response(), true, delay);
     }
     let segments: Vec<&str> = uri.path().split('/').filter(|s| !s.is_empty()).collect();
     let subscription = segments.get(1).copied().unwrap_or_default();
