@@ -440,7 +440,7 @@ fn broker(
     }
 }
 
-mod coordinator;
+pub(crate) mod coordinator;
 #[cfg(test)]
 mod tests;
 

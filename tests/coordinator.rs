@@ -349,6 +349,21 @@ max_down_percent = 20
             port,
         );
         wait_for_role(&second, "standby");
+        // A standby has no fleet to show, and says so rather than show an empty one.
+        let (status, body) = second.fleet_answer();
+        assert_eq!(status, 503, "{body}");
+        let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(body["role"], "standby", "{body}");
+        let watched = Command::new(BINARY)
+            .args(["watch", "--once", "--from"])
+            .arg(format!("http://127.0.0.1:{port}"))
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&watched.stderr);
+        assert!(
+            !watched.status.success() && said.contains("503") && said.contains("a standby"),
+            "{said}"
+        );
         second
     });
 

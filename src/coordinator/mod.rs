@@ -75,7 +75,8 @@ pub async fn run(
     let listener = tokio::net::TcpListener::bind(config.coordinator.listen)
         .await
         .map_err(|e| format!("coordinator.listen {}: {e}", config.coordinator.listen))?;
-    let snapshot: Snapshot = Arc::new(RwLock::new(bytes::Bytes::from_static(b"null")));
+    // Empty until the engine has this instance's state: /fleet answers 503 till then.
+    let snapshot: Snapshot = Arc::new(RwLock::new(bytes::Bytes::new()));
     let role: Role = Arc::new(RwLock::new("starting"));
     let (admin_tx, mut admin_rx) = mpsc::channel::<admin::Request>(16);
     let server = tokio::spawn(serve(
@@ -145,7 +146,7 @@ pub async fn run(
             .is_some_and(|azure| azure.approve_via.through_arm())
     });
     let mut engine = Engine::new(fleet, policy, config, store, signer, publisher, done_tx);
-    engine.snapshot = snapshot;
+    engine.snapshot = snapshot.clone();
     engine.progress = Some(caught_up);
     engine.channel_template = channel_template;
     // The groups listed by Azure Resource Manager: a refresher of their inventory.
@@ -230,6 +231,8 @@ pub async fn run(
             }
             why = &mut kept => {
                 *role.write().unwrap_or_else(|e| e.into_inner()) = "standby";
+                // What it showed is no longer this instance's to show.
+                *snapshot.write().unwrap_or_else(|e| e.into_inner()) = bytes::Bytes::new();
                 tracing::error!(error = %why, "Lease lost; stopping so that only one coordinator acts");
                 result = Err(why);
                 break;
@@ -279,19 +282,40 @@ async fn serve(
         .route("/fleet", axum::routing::get(fleet_json))
         .route("/metrics", axum::routing::get(metrics_text))
         .route("/healthz", axum::routing::get(healthz))
-        .with_state(snapshot)
+        .with_state((snapshot, role.clone()))
         .merge(admin::routes(admin, role));
     if let Err(error) = axum::serve(listener, app).await {
         tracing::error!(error = %error, "The coordinator's listener stopped");
     }
 }
 
-async fn fleet_json(State(snapshot): State<Snapshot>) -> impl IntoResponse {
+/// The engine's last snapshot; before its first (loading the state, or a standby waiting
+/// for the lease) a 503 that says which, so that no client reads an empty fleet.
+async fn fleet_json(State((snapshot, role)): State<(Snapshot, Role)>) -> impl IntoResponse {
     let body = snapshot.read().unwrap_or_else(|e| e.into_inner()).clone();
+    if !body.is_empty() {
+        return (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "application/json")],
+            body,
+        );
+    }
+    // (Active, too, from the state's load to the first snapshot: still starting.)
+    let (role, why) = match *role.read().unwrap_or_else(|e| e.into_inner()) {
+        "standby" => (
+            "standby",
+            "a standby: another coordinator holds the lease; ask the active one",
+        ),
+        _ => (
+            "starting",
+            "starting: the coordinator has not shown its fleet state yet",
+        ),
+    };
+    let body = serde_json::json!({ "role": role, "error": why });
     (
-        StatusCode::OK,
+        StatusCode::SERVICE_UNAVAILABLE,
         [(header::CONTENT_TYPE, "application/json")],
-        body,
+        bytes::Bytes::from(body.to_string()),
     )
 }
 

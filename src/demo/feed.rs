@@ -214,16 +214,6 @@ impl Feed {
     }
 }
 
-/// Reads the coordinator's `/fleet` once.
-pub async fn fetch(http: &reqwest::Client, url: &str) -> Result<Value, String> {
-    let response = http.get(url).send().await.map_err(|e| e.to_string())?;
-    if !response.status().is_success() {
-        return Err(format!("{url} answered {}", response.status()));
-    }
-    let body = response.bytes().await.map_err(|e| e.to_string())?;
-    serde_json::from_slice(&body).map_err(|e| format!("{url}: {e}"))
-}
-
 /// What the coordinator POSTs to a drain webhook.
 #[derive(Debug, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]

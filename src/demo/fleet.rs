@@ -416,7 +416,7 @@ async fn watch_run(
             }
             _ = tick.tick() => {}
         }
-        if let Ok(snapshot) = feed::fetch(&http, fleet_url).await {
+        if let Ok(snapshot) = crate::watch::coordinator::fetch(&http, fleet_url).await {
             for line in feed.apply(&snapshot) {
                 println!("{line}");
             }

@@ -27,20 +27,7 @@ pub(super) async fn run(
         .map_err(|e| e.to_string())?;
     let tty = std::io::IsTerminal::is_terminal(&std::io::stdout()) && !once;
     loop {
-        let fetched: Result<Value, String> = async {
-            let response = http
-                .get(url.clone())
-                .send()
-                .await
-                .map_err(|e| e.to_string())?;
-            if !response.status().is_success() {
-                return Err(format!("{url} answered {}", response.status()));
-            }
-            let body = response.bytes().await.map_err(|e| e.to_string())?;
-            serde_json::from_slice(&body)
-                .map_err(|e| format!("{url}: not a coordinator's /fleet: {e}"))
-        }
-        .await;
+        let fetched = fetch(&http, url.as_str()).await;
         let text = match fetched {
             Ok(snapshot) => render(&snapshot, Utc::now()),
             Err(error) if once => return Err(error),
@@ -57,6 +44,22 @@ pub(super) async fn run(
             _ = tokio::signal::ctrl_c() => return Ok(()),
         }
     }
+}
+
+/// Reads a coordinator's `/fleet` once; a 503 (starting, or a standby) says why.
+pub(crate) async fn fetch(http: &reqwest::Client, url: &str) -> Result<Value, String> {
+    let response = http.get(url).send().await.map_err(|e| e.to_string())?;
+    let status = response.status();
+    if !status.is_success() {
+        let body = response.text().await.unwrap_or_default();
+        let why = serde_json::from_str::<Value>(&body)
+            .ok()
+            .and_then(|v| v["error"].as_str().map(|e| format!(": {}", printable(e))))
+            .unwrap_or_default();
+        return Err(format!("{url} answered {status}{why}"));
+    }
+    let body = response.bytes().await.map_err(|e| e.to_string())?;
+    serde_json::from_slice(&body).map_err(|e| format!("{url}: not a coordinator's /fleet: {e}"))
 }
 
 /// A coordinator's snapshot as the table: one row per VM and event, the approval column

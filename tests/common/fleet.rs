@@ -62,10 +62,23 @@ impl Coordinator {
         }
     }
 
+    /// `/fleet` once this coordinator has its state: it answers 503 while it loads it.
     pub fn fleet(&self) -> Value {
-        let (status, body) = blocking_get(&format!("http://127.0.0.1:{}/fleet", self.port), &[]);
-        assert_eq!(status, 200, "{body}");
-        serde_json::from_str(&body).unwrap()
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let (status, body) = self.fleet_answer();
+            if status == 503 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+            assert_eq!(status, 200, "{body}\n{}", self.log());
+            return serde_json::from_str(&body).unwrap();
+        }
+    }
+
+    /// `/fleet`'s status and body, as they are now.
+    pub fn fleet_answer(&self) -> (u16, String) {
+        blocking_get(&format!("http://127.0.0.1:{}/fleet", self.port), &[])
     }
 
     pub fn metrics(&self) -> String {
