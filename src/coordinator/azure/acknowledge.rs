@@ -161,10 +161,11 @@ impl Acknowledge for Acknowledger {
                 },
                 Judged::Answered,
             ),
-            // A server error: ARM's, or its gateway's.
-            500..=599 => (Acked::Failed(said()), Judged::SharedFailure),
-            // Anything else (a 1xx, or a redirect the client could not follow) is this
-            // call's own.
+            // A server error: ARM's, or its gateway's. A redirect (never followed) comes
+            // from what stands before ARM (a proxy, a wrong `resource_manager`), and
+            // answers every call the same.
+            300..=399 | 500..=599 => (Acked::Failed(said()), Judged::SharedFailure),
+            // Anything else (a 1xx) is this call's own.
             _ => (Acked::Failed(said()), Judged::OwnFailure),
         };
         self.judged(&subscription, ticket, acked, judged)

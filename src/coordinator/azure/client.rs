@@ -1,7 +1,8 @@
 //! Calls to Azure Resource Manager with a token of the coordinator's credential: each
 //! listing followed page by page through `nextLink` (only on ARM's own origin: the token is
 //! never sent to another host), a throttled call (429) tried again after its
-//! `Retry-After`, and every refusal said with ARM's own error code.
+//! `Retry-After`, and every refusal said with ARM's own error code. A redirect is an
+//! answer, never followed.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,8 +32,11 @@ pub struct Arm {
 
 impl Arm {
     pub fn new(config: &AzureConfig) -> Result<Arm, String> {
+        // No redirect is followed: ARM answers its calls itself, and a POST followed as a
+        // GET to a page that answers 200 would be taken for an approval ARM never made.
         let http = reqwest::Client::builder()
             .timeout(config.timeout)
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| format!("azure: an HTTP client: {e}"))?;
         let credential = super::credential::build(config, http.clone())?;

@@ -3,7 +3,7 @@
 //! (through `managed_identity_endpoint`): every source listed whole, pages followed, reads
 //! batched, Azure's own approvals read, a throttled call waited out, a failing source said.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::{Notify, mpsc, watch};
@@ -420,17 +420,17 @@ async fn an_identity_endpoint_that_never_answers_costs_an_acknowledgement_one_ti
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_approval_whose_answer_loses_its_body_is_still_an_approval() {
+/// A fake ARM, for answers the stand-in cannot be asked for: each request's first line is
+/// recorded, and `answer` gives the bytes written back (then the connection closes).
+async fn fake_arm(answer: fn(&str) -> &'static [u8]) -> (String, Arc<Mutex<Vec<String>>>) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let (_vms, arm) = fleet().await;
     crate::install_crypto_provider();
-    // A fake ARM (a connection cut mid-answer is not something the stand-in can be asked
-    // for): every call is answered 200, then the connection closes 40 bytes into the body.
-    let cut = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", cut.local_addr().unwrap());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let record = seen.clone();
     tokio::spawn(async move {
-        while let Ok((mut socket, _)) = cut.accept().await {
+        while let Ok((mut socket, _)) = listener.accept().await {
             let mut request = Vec::new();
             let mut buffer = [0u8; 4096];
             while !request.windows(4).any(|w| w == b"\r\n\r\n") {
@@ -439,11 +439,20 @@ async fn an_approval_whose_answer_loses_its_body_is_still_an_approval() {
                     Ok(n) => request.extend_from_slice(&buffer[..n]),
                 }
             }
-            let _ = socket
-                .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"properties\": {\"status\": \"Acknowledged\"")
-                .await;
+            let text = String::from_utf8_lossy(&request);
+            let line = text.lines().next().unwrap_or_default().to_owned();
+            record.lock().unwrap().push(line.clone());
+            let _ = socket.write_all(answer(&line)).await;
         }
     });
+    (url, seen)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_whose_answer_loses_its_body_is_still_an_approval() {
+    let (_vms, arm) = fleet().await;
+    // Every call is answered 200, then the connection closes 40 bytes into the body.
+    let (url, _) = fake_arm(|_| b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"properties\": {\"status\": \"Acknowledged\"").await;
     let mut config = config(&arm);
     config.resource_manager = url;
     let acknowledger = Acknowledger::new(&config).unwrap();
@@ -452,4 +461,30 @@ async fn an_approval_whose_answer_loses_its_body_is_still_an_approval() {
     // it a failure would hold back the subscription's other acknowledgements.
     let acked = acknowledger.acknowledge(&scope, "E1", "r1").await;
     assert_eq!(acked, Acked::Approved);
+}
+
+/// ARM never redirects an acknowledgement: a redirect (a proxy's, a misconfigured
+/// `resource_manager`) is not followed, since a POST followed as a GET to a page that
+/// answers 200 would count as an approval ARM never made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acknowledgement_answered_with_a_redirect_is_not_an_approval() {
+    let (_vms, arm) = fleet().await;
+    let (url, seen) = fake_arm(|line| {
+        if line.starts_with("POST") {
+            b"HTTP/1.1 303 See Other\r\nlocation: /elsewhere\r\ncontent-length: 0\r\n\r\n"
+        } else {
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+        }
+    })
+    .await;
+    let mut config = config(&arm);
+    config.resource_manager = url;
+    let acknowledger = Acknowledger::new(&config).unwrap();
+    let acked = acknowledger.acknowledge(&db1(), "E1", "r1").await;
+    match acked {
+        Acked::Failed(why) => assert!(why.contains("303"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 1, "{seen:?}");
 }
