@@ -187,7 +187,7 @@ pub const METRICS: &[(&str, &str, &str)] = &[
     (
         "sched_relay_coordinator_decisions_total",
         "counter",
-        "Decisions, by kind: approve, drain, budget, never, too_late, no_agent, not_listed, reports, window, paused, drain_failed (a wait counts when its reason changes).",
+        "Decisions, by kind: approve, drain, budget, never, too_late, no_agent, not_listed, reports, window, paused, drain_failed, azure (a wait counts when its reason changes).",
     ),
     (
         "sched_relay_coordinator_decision_seconds",

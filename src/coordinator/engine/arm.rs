@@ -169,7 +169,7 @@ impl Engine {
             return Vec::new();
         };
         // When each group's source was last listed whole, as the budget's count reads it.
-        let listed_at = |group: usize| self.fleet.azure_listed_at.get(&group).copied();
+        let listed_at = |group: usize| self.fleet.azure_sources.listed_at.get(&group).copied();
         let mut accepted = Vec::new();
         for (key, m) in &self.fleet.events {
             let Some(approval) = m

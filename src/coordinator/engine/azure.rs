@@ -25,11 +25,13 @@ pub struct AzureView {
     pub sources: Vec<SourceStatus>,
     /// Wakes the refresher for a listing soon.
     pub nudge: Arc<Notify>,
-    /// When the missing first listing was last logged.
+    /// When it was last logged that nothing is decided for want of the inventory.
     logged: Option<Instant>,
+    /// When it was last logged that old sources hold some groups.
+    logged_held: Option<Instant>,
     /// Where Azure approves by itself what a group's rule drains first.
     pub warnings: Vec<String>,
-    /// `[azure] max_age`: an older listing stops the decisions.
+    /// `[azure] max_age`: an older listing holds the decisions that count its VMs.
     max_age: chrono::Duration,
     /// For each event acknowledged through ARM and not yet seen started: when ARM first
     /// took it, and its VMs Azure listed running then (in memory: after a restart, reports
@@ -44,6 +46,7 @@ impl AzureView {
             sources: Vec::new(),
             nudge,
             logged: None,
+            logged_held: None,
             warnings: Vec::new(),
             max_age: chrono::Duration::from_std(max_age).unwrap_or(chrono::Duration::MAX),
             up_at_ack: Default::default(),
@@ -97,7 +100,7 @@ impl Engine {
                 *oldest = (*oldest).min(at);
             }
         }
-        self.fleet.azure_listed_at = listed_at;
+        self.fleet.azure_sources.listed_at = listed_at;
         view.sources = snapshot.sources;
         self.fleet.set_azure(snapshot.vms);
         self.dirty = true;
@@ -107,33 +110,55 @@ impl Engine {
     }
 
     /// Decisions wait for the Azure inventory: without it a group's size, and who of it is
-    /// down, are not known. Says so every little while.
+    /// down, are not known. Nothing is decided (true) while two names clash, until every
+    /// source has been listed whole once, or, with a `[fleet]` budget (which counts every
+    /// group), while any source is old. Otherwise the old sources are left in
+    /// `AzureSources::held` for the decision to hold every group that counts their VMs
+    /// (`policy::decide`). Says so every little while.
     pub(super) fn azure_missing(&mut self, now: DateTime<Utc>) -> bool {
         let clash = self.fleet.azure_clash();
+        let fleet_budget = self.policy.fleet_budget.is_some();
+        self.fleet.azure_sources.held.clear();
         let Some(view) = self.azure.as_mut() else {
             return false;
         };
         let max_age = view.max_age;
         // A listing stamped in the future (the clock stepped back) is not known fresh.
-        let old = |s: &SourceStatus| {
+        let old = |s: &&SourceStatus| {
             s.listed_at
                 .is_none_or(|at| now - at > max_age || at - now > CLOCK_SKEW)
         };
+        let failing: Vec<String> = view
+            .sources
+            .iter()
+            .filter(old)
+            .map(|s| match &s.error {
+                Some(error) => format!("{}: {error}", s.source),
+                None => s.source.clone(),
+            })
+            .collect();
         let why = match clash {
             Some(clash) => format!("an agent and a VM Azure lists share a name: {clash}"),
-            None if view.complete && !view.sources.iter().any(old) => return false,
-            None => {
-                let failing: Vec<String> = view
-                    .sources
-                    .iter()
-                    .filter(|s| old(s))
-                    .map(|s| match &s.error {
-                        Some(error) => format!("{}: {error}", s.source),
-                        None => s.source.clone(),
-                    })
-                    .collect();
-                format!("a source not listed within [azure] max_age: {failing:?}")
+            None if failing.is_empty() && view.complete => return false,
+            None if view.complete && !fleet_budget => {
+                for source in view.sources.iter().filter(old) {
+                    self.fleet
+                        .azure_sources
+                        .held
+                        .entry(source.group)
+                        .or_default()
+                        .push(source.source.clone());
+                }
+                if view
+                    .logged_held
+                    .is_none_or(|at| at.elapsed() >= WAITING_LOG_EVERY)
+                {
+                    view.logged_held = Some(Instant::now());
+                    tracing::error!(why = ?failing, "Sources not listed within [azure] max_age: the events of every group that counts their VMs wait until they are listed again (Azure starts them at NotBefore meanwhile); the other groups decide on");
+                }
+                return false;
             }
+            None => format!("a source not listed within [azure] max_age: {failing:?}"),
         };
         if view
             .logged

@@ -39,6 +39,16 @@ impl Back {
     }
 }
 
+/// How fresh the Azure sources are, by the policy's index of their group; not stored.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AzureSources {
+    /// When each group's sources were last listed whole (the oldest of them).
+    pub listed_at: BTreeMap<usize, DateTime<Utc>>,
+    /// The sources older than `[azure] max_age`, by their group: the decision holds every
+    /// group that counts their VMs (`policy::stale`; set by the engine before it decides).
+    pub held: BTreeMap<usize, Vec<String>>,
+}
+
 /// A VM of the inventory: its agent published something (a heartbeat, a document, a
 /// transition or an outcome).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -239,10 +249,10 @@ impl Fleet {
     /// stored, is kept as it was listed.
     pub fn reloaded(&mut self, stored: Fleet) {
         let azure = std::mem::take(&mut self.azure);
-        let listed_at = std::mem::take(&mut self.azure_listed_at);
+        let sources = std::mem::take(&mut self.azure_sources);
         *self = stored;
         self.set_azure(azure);
-        self.azure_listed_at = listed_at;
+        self.azure_sources = sources;
     }
 
     /// A heartbeat: the VM is in the inventory and alive as of the heartbeat's time; and

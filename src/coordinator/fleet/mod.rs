@@ -19,7 +19,7 @@ mod read;
 mod said;
 
 pub use actions::{Approval, Drain, Outcome, Sent, Via};
-pub use inventory::{Back, Heartbeat, MAX_CONFLICTS, Pause, Vm};
+pub use inventory::{AzureSources, Back, Heartbeat, MAX_CONFLICTS, Pause, Vm};
 use inventory::{Version, agent};
 pub use read::{Incoming, MAX_RESOURCES, read, read_at};
 pub use said::Said;
@@ -247,9 +247,9 @@ pub struct Fleet {
     /// The names of `azure` by lower-case resource id ([`Fleet::set_azure`]).
     #[serde(skip)]
     azure_ids: HashMap<String, String>,
-    /// When each group's source was last listed whole (by the policy's group index).
+    /// How fresh each group's Azure sources are ([`AzureSources`]).
     #[serde(skip)]
-    pub azure_listed_at: BTreeMap<usize, DateTime<Utc>>,
+    pub azure_sources: AzureSources,
     /// Where VMs count: see [`Fleet::inventory_version`].
     #[serde(skip)]
     inventory: Version,

@@ -9,7 +9,7 @@
 //! those Azure starts inside its window, fit the budget. Places are never freed by time,
 //! so the count can only grow inside the window: its end is the worst moment.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use chrono::{DateTime, Utc};
 
@@ -62,6 +62,9 @@ pub enum Wait {
     Paused(String),
     /// Drained; the drain failed and `on_failure` is `wait`.
     DrainFailed,
+    /// `sources` of Azure have not been listed within `[azure] max_age`, and `group`
+    /// counts their VMs: who of it is down is not known (the other groups decide on).
+    Azure { group: String, sources: String },
 }
 
 impl std::fmt::Display for Wait {
@@ -110,6 +113,10 @@ impl std::fmt::Display for Wait {
             ),
             Wait::Paused(reason) => write!(f, "paused by an operator: {reason}"),
             Wait::DrainFailed => write!(f, "drain failed; not approved, NotBefore decides"),
+            Wait::Azure { group, sources } => write!(
+                f,
+                "waiting for Azure to list {sources} again (older than [azure] max_age): group {group} counts its VMs; Azure starts it at NotBefore meanwhile"
+            ),
         }
     }
 }
@@ -127,6 +134,7 @@ impl Wait {
             Wait::Window(_) => "window",
             Wait::Paused(_) => "paused",
             Wait::DrainFailed => "drain_failed",
+            Wait::Azure { .. } => "azure",
         }
     }
 }
@@ -171,6 +179,7 @@ pub fn decide(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Decisions {
         return decisions;
     }
     let mut down = down_now(fleet, policy, now);
+    let held = super::stale::held_groups(fleet, policy, &down);
     // (Compared in place: a key copied per comparison was 20,000 copies at 1,000 events.
     // Keys are unique: an unstable sort orders them the same.)
     candidates.sort_unstable_by(|(a, am, _), (b, bm, _)| {
@@ -189,7 +198,7 @@ pub fn decide(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Decisions {
                 .cloned()
                 .collect()
         };
-        match one(fleet, policy, &mut down, key, m, &candidate, now) {
+        match one(fleet, policy, &mut down, &held, key, m, &candidate, now) {
             Ok(Taken {
                 action: Action::DrainThenApprove,
                 placed,
@@ -219,10 +228,12 @@ struct Taken {
     approver: Approver,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn one(
     fleet: &Fleet,
     policy: &Policy,
     down: &mut Down,
+    held: &BTreeMap<usize, BTreeSet<String>>,
     key: &str,
     m: &Maintenance,
     candidate: &Candidate,
@@ -279,6 +290,13 @@ fn one(
     }
     if let Some(&g) = groups.iter().find(|&&g| !policy.groups[g].open(now)) {
         return Err(Wait::Window(policy.groups[g].name.clone()));
+    }
+    if let Some((&g, sources)) = groups.iter().find_map(|g| held.get_key_value(g)) {
+        let sources: Vec<&str> = sources.iter().map(String::as_str).collect();
+        return Err(Wait::Azure {
+            group: policy.groups[g].name.clone(),
+            sources: sources.join(", "),
+        });
     }
     let affected = placed.iter().map(|(vm, _)| vm);
     // (Live: an agent, not silent, as the count found it: one hash each, where the fleet's

@@ -209,7 +209,7 @@ fn azure_down(
         listed.power.as_deref(),
         Some("running" | "starting" | "stopping")
     );
-    let listed_at = fleet.azure_listed_at.get(&listed.group);
+    let listed_at = fleet.azure_sources.listed_at.get(&listed.group);
     let stale = passing
         && backs
             .get(vm)

@@ -22,6 +22,7 @@ mod approver;
 mod decide;
 mod down;
 mod placement;
+mod stale;
 mod window;
 
 use std::collections::{BTreeMap, HashMap};

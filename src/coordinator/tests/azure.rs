@@ -14,6 +14,8 @@ use crate::coordinator::azure::inventory::AutoApprove;
 use crate::coordinator::azure::{AzureVm, Snapshot, SourceStatus};
 use crate::coordinator::engine::AzureView;
 
+mod stale_sources;
+
 pub(super) const BATCH: &str = r#"
 [azure]
 resource_manager = "http://127.0.0.1:9"
@@ -166,10 +168,7 @@ async fn a_vm_azure_shows_updating_counts_down_while_its_agent_still_speaks() {
 
 /// batch-0's Reboot, an hour away, reported by its agent.
 fn reboot_of_batch_0(world: &mut World) {
-    let reboot = document(2, &[("E1", "Reboot", "Scheduled", &["batch-0"], 3600, -1)]);
-    for event in published("batch-0", Some(&document(1, &[])), &reboot) {
-        world.deliver(&event, t0());
-    }
+    reboot_of(world, "batch-0", "E1");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -414,4 +413,13 @@ async fn a_listing_older_than_a_vms_return_does_not_hold_its_place_and_a_newer_o
         serde_json::json!(["Azure: provisioning updating"]),
         "{batch}"
     );
+}
+
+/// `vm`'s agent reports a Reboot (`id`) an hour away, with the resource id of a VM of
+/// `rg-<prefix of its name>`.
+fn reboot_of(world: &mut World, vm: &str, id: &str) {
+    let reboot = document(2, &[(id, "Reboot", "Scheduled", &[vm], 3600, -1)]);
+    for event in published(vm, Some(&document(1, &[])), &reboot) {
+        world.deliver(&event, t0());
+    }
 }

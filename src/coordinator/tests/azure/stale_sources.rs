@@ -1,0 +1,159 @@
+//! An Azure source older than `[azure] max_age` holds the groups that count its VMs (its
+//! own, one that matches a VM of its listing by name first, one a VM made since falls
+//! into), and every group under a `[fleet]` budget; the other groups decide on.
+
+use std::sync::Arc;
+
+use chrono::Utc;
+
+use super::super::quiet_day::{World, start_with};
+use super::super::t0;
+use super::{approved, listed_at, reboot_of, reboot_of_batch_0};
+use crate::coordinator::azure::{Snapshot, SourceStatus};
+use crate::coordinator::engine::AzureView;
+
+const BATCH: &str = super::BATCH;
+
+/// Two Azure groups, batch and jobs, each with a Reboot of one of its VMs waiting.
+const TWO_SOURCES: &str = r#"
+[[groups]]
+name = "jobs"
+max_down = 1
+[groups.azure]
+source = "/subscriptions/s/resourceGroups/rg-jobs"
+"#;
+
+const JOBS: &str = "/subscriptions/s/resourceGroups/rg-jobs";
+
+/// Both groups listed: batch at `batch_at` with batch-0, jobs at `jobs_at` with `jobs`.
+fn two_listings(
+    batch_at: chrono::DateTime<Utc>,
+    jobs_at: chrono::DateTime<Utc>,
+    jobs: &[&str],
+) -> Snapshot {
+    let mut snapshot = listed_at(&[("batch-0", "running")], batch_at);
+    let jobs: Vec<(&str, &str)> = jobs.iter().map(|vm| (*vm, "running")).collect();
+    let jobs = listed_at(&jobs, jobs_at);
+    for (name, mut vm) in jobs.vms {
+        vm.group = 3;
+        vm.resource_id = vm.resource_id.replace("rg-batch", "rg-jobs");
+        snapshot.vms.insert(name, vm);
+    }
+    snapshot
+        .sources
+        .extend(jobs.sources.into_iter().map(|s| SourceStatus {
+            group: 3,
+            source: JOBS.into(),
+            error: Some("403 AuthorizationFailed".into()),
+            ..s
+        }));
+    snapshot
+}
+
+/// A world with batch and jobs (and `extra`), jobs' listing (of `jobs`) ten minutes old,
+/// batch's fresh, and a Reboot of batch-0 (E1) waiting.
+fn jobs_listing_stale(extra: &str, jobs: &[&str]) -> World {
+    let mut world = start_with(
+        tempfile::tempdir().unwrap(),
+        &format!("{extra}{BATCH}{TWO_SOURCES}"),
+    );
+    world.engine.azure = Some(AzureView::new(
+        Arc::new(tokio::sync::Notify::new()),
+        std::time::Duration::from_secs(300),
+    ));
+    reboot_of_batch_0(&mut world);
+    let ten_minutes_ago = t0() - chrono::Duration::minutes(10);
+    world
+        .engine
+        .azure_listed(two_listings(t0(), ten_minutes_ago, jobs), t0());
+    world
+}
+
+/// Event `id`'s verdict in `/fleet`.
+fn verdict(world: &mut World, id: &str) -> String {
+    world.engine.publish_snapshot(t0());
+    let fleet = world.engine.fleet_json();
+    fleet["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["event_id"] == id)
+        .map(|e| e["verdict"].as_str().unwrap_or_default().to_owned())
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_source_holds_only_its_own_groups_events_and_says_why() {
+    let mut world = jobs_listing_stale("", &["jobs-0"]);
+    reboot_of(&mut world, "jobs-0", "E2");
+    world.engine.tick(t0());
+    // batch's own listing is fresh: its Reboot is approved; jobs' waits, and says why.
+    assert_eq!(approved(&mut world).await, vec!["E1".to_owned()]);
+    let e2 = verdict(&mut world, "E2");
+    assert!(
+        e2.contains(&format!("list {JOBS} again")) && e2.contains("group jobs"),
+        "{e2}"
+    );
+    // Listed again: jobs decides too.
+    world
+        .engine
+        .azure_listed(two_listings(t0(), t0(), &["jobs-0"]), t0());
+    world.engine.tick(t0());
+    assert_eq!(both_approved(&mut world).await, ["E1", "E2"]);
+}
+
+/// A VM of the stale listing that another group counts (web matches it by name first):
+/// that group waits too, since the VM may be down unseen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_sources_vm_counted_by_another_group_holds_that_group_too() {
+    let mut world = jobs_listing_stale("", &["jobs-0", "web-3"]);
+    reboot_of(&mut world, "web-1", "E3");
+    world.engine.tick(t0());
+    assert_eq!(approved(&mut world).await, vec!["E1".to_owned()]);
+    let e3 = verdict(&mut world, "E3");
+    assert!(e3.contains("group web counts"), "{e3}");
+}
+
+/// A VM made since the stale listing (its agent's resource id in the source's resource
+/// group, no listing has it) is placed in the default group until listed: that group's
+/// decisions wait, not only jobs'.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vm_made_since_a_stale_listing_holds_the_group_it_falls_into() {
+    let mut world = jobs_listing_stale("", &["jobs-0"]);
+    reboot_of(&mut world, "jobs-5", "E4");
+    world.engine.tick(t0());
+    assert_eq!(approved(&mut world).await, vec!["E1".to_owned()]);
+    let e4 = verdict(&mut world, "E4");
+    assert!(e4.contains("group default counts"), "{e4}");
+}
+
+/// What the engine approved, once it approved two (or a while passed).
+async fn both_approved(world: &mut World) -> Vec<String> {
+    for _ in 0..100 {
+        world.settle().await;
+        if world.recorder.approved().len() >= 2 {
+            break;
+        }
+    }
+    let mut approved = world.recorder.approved();
+    approved.sort();
+    approved
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_fleet_budget_a_stale_source_holds_every_groups_events() {
+    // The fleet's budget counts every group, the stale one's VMs down too.
+    let mut world = jobs_listing_stale("[fleet]\nmax_down = 10\n", &["jobs-0"]);
+    reboot_of(&mut world, "jobs-0", "E2");
+    world.engine.tick(t0());
+    world.settle().await;
+    assert!(
+        world.recorder.approved().is_empty(),
+        "approved under a fleet budget with a stale source"
+    );
+    world
+        .engine
+        .azure_listed(two_listings(t0(), t0(), &["jobs-0"]), t0());
+    world.engine.tick(t0());
+    assert_eq!(both_approved(&mut world).await, ["E1", "E2"]);
+}
