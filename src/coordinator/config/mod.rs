@@ -174,7 +174,7 @@ fn default_bucket() -> String {
 fn default_replicas() -> usize {
     1
 }
-fn default_lease() -> Duration {
+pub(crate) fn default_lease() -> Duration {
     Duration::from_secs(10)
 }
 

@@ -1,6 +1,7 @@
 //! The lease and the fenced state against the machine's real NATS: a stalled instance
 //! woken after another took over writes nothing; a release deletes only its own lease; a
-//! renewal whose answer was lost does not end the instance.
+//! renewal whose answer was lost does not end the instance; a standby tries for a released
+//! lease every 250 ms.
 
 use std::time::Duration;
 
@@ -115,6 +116,47 @@ async fn a_release_deletes_only_the_lease_this_instance_wrote() {
     a.release().await;
     let holder = a.lease.get("leader").await.unwrap();
     assert_eq!(holder.as_deref(), Some(b"b".as_slice()));
+    delete_buckets(&bucket).await;
+}
+
+/// With the shipped 10 s lease a standby tries for the lease every 250 ms: released at
+/// five phases of its rhythm, 200 ms apart, the lease is taken at the next try, within
+/// 600 ms (a quarter second, and the rest for a loaded machine), where a rhythm of a
+/// second would leave it free 950 and 750 ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_tries_for_the_lease_every_quarter_second() {
+    if !broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
+        return;
+    }
+    let bucket = unique("takeover");
+    let shipped = |instance: &str| HaConfig {
+        lease: crate::coordinator::config::default_lease(),
+        ..config(&bucket, instance)
+    };
+    let mut holder = Ha::connect(&shipped("a"), Duration::from_secs(3600))
+        .await
+        .unwrap();
+    let mut standby = Ha::connect(&shipped("b"), Duration::from_secs(3600))
+        .await
+        .unwrap();
+    holder.acquire().await;
+    let mut free_for = Vec::new();
+    for phase in 0..5 {
+        let waiting = tokio::spawn({
+            let standby = standby.clone();
+            async move {
+                standby.acquire().await;
+                std::time::Instant::now()
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(1050 + 200 * phase)).await;
+        let released = std::time::Instant::now();
+        holder.release().await;
+        free_for.push(waiting.await.unwrap() - released);
+        std::mem::swap(&mut holder, &mut standby);
+    }
+    let longest = free_for.iter().max().unwrap();
+    assert!(*longest < Duration::from_millis(600), "{free_for:?}");
     delete_buckets(&bucket).await;
 }
 
