@@ -361,7 +361,7 @@ max_down_percent = 20
             .unwrap();
         let said = String::from_utf8_lossy(&watched.stderr);
         assert!(
-            !watched.status.success() && said.contains("503") && said.contains("a standby"),
+            !watched.status.success() && said.contains("503") && said.contains("holds no lease"),
             "{said}"
         );
         second

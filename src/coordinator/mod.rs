@@ -108,6 +108,8 @@ pub async fn run(
                     return Ok(());
                 }
             };
+            // The lease is this instance's: it loads the state it took over.
+            *role.write().unwrap_or_else(|e| e.into_inner()) = "starting";
             // Renewals run on a task of their own from now on, the state's load included.
             let keeper = tokio::spawn(ha.clone().keep(revision));
             (store::Store::Kv(Box::new(ha.state())), Some((ha, keeper)))
@@ -304,7 +306,7 @@ async fn fleet_json(State((snapshot, role)): State<(Snapshot, Role)>) -> impl In
     let (role, why) = match *role.read().unwrap_or_else(|e| e.into_inner()) {
         "standby" => (
             "standby",
-            "a standby: another coordinator holds the lease; ask the active one",
+            "not the active coordinator: it holds no lease (a standby, or one that lost its lease); ask the active one",
         ),
         _ => (
             "starting",
