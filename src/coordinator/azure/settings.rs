@@ -42,7 +42,7 @@ pub struct AzureConfig {
     #[serde(default = "default_refresh", with = "humantime_serde")]
     pub refresh: Duration,
     /// A source whose last whole listing is older than this (failing since, or a
-    /// refresher stuck) holds the decisions of every group that counts its VMs (every
+    /// refresher stuck) holds the decisions of every group that may count its VMs (every
     /// group's under a `[fleet]` budget) until it is listed again: an old listing misses
     /// the VMs stopped or deallocated since.
     #[serde(default = "default_max_age", with = "humantime_serde")]

@@ -113,7 +113,7 @@ impl Engine {
     /// down, are not known. Nothing is decided (true) while two names clash, until every
     /// source has been listed whole once, or, with a `[fleet]` budget (which counts every
     /// group), while any source is old. Otherwise the old sources are left in
-    /// `AzureSources::held` for the decision to hold every group that counts their VMs
+    /// `AzureSources::held` for the decision to hold every group that may count their VMs
     /// (`policy::decide`). Says so every little while.
     pub(super) fn azure_missing(&mut self, now: DateTime<Utc>) -> bool {
         let clash = self.fleet.azure_clash();
@@ -154,7 +154,7 @@ impl Engine {
                     .is_none_or(|at| at.elapsed() >= WAITING_LOG_EVERY)
                 {
                     view.logged_held = Some(Instant::now());
-                    tracing::error!(why = ?failing, "Sources not listed within [azure] max_age: the events of every group that counts their VMs wait until they are listed again (Azure starts them at NotBefore meanwhile); the other groups decide on");
+                    tracing::error!(why = ?failing, "Sources not listed within [azure] max_age: the events of every group that may count their VMs wait until they are listed again (Azure starts them at NotBefore meanwhile); the other groups decide on");
                 }
                 return false;
             }

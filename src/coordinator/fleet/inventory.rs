@@ -45,7 +45,7 @@ pub struct AzureSources {
     /// When each group's sources were last listed whole (the oldest of them).
     pub listed_at: BTreeMap<usize, DateTime<Utc>>,
     /// The sources older than `[azure] max_age`, by their group: the decision holds every
-    /// group that counts their VMs (`policy::stale`; set by the engine before it decides).
+    /// group that may count their VMs (`policy::stale`; set by the engine before it decides).
     pub held: BTreeMap<usize, Vec<String>>,
 }
 

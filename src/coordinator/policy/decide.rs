@@ -62,8 +62,8 @@ pub enum Wait {
     Paused(String),
     /// Drained; the drain failed and `on_failure` is `wait`.
     DrainFailed,
-    /// `sources` of Azure have not been listed within `[azure] max_age`, and `group`
-    /// counts their VMs: who of it is down is not known (the other groups decide on).
+    /// `sources` of Azure have not been listed within `[azure] max_age`, and `group` may
+    /// count their VMs: who of it is down is not known (the other groups decide on).
     Azure { group: String, sources: String },
 }
 
@@ -115,7 +115,7 @@ impl std::fmt::Display for Wait {
             Wait::DrainFailed => write!(f, "drain failed; not approved, NotBefore decides"),
             Wait::Azure { group, sources } => write!(
                 f,
-                "waiting for Azure to list {sources} again (older than [azure] max_age): group {group} counts its VMs; Azure starts it at NotBefore meanwhile"
+                "waiting for Azure to list {sources} again (older than [azure] max_age): group {group} may count its VMs; Azure starts it at NotBefore meanwhile"
             ),
         }
     }
@@ -233,7 +233,7 @@ fn one(
     fleet: &Fleet,
     policy: &Policy,
     down: &mut Down,
-    held: &BTreeMap<usize, BTreeSet<String>>,
+    held: &BTreeMap<usize, BTreeSet<usize>>,
     key: &str,
     m: &Maintenance,
     candidate: &Candidate,
@@ -291,12 +291,23 @@ fn one(
     if let Some(&g) = groups.iter().find(|&&g| !policy.groups[g].open(now)) {
         return Err(Wait::Window(policy.groups[g].name.clone()));
     }
-    if let Some((&g, sources)) = groups.iter().find_map(|g| held.get_key_value(g)) {
-        let sources: Vec<&str> = sources.iter().map(String::as_str).collect();
-        return Err(Wait::Azure {
-            group: policy.groups[g].name.clone(),
-            sources: sources.join(", "),
-        });
+    if !held.is_empty() {
+        // A VM named in Resources that neither an agent nor a listing knows (one made since
+        // an old listing, under Azure's name) is placed by name alone: held too.
+        let unknown = placed
+            .iter()
+            .find(|(vm, _)| !fleet.vms().contains_key(vm.as_str()) && fleet.azure_vm(vm).is_none());
+        let all: BTreeSet<usize> = fleet.azure_sources.held.keys().copied().collect();
+        let holding = groups
+            .iter()
+            .find_map(|g| held.get_key_value(g))
+            .or_else(|| unknown.map(|(_, g)| (g, &all)));
+        if let Some((&g, sources)) = holding {
+            return Err(Wait::Azure {
+                group: policy.groups[g].name.clone(),
+                sources: super::stale::sources_of(fleet, sources).join(", "),
+            });
+        }
     }
     let affected = placed.iter().map(|(vm, _)| vm);
     // (Live: an agent, not silent, as the count found it: one hash each, where the fleet's
