@@ -297,15 +297,14 @@ fn one(
         let unknown = placed
             .iter()
             .find(|(vm, _)| !fleet.vms().contains_key(vm.as_str()) && fleet.azure_vm(vm).is_none());
-        let all: BTreeSet<usize> = fleet.azure_sources.held.keys().copied().collect();
-        let holding = groups
-            .iter()
-            .find_map(|g| held.get_key_value(g))
-            .or_else(|| unknown.map(|(_, g)| (g, &all)));
-        if let Some((&g, sources)) = holding {
+        let holding = match groups.iter().find_map(|g| held.get_key_value(g)) {
+            Some((&g, sources)) => Some((g, sources.clone())),
+            None => unknown.map(|(_, g)| (*g, fleet.azure_sources.held.keys().copied().collect())),
+        };
+        if let Some((g, sources)) = holding {
             return Err(Wait::Azure {
                 group: policy.groups[g].name.clone(),
-                sources: super::stale::sources_of(fleet, sources).join(", "),
+                sources: super::stale::sources_of(fleet, &sources).join(", "),
             });
         }
     }

@@ -15,8 +15,8 @@ use crate::coordinator::fleet::Fleet;
 /// placed in whose resource id is in the source's resource group while no listing has it
 /// (a VM made since the last listing is placed by name, or in the default group, until
 /// its source is listed again); and every group an agent without an Azure resource id
-/// that no listing has is placed in (which VM it is, nobody can tell: any old source's). Walks
-/// every listed VM and agent, only while a source is old and something waits.
+/// that no listing has is placed in (which VM it is, nobody can tell: any old source's).
+/// Walks every listed VM and agent, only while a source is old and something waits.
 pub(super) fn held_groups(
     fleet: &Fleet,
     policy: &Policy,
