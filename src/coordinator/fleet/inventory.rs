@@ -223,6 +223,11 @@ impl Fleet {
         }
     }
 
+    /// An agent speaks for `vm`, or Azure lists a VM of that name: the inventory has it.
+    pub fn knows(&self, vm: &str) -> bool {
+        self.vms.contains_key(vm) || self.azure.contains_key(vm)
+    }
+
     /// An agent and a VM Azure lists share a name but not a resource id: two VMs that
     /// approvals, Resources and the count (all by name) cannot tell apart.
     pub fn azure_clash(&self) -> Option<String> {

@@ -194,7 +194,7 @@ pub fn decide(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Decisions {
             placed
                 .iter()
                 .map(|(vm, _)| vm)
-                .filter(|vm| fleet.vms().contains_key(*vm) || fleet.azure().contains_key(*vm))
+                .filter(|vm| fleet.knows(vm))
                 .cloned()
                 .collect()
         };
@@ -294,9 +294,7 @@ fn one(
     if !held.is_empty() {
         // A VM named in Resources that neither an agent nor a listing knows (one made since
         // an old listing, under Azure's name) is placed by name alone: held too.
-        let unknown = placed
-            .iter()
-            .find(|(vm, _)| !fleet.vms().contains_key(vm.as_str()) && fleet.azure_vm(vm).is_none());
+        let unknown = placed.iter().find(|(vm, _)| !fleet.knows(vm));
         let holding = match groups.iter().find_map(|g| held.get_key_value(g)) {
             Some((&g, sources)) => Some((g, sources.clone())),
             None => unknown.map(|(_, g)| (*g, fleet.azure_sources.held.keys().copied().collect())),

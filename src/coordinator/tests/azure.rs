@@ -69,13 +69,19 @@ async fn approved(world: &mut World) -> Vec<String> {
     world.recorder.approved()
 }
 
-fn batch_world() -> World {
-    let mut world = start_with(tempfile::tempdir().unwrap(), BATCH);
+/// A world on `config` whose engine has an Azure view (the shipped `max_age`, 5 min) and
+/// no listing yet.
+pub(super) fn azure_world(config: &str) -> World {
+    let mut world = start_with(tempfile::tempdir().unwrap(), config);
     world.engine.azure = Some(AzureView::new(
         Arc::new(tokio::sync::Notify::new()),
         std::time::Duration::from_secs(300),
     ));
     world
+}
+
+fn batch_world() -> World {
+    azure_world(BATCH)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -289,14 +295,7 @@ fn a_drain_azure_would_bypass_by_approving_by_itself_is_warned_about_in_fleet() 
         "max_down = 1\n",
         "max_down = 1\n[groups.actions]\nReboot = \"drain_then_approve\"\n",
     );
-    let mut world = start_with(
-        tempfile::tempdir().unwrap(),
-        &format!("[drain]\ncommand = [\"true\"]\n{extra}"),
-    );
-    world.engine.azure = Some(AzureView::new(
-        Arc::new(tokio::sync::Notify::new()),
-        std::time::Duration::from_secs(300),
-    ));
+    let mut world = azure_world(&format!("[drain]\ncommand = [\"true\"]\n{extra}"));
     let mut snapshot = listed(&[("batch-0", "running")]);
     snapshot.sources[0].auto_approve = AutoApprove {
         user_initiated_reboot: true,

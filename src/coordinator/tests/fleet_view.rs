@@ -3,24 +3,16 @@
 //! tree said, part for part: here against the tree built from the same state (its parts
 //! kept between refreshes: `fleet_parts.rs`).
 
-use std::sync::Arc;
-
 use serde_json::json;
 
-use super::azure::{BATCH, listed};
-use super::quiet_day::start_with;
+use super::azure::{BATCH, azure_world, listed};
 use super::{document, published, t0};
-use crate::coordinator::engine::AzureView;
 use crate::coordinator::fleet::Pause;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fleet_json_says_what_the_engines_state_says_part_for_part() {
     let config = format!("{BATCH}\n[fleet]\nmax_down = 2\n");
-    let mut world = start_with(tempfile::tempdir().unwrap(), &config);
-    world.engine.azure = Some(AzureView::new(
-        Arc::new(tokio::sync::Notify::new()),
-        std::time::Duration::from_secs(300),
-    ));
+    let mut world = azure_world(&config);
     let reboot = document(2, &[("E1", "Reboot", "Scheduled", &["batch-0"], 3600, -1)]);
     for event in published("batch-0", Some(&document(1, &[])), &reboot) {
         world.deliver(&event, t0());

@@ -3,16 +3,13 @@
 //! falls into, one an agent nobody can place falls into, one an event names an unknown VM
 //! of), and every group under a `[fleet]` budget; the other groups decide on.
 
-use std::sync::Arc;
-
 use chrono::Utc;
 use sched_relay_core::event::{EventFactory, Identity, PartitionKey, events_for_document};
 
-use super::super::quiet_day::{World, start_with};
+use super::super::quiet_day::World;
 use super::super::{document, published, t0};
-use super::{approved, listed_at, reboot_of, reboot_of_batch_0};
+use super::{approved, azure_world, listed_at, reboot_of, reboot_of_batch_0};
 use crate::coordinator::azure::{Snapshot, SourceStatus};
-use crate::coordinator::engine::AzureView;
 
 const BATCH: &str = super::BATCH;
 
@@ -55,14 +52,7 @@ fn two_listings(
 /// A world with batch and jobs (and `extra`), jobs' listing (of `jobs`) ten minutes old,
 /// batch's fresh, and a Reboot of batch-0 (E1) waiting.
 fn jobs_listing_stale(extra: &str, jobs: &[&str]) -> World {
-    let mut world = start_with(
-        tempfile::tempdir().unwrap(),
-        &format!("{extra}{BATCH}{TWO_SOURCES}"),
-    );
-    world.engine.azure = Some(AzureView::new(
-        Arc::new(tokio::sync::Notify::new()),
-        std::time::Duration::from_secs(300),
-    ));
+    let mut world = azure_world(&format!("{extra}{BATCH}{TWO_SOURCES}"));
     reboot_of_batch_0(&mut world);
     let ten_minutes_ago = t0() - chrono::Duration::minutes(10);
     world
@@ -71,17 +61,10 @@ fn jobs_listing_stale(extra: &str, jobs: &[&str]) -> World {
     world
 }
 
-/// Event `id` as `/fleet` shows it.
+/// Event `id` as `/fleet` shows it now.
 fn event(world: &mut World, id: &str) -> serde_json::Value {
     world.engine.publish_snapshot(t0());
-    let fleet = world.engine.fleet_json();
-    fleet["events"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["event_id"] == id)
-        .cloned()
-        .unwrap_or_default()
+    world.event(id)
 }
 
 /// Event `id`'s verdict in `/fleet`.
