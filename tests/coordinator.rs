@@ -412,11 +412,13 @@ max_down_percent = 20
             eprintln!("stopped the active coordinator while it drained {vm} for {event}");
             takes_over(&standby, Instant::now(), "stalled");
             // The standby runs that drain again and approves the event; only then is the old
-            // one woken, with the drain's result and its own decisions still to write.
+            // one woken, with the drain's result and its own decisions still to write. The
+            // approval reaches IMDS through the event's approver, which need not be the VM
+            // drained (an event of two VMs).
             let deadline = Instant::now() + Duration::from_secs(60);
-            while !posts(&sims[&vm])
-                .iter()
-                .any(|(body, _, _)| body.contains(&event))
+            while !sims
+                .values()
+                .any(|sim| posts(sim).iter().any(|(body, _, _)| body.contains(&event)))
             {
                 assert!(
                     Instant::now() < deadline,
