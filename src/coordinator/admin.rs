@@ -110,11 +110,20 @@ async fn handle(
             "a valid bearer token is needed".into(),
         );
     }
-    if *role.read().unwrap_or_else(|e| e.into_inner()) != "active" {
-        return answer(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "this coordinator is not the active one; ask the active one".into(),
-        );
+    match role.now() {
+        "active" => {}
+        "paused" => {
+            return answer(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "this coordinator's lease has not been renewed lately, so it does not act now; try again, or ask the active one".into(),
+            );
+        }
+        _ => {
+            return answer(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "this coordinator is not the active one; ask the active one".into(),
+            );
+        }
     }
     let body = if body.iter().all(u8::is_ascii_whitespace) {
         b"{}".as_slice()

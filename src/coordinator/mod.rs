@@ -27,6 +27,7 @@ pub mod ha;
 mod input;
 mod offload;
 pub mod policy;
+mod role;
 pub mod store;
 #[cfg(test)]
 mod tests;
@@ -77,7 +78,7 @@ pub async fn run(
         .map_err(|e| format!("coordinator.listen {}: {e}", config.coordinator.listen))?;
     // Empty until the engine has this instance's state: /fleet answers 503 till then.
     let snapshot: Snapshot = Arc::new(RwLock::new(bytes::Bytes::new()));
-    let role: Role = Arc::new(RwLock::new("starting"));
+    let role = role::Role::new();
     let (admin_tx, mut admin_rx) = mpsc::channel::<admin::Request>(16);
     let server = tokio::spawn(serve(
         listener,
@@ -100,7 +101,7 @@ pub async fn run(
                     return Ok(());
                 }
             };
-            *role.write().unwrap_or_else(|e| e.into_inner()) = "standby";
+            role.set("standby");
             let revision = tokio::select! {
                 revision = ha.acquire() => revision,
                 _ = &mut stop => {
@@ -108,8 +109,13 @@ pub async fn run(
                     return Ok(());
                 }
             };
-            // The lease is this instance's: it loads the state it took over.
-            *role.write().unwrap_or_else(|e| e.into_inner()) = "starting";
+            // The lease is this instance's: it loads the state it took over, and is
+            // `paused` once active whenever the lease is too old to act on.
+            role.set("starting");
+            role.gated_by({
+                let ha = ha.clone();
+                Arc::new(move || ha.may_act())
+            });
             // Renewals run on a task of their own from now on, the state's load included.
             let keeper = tokio::spawn(ha.clone().keep(revision));
             (store::Store::Kv(Box::new(ha.state())), Some((ha, keeper)))
@@ -118,7 +124,7 @@ pub async fn run(
         Some(_) => return Err("ha: this sched-relay was built without NATS support".into()),
     };
     let fleet = store.load()?;
-    *role.write().unwrap_or_else(|e| e.into_inner()) = "active";
+    role.set("active");
     tracing::info!(
         events = fleet.events.len(),
         vms = fleet.vms().len(),
@@ -232,7 +238,7 @@ pub async fn run(
                 break;
             }
             why = &mut kept => {
-                *role.write().unwrap_or_else(|e| e.into_inner()) = "standby";
+                role.set("standby");
                 // What it showed is no longer this instance's to show.
                 *snapshot.write().unwrap_or_else(|e| e.into_inner()) = bytes::Bytes::new();
                 tracing::error!(error = %why, "Lease lost; stopping so that only one coordinator acts");
@@ -264,8 +270,8 @@ pub async fn run(
 
 /// `/fleet`'s body, written by the engine ([`engine::Engine::publish_snapshot`]).
 type Snapshot = Arc<RwLock<bytes::Bytes>>;
-/// `starting`, `standby` (another instance holds the lease) or `active`.
-type Role = Arc<RwLock<&'static str>>;
+/// What this instance is ([`role::Role`]).
+type Role = Arc<role::Role>;
 
 async fn serve(
     listener: tokio::net::TcpListener,
@@ -277,7 +283,7 @@ async fn serve(
         let role = role.clone();
         move || {
             let role = role.clone();
-            async move { format!("{}\n", *role.read().unwrap_or_else(|e| e.into_inner())) }
+            async move { format!("{}\n", role.now()) }
         }
     };
     let app = axum::Router::new()
@@ -291,11 +297,13 @@ async fn serve(
     }
 }
 
-/// The engine's last snapshot; before its first (loading the state, or a standby waiting
-/// for the lease) a 503 that says which, so that no client reads an empty fleet.
+/// The engine's last snapshot while this instance acts; otherwise (loading the state, a
+/// standby waiting for the lease, a lease too old to act on) a 503 that says which, so that
+/// no client reads an empty fleet, or one a standby may have taken over since.
 async fn fleet_json(State((snapshot, role)): State<(Snapshot, Role)>) -> impl IntoResponse {
+    let role = role.now();
     let body = snapshot.read().unwrap_or_else(|e| e.into_inner()).clone();
-    if !body.is_empty() {
+    if role == "active" && !body.is_empty() {
         return (
             StatusCode::OK,
             [(header::CONTENT_TYPE, "application/json")],
@@ -303,10 +311,14 @@ async fn fleet_json(State((snapshot, role)): State<(Snapshot, Role)>) -> impl In
         );
     }
     // (Active, too, from the state's load to the first snapshot: still starting.)
-    let (role, why) = match *role.read().unwrap_or_else(|e| e.into_inner()) {
+    let (role, why) = match role {
         "standby" => (
             "standby",
             "not the active coordinator: it holds no lease (a standby, or one that lost its lease); ask the active one",
+        ),
+        "paused" => (
+            "paused",
+            "paused: this coordinator's lease has not been renewed lately (NATS out of reach, or a stall), so a standby may be taking over; it acts again once a renewal succeeds",
         ),
         _ => (
             "starting",
