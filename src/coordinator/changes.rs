@@ -26,4 +26,42 @@ impl Changes {
             && self.unseen.is_empty()
             && self.paused.is_none()
     }
+
+    /// Adds what a later message changed: written after what this holds.
+    pub fn extend(&mut self, later: Changes) {
+        self.events.extend(later.events);
+        self.vms.extend(later.vms);
+        self.vms_removed.extend(later.vms_removed);
+        self.seen.extend(later.seen);
+        self.unseen.extend(later.unseen);
+        if later.paused.is_some() {
+            self.paused = later.paused;
+        }
+    }
+
+    /// Keeps each key's last write only (a group of messages about one VM writes it once),
+    /// in the order of those last writes.
+    pub fn keep_last(&mut self) {
+        keep_last_by(&mut self.events, |(key, _)| key.clone());
+        keep_last_by(&mut self.vms, |(name, _)| name.clone());
+        keep_last_by(&mut self.vms_removed, Clone::clone);
+        keep_last_by(&mut self.seen, |(key, _)| key.clone());
+        keep_last_by(&mut self.unseen, Clone::clone);
+    }
+}
+
+/// Drops every entry whose key comes again later.
+fn keep_last_by<T, K: std::hash::Hash + Eq>(entries: &mut Vec<T>, key: impl Fn(&T) -> K) {
+    if entries.len() < 2 {
+        return;
+    }
+    let mut later = std::collections::HashSet::with_capacity(entries.len());
+    let mut kept: Vec<T> = Vec::with_capacity(entries.len());
+    for entry in entries.drain(..).rev() {
+        if later.insert(key(&entry)) {
+            kept.push(entry);
+        }
+    }
+    kept.reverse();
+    *entries = kept;
 }

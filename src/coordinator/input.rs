@@ -26,9 +26,10 @@ const INPUT_STREAM_MAX_AGE: std::time::Duration = std::time::Duration::from_secs
 
 /// A message handed to an instance that stalls (a SIGSTOP, a frozen VM) before it
 /// acknowledged it goes to another instance this long after it was delivered. The source
-/// says the message in hand is in progress every half of it, so a slow engine is no stall;
-/// what waits in its buffer, at most one and a half of [`INPUT_PULL`]'s batches, is
-/// delivered again after it, and recognised as seen.
+/// says the messages in hand are in progress every half of it, so a slow engine is no
+/// stall; what waits in its buffer, at most one of [`INPUT_PULL`]'s batches (it asks for
+/// the next once the last is filled or expired), and what it handed the engine, at most
+/// [`INPUT_PULL`]'s `in_flight`, is delivered again after it, and recognised as seen.
 #[cfg(feature = "nats")]
 const INPUT_ACK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -37,11 +38,14 @@ const INPUT_ACK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 /// message a stalled instance took or would take is another's at most [`STALL_HOLDS_BACK`]
 /// after the stall. Each request is answered in well under a millisecond on the same
 /// network, and a coordinator handles each message in milliseconds: small batches cost it
-/// nothing it could use.
+/// nothing it could use. Up to 32 messages are handed to the engine before the first is
+/// answered: it applies what waits together and commits it once (`engine::GROUP_MAX`), so
+/// under a wave the messages share fsyncs instead of each waiting for its own.
 #[cfg(feature = "nats")]
 const INPUT_PULL: sched_relay_nats::source::Pull = sched_relay_nats::source::Pull {
     batch: 4,
     expires: std::time::Duration::from_secs(1),
+    in_flight: 32,
 };
 
 /// The longest a stalled instance holds a message back: less than two thirds of the

@@ -245,7 +245,17 @@ pub async fn run(
                 result = Err(why);
                 break;
             }
-            Some(delivery) = delivered.recv() => engine.deliver_paced(delivery),
+            Some(delivery) = delivered.recv() => {
+                // What else waits is applied with it and committed once.
+                let mut group = vec![delivery];
+                while group.len() < engine::GROUP_MAX {
+                    match delivered.try_recv() {
+                        Ok(more) => group.push(more),
+                        Err(_) => break,
+                    }
+                }
+                engine.deliver_group_paced(group);
+            }
             _ = tokio::time::sleep_until(owed_at.unwrap_or_else(std::time::Instant::now).into()), if owed_at.is_some() => {
                 engine.decide_owed(chrono::Utc::now());
             }
@@ -258,6 +268,16 @@ pub async fn run(
         }
     }
     let _ = stop_tx.send(true);
+    // What the input handed over and this engine will not apply is offered again (to a
+    // standby, after a lost lease), and the input, answered, stops at once.
+    delivered.close();
+    while let Some(delivery) = delivered.recv().await {
+        let _ = delivery
+            .handled
+            .send(sched_relay_transport::inbound::Answer::NotHandled(
+                "the coordinator is stopping".into(),
+            ));
+    }
     let _ = tokio::time::timeout(std::time::Duration::from_secs(5), input).await;
     #[cfg(feature = "nats")]
     if let Some(ha) = holder {

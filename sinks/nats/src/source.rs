@@ -12,12 +12,15 @@ use async_nats::jetstream::{self, consumer::pull};
 use futures_util::StreamExt;
 use sched_relay_transport::inbound::{
     Backlog, Deliveries, Handover, Inbound, NOT_HANDLED_RETRY, Progress, Reply, SourceRole,
-    hand_over, keep_consuming,
+    hand_in, hand_over, keep_consuming,
 };
 use tokio::sync::watch;
 
 use crate::NatsSinkConfig;
 use crate::sink::{Connected, Outdated, connect_watched};
+
+mod batches;
+mod in_flight;
 
 /// How often a connected source checks its credentials and certificate files, and whether
 /// the server refused its login: a rotation is taken up within this (and the source's
@@ -57,6 +60,17 @@ enum Woken<T> {
     Position,
 }
 
+/// A JetStream source's turn: what woke it, a stop, or the answer to a message handed over.
+/// (One at a time, on the loop's stack: its size is no cost worth a box per message.)
+#[allow(clippy::large_enum_variant)]
+enum Turn<T> {
+    Woken(Woken<T>),
+    Stop,
+    Answered(jetstream::Message, Handover),
+    /// Time to say that the messages handed are in progress.
+    InProgress,
+}
+
 /// What to consume.
 #[derive(Debug, Clone)]
 pub struct NatsSourceSpec {
@@ -81,11 +95,6 @@ pub struct NatsSourceSpec {
     pub role: SourceRole,
 }
 
-/// With a [`Pull`] of its own, how long a source waits for a server that misses its
-/// heartbeats before it connects again, and how far apart two misses still make one silence.
-const SILENCE_TOLERATED: Duration = Duration::from_secs(10);
-const SILENCE_JOINS: Duration = Duration::from_secs(5);
-
 /// The shape of a JetStream source's pull requests. A request stays open on the server
 /// until it is filled or expires, and the server hands it new messages even when the
 /// process that sent it has stalled: each such message waits `ack_wait` to be delivered to
@@ -96,6 +105,9 @@ pub struct Pull {
     pub batch: usize,
     /// How long a request waits for them.
     pub expires: Duration,
+    /// Messages handed to the reader before the first of them is answered (at least one):
+    /// a reader that commits a group of messages at once gets groups.
+    pub in_flight: usize,
 }
 
 /// The stream and durable consumer of a JetStream source.
@@ -296,7 +308,11 @@ async fn consume(
                 let info = consumer.cached_info();
                 pending += info.num_pending + info.num_ack_pending as u64;
                 let messages = match spec.pull {
-                    None => consumer.messages().await,
+                    None => consumer
+                        .messages()
+                        .await
+                        .map_err(|e| e.to_string())?
+                        .boxed(),
                     Some(pull) => {
                         // Within the durable's own limits, as async-nats's defaults are.
                         let limits = &info.config;
@@ -308,16 +324,10 @@ async fn consume(
                             max if !max.is_zero() => pull.expires.min(max),
                             _ => pull.expires,
                         };
-                        consumer
-                            .stream()
-                            .max_messages_per_batch(batch)
-                            .expires(expires)
-                            .heartbeat(expires / 2)
-                            .messages()
-                            .await
+                        batches::one_request_at_a_time(consumer.clone(), batch, expires)
                     }
                 };
-                streams.push(messages.map_err(|e| e.to_string())?);
+                streams.push(messages);
                 // What the server will wait: the durable's own, whatever the spec says.
                 let waits = consumer.cached_info().config.ack_wait;
                 if !waits.is_zero() {
@@ -334,23 +344,70 @@ async fn consume(
             let mut position = tokio::time::interval(Duration::from_secs(1));
             position.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut messages = futures_util::stream::select_all(streams);
-            // Missed heartbeats in a row: (first, last).
-            let mut silent_since: Option<(std::time::Instant, std::time::Instant)> = None;
             tracing::info!(stream = %stream, durable = %durable, subject = %spec.subject, "{} ready (JetStream)", spec.role.name());
+            // Never more than the reader's channel holds: a send that waited would stop the
+            // loop from saying that the messages handed are in progress.
+            let depth = spec.pull.map_or(1, |pull| pull.in_flight);
+            let mut handed = in_flight::InFlight::new(depth.min(deliveries.max_capacity()));
+            let half = (ack_wait / 2).max(Duration::from_millis(1));
+            let mut in_progress = tokio::time::interval(half);
+            in_progress.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            // Why the source ends (a stop, a broken stream, changed credentials), once it
+            // does: it takes no new message, and ends once those handed are answered and
+            // acknowledged (or the reader is gone), so that none is handled twice.
+            let mut ending: Option<Result<(), String>> = None;
             loop {
+                if ending.is_some() && handed.is_empty() {
+                    return ending.unwrap_or(Ok(()));
+                }
+                let running = ending.is_none();
+                let room = running && handed.has_room();
                 let woken = tokio::select! {
-                    _ = stop.wait_for(|stop| *stop) => return Ok(()),
-                    _ = watch.tick() => Woken::Watch,
-                    _ = position.tick(), if backlog.waiting() => Woken::Position,
-                    message = messages.next() => Woken::Message(message),
+                    _ = stop.wait_for(|stop| *stop), if running => Turn::Stop,
+                    _ = watch.tick(), if running => Turn::Woken(Woken::Watch),
+                    _ = position.tick(), if running && backlog.waiting() => Turn::Woken(Woken::Position),
+                    message = messages.next(), if room => Turn::Woken(Woken::Message(message)),
+                    (message, handover) = handed.answered() => Turn::Answered(message, handover),
+                    _ = in_progress.tick(), if !handed.is_empty() => Turn::InProgress,
                 };
                 let message = match woken {
-                    Woken::Message(message) => Some(message),
-                    Woken::Watch => {
-                        recheck(&mut connected, &spec.connection).await?;
+                    Turn::Stop => {
+                        ending = Some(Ok(()));
                         continue;
                     }
-                    Woken::Position => None,
+                    Turn::InProgress => {
+                        handed.say_in_progress().await;
+                        continue;
+                    }
+                    Turn::Answered(message, handover) => {
+                        match handover {
+                            Handover::Handled(reply) => {
+                                if let Err(error) = message.ack().await {
+                                    tracing::warn!(error = %error, reply = reply.outcome, "Cannot acknowledge a handled message; JetStream will deliver it again");
+                                }
+                                backlog.handled();
+                            }
+                            Handover::NotHandled(why) => {
+                                tracing::warn!(error = %why, retry_in = ?NOT_HANDLED_RETRY, "{} could not be handled; JetStream will deliver it again", spec.role.message());
+                                if let Err(error) = message
+                                    .ack_with(AckKind::Nak(Some(NOT_HANDLED_RETRY)))
+                                    .await
+                                {
+                                    tracing::warn!(error = %error, "Cannot nak a message; JetStream will deliver it again after ack_wait");
+                                }
+                            }
+                            Handover::Stopping => return Ok(()),
+                        }
+                        continue;
+                    }
+                    Turn::Woken(Woken::Message(message)) => Some(message),
+                    Turn::Woken(Woken::Watch) => {
+                        if let Err(error) = recheck(&mut connected, &spec.connection).await {
+                            ending = Some(Err(error));
+                        }
+                        continue;
+                    }
+                    Turn::Woken(Woken::Position) => None,
                 };
                 let Some(message) = message else {
                     let mut at_end = true;
@@ -367,76 +424,29 @@ async fn consume(
                     }
                     continue;
                 };
-                let Some(message) = message else { break };
                 let message = match message {
-                    Ok(message) => {
-                        silent_since = None;
-                        message
-                    }
-                    // With short pull requests, the server may miss two heartbeats in a blip
-                    // (a restart, a leader election): async-nats asks again once it answers.
-                    // Silent for longer, the connection is made again.
-                    Err(error)
-                        if spec.pull.is_some()
-                            && error.kind()
-                                == jetstream::consumer::pull::MessagesErrorKind::MissingHeartbeat =>
-                    {
-                        let now = std::time::Instant::now();
-                        let (first, _) = match silent_since {
-                            Some((first, last)) if now.duration_since(last) < SILENCE_JOINS => {
-                                (first, last)
-                            }
-                            _ => {
-                                tracing::warn!(error = %error, "{}: the server missed its heartbeats; waiting for it", spec.role.name());
-                                (now, now)
-                            }
-                        };
-                        if now.duration_since(first) >= SILENCE_TOLERATED {
-                            return Err(format!(
-                                "the server missed its heartbeats for {SILENCE_TOLERATED:?}"
-                            ));
-                        }
-                        silent_since = Some((first, now));
+                    Some(Ok(message)) => message,
+                    Some(Err(error)) => {
+                        ending = Some(Err(error.to_string()));
                         continue;
                     }
-                    Err(error) => return Err(error.to_string()),
+                    None => {
+                        ending = Some(Err("the consumer's message stream ended".into()));
+                        continue;
+                    }
                 };
                 let shared = is_shared(message.subject.as_str());
-                // While it is handled, the message is said to be in progress every half
-                // ack wait: only a message whose handler stopped is delivered again.
-                let handed = hand_over(deliveries, inbound("jetstream", &message, shared));
-                tokio::pin!(handed);
-                let half = ack_wait / 2;
-                let mut in_progress =
-                    tokio::time::interval_at(tokio::time::Instant::now() + half, half);
-                let handover = loop {
-                    tokio::select! {
-                        handover = &mut handed => break handover,
-                        _ = in_progress.tick() => {
-                            let _ = message.ack_with(AckKind::Progress).await;
+                match hand_in(deliveries, inbound("jetstream", &message, shared)).await {
+                    Some(answer) => {
+                        if handed.is_empty() {
+                            // The first word is due half an ack wait after the oldest handover.
+                            in_progress.reset();
                         }
+                        handed.push(message, answer);
                     }
-                };
-                match handover {
-                    Handover::Handled(reply) => {
-                        if let Err(error) = message.ack().await {
-                            tracing::warn!(error = %error, reply = reply.outcome, "Cannot acknowledge a handled message; JetStream will deliver it again");
-                        }
-                        backlog.handled();
-                    }
-                    Handover::NotHandled(why) => {
-                        tracing::warn!(error = %why, retry_in = ?NOT_HANDLED_RETRY, "{} could not be handled; JetStream will deliver it again", spec.role.message());
-                        if let Err(error) = message
-                            .ack_with(AckKind::Nak(Some(NOT_HANDLED_RETRY)))
-                            .await
-                        {
-                            tracing::warn!(error = %error, "Cannot nak a message; JetStream will deliver it again after ack_wait");
-                        }
-                    }
-                    Handover::Stopping => return Ok(()),
+                    None => return Ok(()),
                 }
             }
-            Err("the consumer's message stream ended".into())
         }
     }
 }

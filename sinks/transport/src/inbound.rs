@@ -110,15 +110,26 @@ pub enum Handover {
 
 /// Hands `message` to the agent and waits until it is handled, or could not be.
 pub async fn hand_over(deliveries: &Deliveries, message: Inbound) -> Handover {
-    let (handled, reply) = oneshot::channel();
-    if deliveries
-        .send(Delivery { message, handled })
-        .await
-        .is_err()
-    {
-        return Handover::Stopping;
+    match hand_in(deliveries, message).await {
+        Some(answer) => handover(answer.await),
+        None => Handover::Stopping,
     }
-    match reply.await {
+}
+
+/// Hands `message` to the agent without waiting for it to be handled: its answer comes on
+/// the receiver ([`handover`] reads it). `None`: the agent is stopping.
+pub async fn hand_in(
+    deliveries: &Deliveries,
+    message: Inbound,
+) -> Option<oneshot::Receiver<Answer>> {
+    let (handled, answer) = oneshot::channel();
+    deliveries.send(Delivery { message, handled }).await.ok()?;
+    Some(answer)
+}
+
+/// What an answer received from [`hand_in`] says became of the message.
+pub fn handover(answer: Result<Answer, oneshot::error::RecvError>) -> Handover {
+    match answer {
         Ok(Answer::Handled(reply)) => Handover::Handled(reply),
         Ok(Answer::NotHandled(why)) => Handover::NotHandled(why),
         Err(_) => Handover::Stopping,

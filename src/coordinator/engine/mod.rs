@@ -12,19 +12,18 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use sched_relay_core::approval::{Draft, SigningKey};
 use sched_relay_transport::Sink;
-use sched_relay_transport::inbound::{Answer, Delivery, Reply};
-use serde_json::Value;
 use tokio::sync::mpsc;
 
 use super::azure::{Acked, Acknowledge};
 use super::config::CoordinatorConfig;
-use super::fleet::{self, Applied, Fleet, Sent, Via};
+use super::fleet::{Fleet, Sent, Via};
 use super::policy::Policy;
-use super::store::{Changes, Store};
+use super::store::Store;
 
 mod arm;
 mod azure;
 mod decisions;
+mod deliver;
 mod inventory;
 mod pace;
 mod recovery;
@@ -34,6 +33,7 @@ mod tick;
 mod work;
 
 pub use azure::AzureView;
+pub use deliver::GROUP_MAX;
 pub use inventory::Admin;
 pub use pace::{DECISION_GAP, DECISION_GAP_MAX, DECISION_SHARE};
 
@@ -198,182 +198,6 @@ impl Engine {
         self.ready = true;
     }
 
-    /// Handles one delivered message: read, apply, commit, answer, decide.
-    pub fn deliver(&mut self, delivery: Delivery) {
-        self.deliver_at(delivery, Utc::now());
-    }
-
-    /// [`Engine::deliver`] at `now` (tests drive a day in a second with it).
-    pub fn deliver_at(&mut self, delivery: Delivery, now: DateTime<Utc>) {
-        self.deliver_with(delivery, now, false);
-    }
-
-    pub(super) fn deliver_with(&mut self, delivery: Delivery, now: DateTime<Utc>, paced: bool) {
-        if !self.may_act() {
-            // A standby may be active: leave the message to it (JetStream offers it again).
-            let _ = delivery.handled.send(Answer::NotHandled(
-                "this coordinator's lease is not fresh".into(),
-            ));
-            return;
-        }
-        let arrived = Instant::now();
-        let reply = |outcome: &'static str| {
-            Answer::Handled(Reply {
-                outcome,
-                body: Value::Null,
-            })
-        };
-        let Some(event) = crate::watch::decode(&delivery.message) else {
-            input("invalid");
-            tracing::warn!(channel = %delivery.message.channel, "Not a CloudEvent (binary or structured JSON); skipped");
-            let _ = delivery.handled.send(reply("skipped"));
-            return;
-        };
-        // While a backlog is replayed, a message counts as of its own `time` (never later
-        // than now): an hour-old report must not look an hour younger.
-        let now = if self.ready {
-            now
-        } else {
-            event["time"]
-                .as_str()
-                .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
-                .map_or(now, |t| t.with_timezone(&Utc).min(now))
-        };
-        let incoming = match fleet::read_at(&event, now, self.ready) {
-            Ok(incoming) => incoming,
-            Err(why) => {
-                input("invalid");
-                tracing::warn!(channel = %delivery.message.channel, id = %printable(&event["id"]), error = %why, "An event that fails the contract; skipped");
-                let _ = delivery.handled.send(reply("skipped"));
-                return;
-            }
-        };
-        // The channel must name the VM the message speaks for: with per-VM publish rights,
-        // no agent can then report for another.
-        if let (Some(template), Some(claimed)) = (&self.channel_template, incoming.vm()) {
-            let actual = delivery
-                .message
-                .route
-                .as_deref()
-                .unwrap_or(&delivery.message.channel);
-            let expected = serde_json::from_value::<sched_relay_core::Event>(event.clone())
-                .map(|e| sched_relay_core::binding::expand_template(template, &e));
-            if expected.as_deref().ok() != Some(actual) {
-                input("conflict");
-                let why = format!(
-                    "came on {actual:?}, but a message of VM {claimed:?} comes on {:?}",
-                    expected.unwrap_or_default()
-                );
-                // An ERROR: either a publisher speaks for another VM, or every agent's
-                // messages are refused because `[input] agent_subject` (or
-                // `agent_routing_key`) is not the template the agents publish with.
-                tracing::error!(vm = %claimed, id = %printable(&event["id"]), conflict = %why, "A message whose subject or routing key does not name its VM; not applied (if every agent's are refused, set [input] agent_subject or agent_routing_key to the template they publish with)");
-                self.fleet.note_conflict(claimed, &why);
-                self.dirty = true;
-                let _ = delivery.handled.send(reply("skipped"));
-                return;
-            }
-        }
-        let key = incoming.key();
-        let vm = match &incoming {
-            fleet::Incoming::Transition { vm, .. }
-            | fleet::Incoming::Outcome { vm, .. }
-            | fleet::Incoming::Heartbeat { vm, .. }
-            | fleet::Incoming::Document { vm, .. } => Some(vm.clone()),
-            fleet::Incoming::Ignored(_) => None,
-        };
-        // A heartbeat of a VM already known alive changes no decision (unless it shows an
-        // event over): deciding after each would cost a whole decision per VM per interval.
-        let routine_beat = matches!(&incoming, fleet::Incoming::Heartbeat { vm, .. }
-            if self.fleet.vms().get(vm).is_some_and(|v| v.heartbeat.is_some() && !v.silent(now, self.policy.silent_after)));
-        let new_vm = vm.clone().filter(|vm| !self.fleet.vms().contains_key(vm));
-        let applied = self.fleet.apply(incoming, now);
-        let routine_beat =
-            routine_beat && matches!(&applied, Applied::Heartbeat(back) if back.is_empty());
-        let mut changes = Changes::default();
-        match &applied {
-            Applied::Changed(event_key) | Applied::Outcome(event_key) => {
-                changes
-                    .events
-                    .push((event_key.clone(), self.fleet.events.get(event_key).cloned()));
-            }
-            Applied::ApprovedElsewhere(keys) | Applied::Heartbeat(keys) => {
-                for event_key in keys {
-                    changes
-                        .events
-                        .push((event_key.clone(), self.fleet.events.get(event_key).cloned()));
-                }
-            }
-            Applied::Foreign => {
-                tracing::info!(vm = ?vm, id = ?key, "An approval outcome for a request this coordinator did not send (an agent's local policy, or another orchestrator)");
-            }
-            Applied::Conflict(why) => {
-                tracing::warn!(vm = ?vm, id = ?key, conflict = %why, "A message that contradicts what is known; not applied");
-            }
-            Applied::DryRun(ours) => {
-                tracing::info!(vm = ?vm, id = ?key, "An agent in dry run answered accepted but POSTed nothing: nothing is approved");
-                if let Some(event_key) = ours {
-                    changes
-                        .events
-                        .push((event_key.clone(), self.fleet.events.get(event_key).cloned()));
-                }
-            }
-            _ => {}
-        }
-        input(match &applied {
-            Applied::Changed(_) => "applied",
-            Applied::Outcome(_) => "outcome",
-            Applied::Duplicate => "duplicate",
-            Applied::Stale => "stale",
-            Applied::Foreign => "foreign",
-            Applied::ApprovedElsewhere(_) => "approved_elsewhere",
-            Applied::Conflict(_) => "conflict",
-            Applied::Agent => "document",
-            Applied::Heartbeat(_) => "heartbeat",
-            Applied::DryRun(_) => "dry_run",
-            Applied::Ignored(_) => "ignored",
-        });
-        if let Applied::Heartbeat(back) = &applied {
-            for event_key in back {
-                tracing::info!(event_id = %event_key, vm = ?vm, "Back: its agent started again since the event appeared and its document no longer lists it");
-            }
-        }
-        if let Some(vm) = vm
-            .as_ref()
-            .and_then(|vm| Some((vm, self.fleet.vms().get(vm)?)))
-        {
-            changes.vms.push((vm.0.clone(), vm.1.clone()));
-        }
-        if let Applied::ApprovedElsewhere(event_keys) = &applied {
-            tracing::info!(event_ids = ?event_keys, vm = ?vm, "Approved by someone else (the agent's local policy, or another orchestrator): its VMs count as down");
-        }
-        if let (Some(key), false) = (&key, applied == Applied::Duplicate) {
-            changes.seen.push((key.clone(), now));
-        }
-        if changes.is_empty() {
-            let _ = delivery.handled.send(reply("skipped"));
-            return;
-        }
-        if let Err(error) = self.store.write(&changes) {
-            // Not acknowledged: the broker offers it again, and the fleet is what is stored.
-            tracing::error!(error = %error, "Cannot store the fleet's state; the message will be offered again");
-            self.reload();
-            let _ = delivery.handled.send(Answer::NotHandled(error));
-            return;
-        }
-        let _ = delivery.handled.send(reply("accepted"));
-        if let Some(vm) = new_vm.filter(|vm| self.fleet.vms().contains_key(vm)) {
-            self.azure_new_agent(&vm);
-        }
-        if let Applied::Outcome(event_key) = &applied {
-            self.outcome(event_key);
-        }
-        self.dirty = true;
-        if self.ready && !routine_beat {
-            self.owe(arrived, now, paced);
-        }
-    }
-
     /// After a failed write: the fleet in memory may hold what was not stored, so it is read
     /// back. If that fails too, the process exits (its supervisor starts it again on what
     /// is stored): acting on unstored decisions could break a budget after a failover.
@@ -411,12 +235,4 @@ fn new_request(via: Via) -> Sent {
         published_at: None,
         via,
     }
-}
-
-fn input(result: &'static str) {
-    metrics::counter!("sched_relay_coordinator_input_total", "result" => result).increment(1);
-}
-
-fn printable(value: &Value) -> String {
-    crate::watch::printable(&value.to_string()).into_owned()
 }

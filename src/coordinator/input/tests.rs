@@ -64,6 +64,17 @@ async fn on_a_new_stream(name: &str) -> OnStream {
     }
 }
 
+/// Heartbeats of VMs `vm-0` to `vm-<n-1>` on the stream, each stored before the next.
+async fn heartbeats(js: &async_nats::jetstream::Context, prefix: &str, n: usize) {
+    for n in 0..n {
+        js.publish(format!("{prefix}.vm-{n}.heartbeat"), "{}".into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+}
+
 #[tokio::test]
 async fn a_missing_input_stream_is_created_with_the_configured_subject_and_kept_a_week() {
     if !broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
@@ -149,13 +160,7 @@ async fn the_input_is_caught_up_once_it_has_handled_what_its_stream_held_however
         approvals,
         ..
     } = on_a_new_stream("catchup").await;
-    for n in 0..5 {
-        js.publish(format!("{prefix}.vm-{n}.heartbeat"), "{}".into())
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-    }
+    heartbeats(&js, &prefix, 5).await;
     let (deliveries, mut delivered) = tokio::sync::mpsc::channel(1);
     let (progress, mut caught_up) = tokio::sync::watch::channel(CatchUp::Unknown);
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
@@ -275,7 +280,8 @@ async fn what_a_stalled_instance_took_or_would_take_reaches_the_standby_before_t
     // The active instance runs on a runtime of its own, on a thread the test freezes
     // as SIGSTOP would: its connection stays open, and it sends nothing any more (no
     // pull request, no acknowledgement, no word that the message is in progress).
-    let (to_active, mut active) = tokio::sync::mpsc::channel(1);
+    // As the engine's: the input hands it several messages before the first is answered.
+    let (to_active, mut active) = tokio::sync::mpsc::channel(64);
     let (freeze, frozen) = std::sync::mpsc::channel::<()>();
     let (first_input, first_approvals) = (input.clone(), approvals.clone());
     let first_stop = stop.clone();
@@ -350,5 +356,77 @@ async fn what_a_stalled_instance_took_or_would_take_reaches_the_standby_before_t
     drop(held);
     let _ = stop_tx.send(true);
     let _ = second.await;
+    sched_relay_nats::testing::delete_stream(NATS_URL, &stream).await;
+}
+
+/// The engine commits what waits in its channel at once; the input hands it messages while
+/// the first is unanswered so that there is something to wait, and acknowledges each only
+/// once it is answered, in the order they came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_are_handed_over_before_the_first_is_answered_and_each_acknowledged_only_once_answered()
+ {
+    use sched_relay_transport::inbound::{Answer, Reply};
+    if !broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
+        return;
+    }
+    let OnStream {
+        stream,
+        prefix,
+        js,
+        input,
+        approvals,
+        ..
+    } = on_a_new_stream("inflight").await;
+    heartbeats(&js, &prefix, 10).await;
+    let (deliveries, mut delivered) = tokio::sync::mpsc::channel(64);
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let task = super::start(&input, &approvals, deliveries, None, stop)
+        .await
+        .unwrap();
+    let mut handed = Vec::new();
+    for _ in 0..10 {
+        let delivery = tokio::time::timeout(std::time::Duration::from_secs(5), delivered.recv())
+            .await
+            .unwrap_or_else(|_| panic!("only {} handed while none was answered", handed.len()))
+            .unwrap();
+        handed.push(delivery);
+    }
+    let channels: Vec<&str> = handed.iter().map(|d| d.message.channel.as_str()).collect();
+    for (n, channel) in channels.iter().enumerate() {
+        assert!(
+            channel.ends_with(&format!("vm-{n}.heartbeat")),
+            "{channels:?}"
+        );
+    }
+    let mut durable: async_nats::jetstream::consumer::PullConsumer = js
+        .get_stream(&stream)
+        .await
+        .unwrap()
+        .get_consumer("coordinator")
+        .await
+        .unwrap();
+    async fn unacknowledged(durable: &mut async_nats::jetstream::consumer::PullConsumer) -> usize {
+        durable.info().await.unwrap().num_ack_pending
+    }
+    let answer = |delivery: sched_relay_transport::inbound::Delivery| {
+        let _ = delivery.handled.send(Answer::Handled(Reply {
+            outcome: "accepted",
+            body: serde_json::Value::Null,
+        }));
+    };
+    // Every one but the first answered: none is acknowledged before the first is.
+    let mut handed = handed.into_iter();
+    let first = handed.next().unwrap();
+    handed.for_each(answer);
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert_eq!(unacknowledged(&mut durable).await, 10);
+    answer(first);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while unacknowledged(&mut durable).await > 0 {
+        assert!(std::time::Instant::now() < deadline, "not acknowledged");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let _ = stop_tx.send(true);
+    let _ = task.await;
     sched_relay_nats::testing::delete_stream(NATS_URL, &stream).await;
 }

@@ -16,6 +16,7 @@ mod arm;
 #[cfg(feature = "azure")]
 mod azure;
 mod ceiling;
+mod commit_groups;
 mod config;
 mod contradictions;
 mod controls;

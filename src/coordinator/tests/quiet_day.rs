@@ -131,16 +131,7 @@ max_down_percent = 34
 impl World {
     /// Delivers `event` on the subject its agent publishes it on.
     pub(crate) fn deliver(&mut self, event: &Value, now: DateTime<Utc>) {
-        let subject = format!(
-            "scheduledevents.{}.{}",
-            event["vmname"].as_str().unwrap_or_default(),
-            event["type"]
-                .as_str()
-                .unwrap_or_default()
-                .trim_start_matches("com.azure.scheduledevents.")
-                .replace('.', "_")
-        );
-        self.deliver_on(event, now, &subject);
+        self.deliver_on(event, now, &subject_of(event));
     }
 
     /// Delivers `event` on `channel`.
@@ -157,19 +148,7 @@ impl World {
         channel: &str,
         paced: bool,
     ) {
-        let (handled, answer) = oneshot::channel();
-        let delivery = Delivery {
-            message: Inbound {
-                transport: "jetstream",
-                channel: channel.into(),
-                headers: Vec::new(),
-                content_type: Some("application/cloudevents+json".into()),
-                body: serde_json::to_vec(event).unwrap(),
-                shared: true,
-                route: None,
-            },
-            handled,
-        };
+        let (delivery, answer) = delivery(event, channel);
         if paced {
             self.engine.deliver_paced(delivery);
         } else {
@@ -224,7 +203,38 @@ impl World {
     }
 }
 
-trait NowOrNever {
+/// `event` delivered on `channel`, with where its answer comes.
+pub(super) fn delivery(event: &Value, channel: &str) -> (Delivery, oneshot::Receiver<Answer>) {
+    let (handled, answer) = oneshot::channel();
+    let delivery = Delivery {
+        message: Inbound {
+            transport: "jetstream",
+            channel: channel.into(),
+            headers: Vec::new(),
+            content_type: Some("application/cloudevents+json".into()),
+            body: serde_json::to_vec(event).unwrap(),
+            shared: true,
+            route: None,
+        },
+        handled,
+    };
+    (delivery, answer)
+}
+
+/// The subject `event`'s agent publishes it on.
+pub(super) fn subject_of(event: &Value) -> String {
+    format!(
+        "scheduledevents.{}.{}",
+        event["vmname"].as_str().unwrap_or_default(),
+        event["type"]
+            .as_str()
+            .unwrap_or_default()
+            .trim_start_matches("com.azure.scheduledevents.")
+            .replace('.', "_")
+    )
+}
+
+pub(super) trait NowOrNever {
     fn blocking_recv_or_now(self) -> Answer;
 }
 
