@@ -444,7 +444,14 @@ async fn consume(
                         }
                         handed.push(message, answer);
                     }
-                    None => return Ok(()),
+                    // The reader is stopping: this one is offered again soon, and the
+                    // answers to those handed before it are still acted on.
+                    None => {
+                        let _ = message
+                            .ack_with(AckKind::Nak(Some(NOT_HANDLED_RETRY)))
+                            .await;
+                        ending.get_or_insert(Ok(()));
+                    }
                 }
             }
         }

@@ -11,7 +11,7 @@
 //! plus 5 s. The coordinator's decisions waited 6 s so in a benchmark at 10,000 VMs
 //! (BENCHMARKS.md, profiling section 37).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use async_nats::jetstream::consumer::PullConsumer;
@@ -24,8 +24,8 @@ pub(super) type Pulled = BoxStream<'static, Result<jetstream::Message, MessagesE
 
 /// A request that brought nothing and that the server neither ended nor answered within
 /// its expiry and this much more was lost (a server restarted, a connection that died
-/// without a word). (One that brought messages cannot have been waited on for long without
-/// being polled: the source polls while it has room, and room only shrinks by a message.)
+/// without a word). One that brought messages is only asked again, not counted: the source
+/// may have left it unpolled while its reader was busy.
 const ANSWER_GRACE: Duration = Duration::from_secs(1);
 
 /// Requests in a row that failed, or were lost, before the source is told (and connects
@@ -33,7 +33,8 @@ const ANSWER_GRACE: Duration = Duration::from_secs(1);
 const FAILURES_TOLERATED: u32 = 2;
 
 /// `consumer`'s messages through one request at a time for `batch` messages, each open for
-/// `expires`. A request that fails, or is lost ([`ANSWER_GRACE`]), is asked again; after
+/// `expires`. A request that fails, ends at once with nothing, or is lost
+/// ([`ANSWER_GRACE`]) is asked again after a quarter of `expires`; after
 /// [`FAILURES_TOLERATED`] in a row the stream yields the error (the source then connects
 /// again).
 pub(super) fn one_request_at_a_time(
@@ -41,10 +42,11 @@ pub(super) fn one_request_at_a_time(
     batch: usize,
     expires: Duration,
 ) -> Pulled {
-    // (consumer, the open request and whether it brought a message, failures in a row)
+    // (consumer, the open request, when it was sent and whether it brought a message,
+    // failures in a row)
     let state = (
         consumer,
-        None::<(jetstream::consumer::pull::Batch, bool)>,
+        None::<(jetstream::consumer::pull::Batch, Instant, bool)>,
         0_u32,
     );
     futures_util::stream::unfold(state, move |(consumer, mut open, mut failures)| async move {
@@ -56,7 +58,11 @@ pub(super) fn one_request_at_a_time(
                 );
                 return Some((Err(error), (consumer, None, 0)));
             }
-            let Some((request, brought)) = open.as_mut() else {
+            let Some((request, sent, brought)) = open.as_mut() else {
+                if failures > 0 {
+                    // Not at once: a leader's change takes a moment.
+                    tokio::time::sleep(expires / 4).await;
+                }
                 match consumer
                     .batch()
                     .max_messages(batch)
@@ -64,7 +70,7 @@ pub(super) fn one_request_at_a_time(
                     .messages()
                     .await
                 {
-                    Ok(request) => open = Some((request, false)),
+                    Ok(request) => open = Some((request, Instant::now(), false)),
                     Err(error) => {
                         tracing::debug!(error = %error, "A pull request failed; asking again");
                         failures += 1;
@@ -77,10 +83,16 @@ pub(super) fn one_request_at_a_time(
                     *brought = true;
                     return Some((Ok(message), (consumer, open, 0)));
                 }
-                // Filled, or expired (the server said so): the next request.
+                // Filled, or expired (the server said so): the next request. One that
+                // ended at once with nothing is no answer (asking again at once would
+                // flood the server).
                 Ok(None) => {
+                    if !*brought && sent.elapsed() < expires / 2 {
+                        failures += 1;
+                    } else {
+                        failures = 0;
+                    }
                     open = None;
-                    failures = 0;
                 }
                 // A status other than the expiry (a leader's change, a server shutting down).
                 Ok(Some(Err(error))) => {
