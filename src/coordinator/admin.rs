@@ -110,20 +110,15 @@ async fn handle(
             "a valid bearer token is needed".into(),
         );
     }
-    match role.now() {
-        "active" => {}
-        "paused" => {
-            return answer(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "this coordinator's lease has not been renewed lately, so it does not act now; try again, or ask the active one".into(),
-            );
-        }
-        _ => {
-            return answer(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "this coordinator is not the active one; ask the active one".into(),
-            );
-        }
+    let refused = match role.now() {
+        "active" => None,
+        "paused" => Some(
+            "this coordinator's lease has not been renewed lately, so it does not act now; try again, or ask the active one",
+        ),
+        _ => Some("this coordinator is not the active one; ask the active one"),
+    };
+    if let Some(why) = refused {
+        return answer(StatusCode::SERVICE_UNAVAILABLE, why.into());
     }
     let body = if body.iter().all(u8::is_ascii_whitespace) {
         b"{}".as_slice()

@@ -204,9 +204,6 @@ pub async fn run(
     #[cfg(feature = "nats")]
     let (kept, holder) = {
         let holder = lease.as_ref().map(|(ha, _)| ha.clone());
-        if let Some(ha) = holder.clone() {
-            engine.gate = Some(Arc::new(move || ha.may_act()));
-        }
         let kept = async move {
             match lease {
                 Some((_, keeper)) => keeper
@@ -223,6 +220,8 @@ pub async fn run(
         std::future::pending::<String>()
     };
     tokio::pin!(kept);
+    // With a standby, the engine acts only while the lease is fresh, by the role's own test.
+    engine.gate = role.fresh();
     engine.resume();
     tracing::info!("Coordinator running");
     let mut tick = tokio::time::interval(tick_every);

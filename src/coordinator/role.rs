@@ -35,6 +35,11 @@ impl Role {
         let _ = self.fresh.set(fresh);
     }
 
+    /// The lease's freshness (what every action checks), once this instance holds one.
+    pub(super) fn fresh(&self) -> Option<Fresh> {
+        self.fresh.get().cloned()
+    }
+
     /// What this instance is now.
     pub(super) fn now(&self) -> &'static str {
         let said = *self.said.read().unwrap_or_else(|e| e.into_inner());

@@ -41,10 +41,6 @@ impl Engine {
         self.deliver_group_with(vec![delivery], now, false);
     }
 
-    pub(super) fn deliver_with(&mut self, delivery: Delivery, now: DateTime<Utc>, paced: bool) {
-        self.deliver_group_with(vec![delivery], now, paced);
-    }
-
     /// Messages delivered together (at most [`GROUP_MAX`], in their order), paced as
     /// [`Engine::deliver_paced`]: each applied, all committed at once, then each answered.
     pub fn deliver_group_paced(&mut self, deliveries: Vec<Delivery>) {

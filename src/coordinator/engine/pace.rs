@@ -31,7 +31,7 @@ impl Engine {
     /// [`Engine::deliver`], deciding at most once per gap ([`Engine::gap`]): what a message
     /// allows within the gap after a decision is decided at its end ([`Engine::owed_at`]).
     pub fn deliver_paced(&mut self, delivery: Delivery) {
-        self.deliver_with(delivery, Utc::now(), true);
+        self.deliver_group_paced(vec![delivery]);
     }
 
     /// When the decision owed to messages is due, if one is.
