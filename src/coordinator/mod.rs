@@ -155,6 +155,8 @@ pub async fn run(
     });
     let mut engine = Engine::new(fleet, policy, config, store, signer, publisher, done_tx);
     engine.snapshot = snapshot.clone();
+    // The first decisions come as soon as the input has caught up, not at the next tick.
+    let mut catching_up = caught_up.clone();
     engine.progress = Some(caught_up);
     engine.channel_template = channel_template;
     // The groups listed by Azure Resource Manager: a refresher of their inventory.
@@ -264,6 +266,11 @@ pub async fn run(
                 let _ = answer.send(engine.admin(command, chrono::Utc::now()));
             }
             _ = tick.tick() => engine.tick(chrono::Utc::now()),
+            Ok(()) = catching_up.changed(), if !engine.deciding() => {
+                if *catching_up.borrow_and_update() == sched_relay_transport::inbound::CatchUp::CaughtUp {
+                    engine.tick(chrono::Utc::now());
+                }
+            }
         }
     }
     let _ = stop_tx.send(true);

@@ -382,10 +382,29 @@ async fn consume(
                     Turn::Answered(message, handover) => {
                         match handover {
                             Handover::Handled(reply) => {
-                                if let Err(error) = message.ack().await {
-                                    tracing::warn!(error = %error, reply = reply.outcome, "Cannot acknowledge a handled message; JetStream will deliver it again");
-                                }
                                 backlog.handled();
+                                // Perhaps the backlog's last message, with nothing else in
+                                // hand: its acknowledgement is confirmed, so that the
+                                // consumer's state has it, and the position looked at now
+                                // rather than at the next second's look (a coordinator
+                                // taking over decides that much sooner).
+                                let last = handed.is_empty() && backlog.may_be_at_end();
+                                let acked = if last {
+                                    tokio::time::timeout(CONFIRM_ACK, message.double_ack())
+                                        .await
+                                        .unwrap_or_else(|_| Err("no confirmation".into()))
+                                } else {
+                                    message.ack().await
+                                };
+                                match acked {
+                                    Err(error) => {
+                                        tracing::warn!(error = %error, reply = reply.outcome, "Cannot acknowledge a handled message; JetStream will deliver it again");
+                                    }
+                                    Ok(()) if last && at_end(&mut consumers).await => {
+                                        backlog.reached_end();
+                                    }
+                                    Ok(()) => {}
+                                }
                             }
                             Handover::NotHandled(why) => {
                                 tracing::warn!(error = %why, retry_in = ?NOT_HANDLED_RETRY, "{} could not be handled; JetStream will deliver it again", spec.role.message());
@@ -410,16 +429,7 @@ async fn consume(
                     Turn::Woken(Woken::Position) => None,
                 };
                 let Some(message) = message else {
-                    let mut at_end = true;
-                    for consumer in consumers.iter_mut() {
-                        match consumer.info().await {
-                            Ok(info) => {
-                                at_end &= info.num_pending == 0 && info.num_ack_pending == 0
-                            }
-                            Err(_) => at_end = false,
-                        }
-                    }
-                    if at_end {
+                    if at_end(&mut consumers).await {
                         backlog.reached_end();
                     }
                     continue;
@@ -456,6 +466,26 @@ async fn consume(
             }
         }
     }
+}
+
+/// How long a confirmed acknowledgement (of what may be the backlog's last message), or a
+/// consumer's state, is waited for; without an answer, the message is taken as
+/// unacknowledged (as a failed ack is: JetStream may deliver it again), the consumer as not
+/// at its end.
+const CONFIRM_ACK: Duration = Duration::from_secs(1);
+
+/// The consumers' position says the backlog is handled: nothing pending, nothing delivered
+/// and unacknowledged (by this instance or one before it). A consumer that does not answer
+/// within [`CONFIRM_ACK`] is not at its end yet: the source's loop, which says the messages
+/// in hand are in progress, waits no longer (the next look is a second later).
+async fn at_end(consumers: &mut [jetstream::consumer::PullConsumer]) -> bool {
+    for consumer in consumers.iter_mut() {
+        match tokio::time::timeout(CONFIRM_ACK, consumer.info()).await {
+            Ok(Ok(info)) if info.num_pending == 0 && info.num_ack_pending == 0 => {}
+            _ => return false,
+        }
+    }
+    true
 }
 
 async fn answer(client: &async_nats::Client, reply_to: async_nats::Subject, reply: &Reply) {

@@ -237,6 +237,16 @@ impl Backlog {
                 .is_some_and(|left| left > 0)
     }
 
+    /// Whether the count says the backlog may just have been handled: someone waits, and a
+    /// source that can see its position has counted down to its floor (a message that
+    /// arrived since the start may have been counted instead of one still to come, so only
+    /// the position can say it is the end). Such a source looks at its position at once.
+    pub fn may_be_at_end(&self) -> bool {
+        self.watched()
+            && self.by_position.load(std::sync::atomic::Ordering::SeqCst)
+            && *self.left.lock().unwrap_or_else(|e| e.into_inner()) == Some(1)
+    }
+
     /// The source saw that nothing of its input is left to deliver or acknowledge (by it or
     /// by an instance before it): caught up, whatever the count says.
     pub fn reached_end(&self) {
@@ -263,7 +273,8 @@ impl Backlog {
         }
     }
 
-    /// One message of the input handled (answered, and acknowledged or committed).
+    /// One message of the input handled (answered; acknowledged or committed, or about to
+    /// be: a source that counts by position says it is at the end only once it is).
     pub fn handled(&self) {
         self.handled_up_to(|left| left.saturating_sub(1));
     }

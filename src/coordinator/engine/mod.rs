@@ -192,6 +192,11 @@ impl Engine {
         }
     }
 
+    /// Whether it decides yet: its input has caught up.
+    pub fn deciding(&self) -> bool {
+        self.ready
+    }
+
     /// Tests: the input has caught up (decisions start at once).
     #[cfg(test)]
     pub(crate) fn caught_up(&mut self) {

@@ -22,6 +22,8 @@ mod contradictions;
 mod controls;
 mod endpoints;
 mod evidence;
+#[cfg(feature = "nats")]
+mod first_decision;
 mod fleet_parts;
 mod fleet_state;
 #[cfg(feature = "azure")]
