@@ -26,11 +26,11 @@
 //!    and a probe event is reported at once: timed from the start to that event's
 //!    approval, which comes only after the state is loaded and the backlog read.
 //!    With `--ha` instead: two coordinators share their state in NATS KV (the shipped
-//!    10 s lease, or `--lease`'s); the active one is stopped (SIGSTOP) right after it
+//!    8 s lease, or `--lease`'s); the active one is stopped (SIGSTOP) right after it
 //!    renewed its lease, the phase after which a standby waits longest, and a probe event
 //!    is reported at once: timed from the stop to the standby's approval of it.
 //!
-//!   cargo bench --profile dist --all-features --bench coordinator -- [--vms 500,2000,10000] [--ha [--lease 10s]]
+//!   cargo bench --profile dist --all-features --bench coordinator -- [--vms 500,2000,10000] [--ha [--lease 8s]]
 
 #[path = "coordinator/agents.rs"]
 mod agents;
@@ -624,7 +624,7 @@ fn report(runs: &[Run], scales: &[usize], ha: bool, lease: Option<&str>) {
         row(
             &format!(
                 "takeover: the active one stopped right after a renewal to the standby active (/healthz), s (lease {})",
-                lease.unwrap_or("10s")
+                lease.unwrap_or("8s")
             ),
             runs.iter().map(|r| format!("{:.2}", r.load)).collect(),
             "",

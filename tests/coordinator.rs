@@ -123,7 +123,7 @@ fn takes_over(standby: &Coordinator, since: Instant, how: &str) {
     let took = since.elapsed();
     eprintln!("the standby took over {took:?} after the active one {how}");
     assert!(
-        took < LEASE + LEASE / 3 + Duration::from_secs(2),
+        took < LEASE + LEASE / 4 + Duration::from_secs(2),
         "took over after {took:?}"
     );
 }

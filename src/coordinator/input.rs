@@ -31,7 +31,7 @@ const INPUT_STREAM_MAX_AGE: std::time::Duration = std::time::Duration::from_secs
 /// the next once the last is filled or expired), and what it handed the engine, at most
 /// [`INPUT_PULL`]'s `in_flight`, is delivered again after it, and recognised as seen.
 #[cfg(feature = "nats")]
-const INPUT_ACK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+const INPUT_ACK_WAIT: std::time::Duration = std::time::Duration::from_secs(4);
 
 /// The input's pull requests: the server hands a stalled instance's last open request new
 /// messages for at most 1 s more, and at most 4 of them. With [`INPUT_ACK_WAIT`], every
@@ -48,11 +48,11 @@ const INPUT_PULL: sched_relay_nats::source::Pull = sched_relay_nats::source::Pul
     in_flight: 32,
 };
 
-/// The longest a stalled instance holds a message back: less than two thirds of the
-/// shipped 10 s lease, the soonest a standby can take over after a stall (the active
-/// instance renews every third of a period).
+/// The longest a stalled instance holds a message back: less than three quarters of the
+/// default 8 s lease, the soonest a standby can take over after a stall (the active
+/// instance renews every quarter of a period).
 #[cfg(all(test, feature = "nats"))]
-const STALL_HOLDS_BACK: std::time::Duration = std::time::Duration::from_secs(6);
+const STALL_HOLDS_BACK: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Starts the input; errors are those that must stop the coordinator's start.
 // Without any broker feature, only the refusal uses nothing.

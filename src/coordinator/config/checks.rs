@@ -122,10 +122,12 @@ impl CoordinatorConfig {
                     "this sched-relay was built without NATS support",
                 ));
             }
-            if ha.lease < Duration::from_secs(2) || ha.lease > Duration::from_secs(300) {
+            if let Some(lease) = ha.lease
+                && !super::LEASE_RANGE.contains(&lease)
+            {
                 problems.push(problem(
                     "ha.lease",
-                    format!("{} is outside 2s..5m", humantime::format_duration(ha.lease)),
+                    format!("{} is outside 2s..5m", humantime::format_duration(lease)),
                 ));
             }
             if ha.bucket.is_empty()

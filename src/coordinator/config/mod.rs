@@ -157,9 +157,11 @@ pub struct HaConfig {
     /// The state bucket; the lease lives in `<bucket>-lease`.
     #[serde(default = "default_bucket")]
     pub bucket: String,
-    /// A standby takes over at most this long after the active instance died.
-    #[serde(default = "default_lease", with = "humantime_serde")]
-    pub lease: Duration,
+    /// A standby takes over at most this long after the active instance's last renewal.
+    /// Unset: the lease bucket's own period where the bucket exists (every instance uses
+    /// the same), [`default_lease`] where this instance makes it.
+    #[serde(default, with = "humantime_serde")]
+    pub lease: Option<Duration>,
     /// This instance's name in the lease (default: host name and process id).
     #[serde(default)]
     pub instance: Option<String>,
@@ -174,8 +176,15 @@ fn default_bucket() -> String {
 fn default_replicas() -> usize {
     1
 }
+/// The periods a lease may have (`ha.lease`, or the one a lease bucket was found with).
+pub(crate) const LEASE_RANGE: std::ops::RangeInclusive<Duration> =
+    Duration::from_secs(2)..=Duration::from_secs(300);
+
+/// The lease of a bucket made by an instance whose configuration sets none. A bucket made
+/// with the earlier default (10 s) keeps its own ([`HaConfig::lease`]).
+#[cfg(feature = "nats")]
 pub(crate) fn default_lease() -> Duration {
-    Duration::from_secs(10)
+    Duration::from_secs(8)
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]

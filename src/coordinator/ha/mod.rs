@@ -4,7 +4,7 @@
 //! - The lease is the key `leader` in the bucket `<bucket>-lease`, whose `max_age` is the
 //!   lease period: a key not written again for a period disappears. An instance becomes
 //!   active by creating the key (which fails while another holds it), and keeps it by
-//!   updating it every third of a period with the revision it last wrote (which fails if
+//!   updating it every quarter of a period with the revision it last wrote (which fails if
 //!   anyone else wrote it since).
 //! - The active instance acts (decides, drains, publishes) only while its last renewal is
 //!   younger than two thirds of a period: one that stalls stops acting before its key can
@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
 
-use super::config::HaConfig;
+use super::config::{HaConfig, LEASE_RANGE, default_lease};
 
 /// The connection, the buckets and the lease's state.
 pub struct Ha {
@@ -75,63 +75,77 @@ impl Ha {
         };
         let js = jetstream::new(client);
         let replicas = config.replicas;
-        let bucket = |name: String, max_age: Duration| {
+        // `max_age`: what the bucket must keep keys for; `None`: what it keeps them for where
+        // it exists, the default lease where this instance makes it. Returns the store and
+        // its keys' age as the server has it.
+        let bucket = |name: String, max_age: Option<Duration>| {
             let js = js.clone();
             async move {
-                if let Ok(store) = js.get_key_value(&name).await {
-                    // A lease bucket made with another period would expire keys at that
-                    // period, whatever this instance believes.
-                    let mut stream = js
-                        .get_stream(format!("KV_{name}"))
-                        .await
-                        .map_err(|e| format!("ha: KV bucket {name:?}: {e}"))?;
-                    let found = stream
-                        .info()
-                        .await
-                        .map_err(|e| format!("ha: KV bucket {name:?}: {e}"))?
-                        .config
-                        .max_age;
-                    if found != max_age {
-                        return Err(format!(
-                            "ha: KV bucket {name:?} keeps keys for {}, this instance expects {}: give every instance the same lease and forget_after (to change them, delete the stream KV_{name} while no coordinator runs)",
-                            humantime::format_duration(found),
-                            humantime::format_duration(max_age)
-                        ));
-                    }
-                    return Ok(store);
-                }
-                // The bucket's stream as the KV design (ADR-8) lays it out, created directly:
-                // the client's create_key_value first asks for account information in a form
-                // NATS servers before 2.10 do not answer.
-                js.get_or_create_stream(jetstream::stream::Config {
-                    name: format!("KV_{name}"),
-                    subjects: vec![format!("$KV.{name}.>")],
-                    max_messages_per_subject: 1,
-                    max_age,
-                    storage: jetstream::stream::StorageType::File,
-                    discard: jetstream::stream::DiscardPolicy::New,
-                    allow_rollup: true,
-                    deny_delete: true,
-                    // Replicas answering reads directly could answer from behind.
-                    allow_direct: replicas == 1,
-                    num_replicas: replicas,
-                    duplicate_window: if max_age.is_zero() {
-                        Duration::from_secs(120)
-                    } else {
-                        max_age.min(Duration::from_secs(120))
-                    },
-                    ..Default::default()
-                })
-                .await
-                .map_err(|e| format!("ha: KV bucket {name:?}: {e}"))?;
-                js.get_key_value(&name)
+                // The bucket's stream as the KV design (ADR-8) lays it out, made only where
+                // the server says there is none (a 404; any other error fails the start),
+                // directly: the client's create_key_value first asks for account information
+                // in a form NATS servers before 2.10 do not answer. One that exists is
+                // returned as it is.
+                let made = max_age.unwrap_or_else(default_lease);
+                let stream = js
+                    .get_or_create_stream(jetstream::stream::Config {
+                        name: format!("KV_{name}"),
+                        subjects: vec![format!("$KV.{name}.>")],
+                        max_messages_per_subject: 1,
+                        max_age: made,
+                        storage: jetstream::stream::StorageType::File,
+                        discard: jetstream::stream::DiscardPolicy::New,
+                        allow_rollup: true,
+                        deny_delete: true,
+                        // Replicas answering reads directly could answer from behind.
+                        allow_direct: replicas == 1,
+                        num_replicas: replicas,
+                        duplicate_window: if made.is_zero() {
+                            Duration::from_secs(120)
+                        } else {
+                            made.min(Duration::from_secs(120))
+                        },
+                        ..Default::default()
+                    })
                     .await
-                    .map_err(|e| format!("ha: KV bucket {name:?}: {e}"))
+                    .map_err(|e| format!("ha: KV bucket {name:?}: {e}"))?;
+                // A lease bucket made with another period expires keys at that period,
+                // whatever this instance believes.
+                let found = stream.cached_info().config.max_age;
+                if let Some(max_age) = max_age
+                    && found != max_age
+                {
+                    return Err(format!(
+                        "ha: KV bucket {name:?} keeps keys for {}, this instance expects {}: give every instance the same lease and forget_after (to change them, delete the stream KV_{name} while no coordinator runs)",
+                        humantime::format_duration(found),
+                        humantime::format_duration(max_age)
+                    ));
+                }
+                let store = js
+                    .get_key_value(&name)
+                    .await
+                    .map_err(|e| format!("ha: KV bucket {name:?}: {e}"))?;
+                Ok((store, found))
             }
         };
-        let state = bucket(config.bucket.clone(), Duration::ZERO).await?;
-        let seen = bucket(format!("{}-seen", config.bucket), forget_after).await?;
-        let lease = bucket(format!("{}-lease", config.bucket), config.lease).await?;
+        let (state, _) = bucket(config.bucket.clone(), Some(Duration::ZERO)).await?;
+        let (seen, _) = bucket(format!("{}-seen", config.bucket), Some(forget_after)).await?;
+        // Unset, the lease is the bucket's: instances started with another default (an
+        // upgrade, one at a time) share the period of the bucket they found.
+        let (lease, period) = bucket(format!("{}-lease", config.bucket), config.lease).await?;
+        // One made by hand (`nats kv add` without a TTL keeps keys for ever) would never let
+        // a standby in.
+        if !LEASE_RANGE.contains(&period) {
+            return Err(format!(
+                "ha: KV bucket \"{}-lease\" keeps keys for {}, outside the 2s..5m a lease may be: delete the stream KV_{}-lease while no coordinator runs, and let a coordinator make it",
+                config.bucket,
+                humantime::format_duration(period),
+                config.bucket
+            ));
+        }
+        if config.lease.is_none() {
+            tracing::info!(lease = %humantime::format_duration(period), "ha: the lease bucket's period");
+        }
         let name = config.instance.clone().unwrap_or_else(|| {
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
                 .map(|h| h.trim().to_owned())
@@ -146,7 +160,7 @@ impl Ha {
             bucket: config.bucket.clone(),
             holder: format!("{name}#{:016x}", fastrand::u64(..)),
             name,
-            period: config.lease,
+            period,
             renewed: AtomicU64::new(0),
             revision: AtomicU64::new(0),
             active: AtomicBool::new(false),
@@ -189,7 +203,7 @@ impl Ha {
         }
     }
 
-    /// Renews every third of a period, on a task of its own (the engine's work never delays
+    /// Renews every [`renew_every`], on a task of its own (the engine's work never delays
     /// it). A renewal counts from when it was sent, so a slow answer only shortens the time
     /// this instance may act. A failed renewal whose write the server made anyway (the
     /// answer was lost) is recognised by reading the key back: still ours, at a later
@@ -197,7 +211,7 @@ impl Ha {
     /// blip); when it is not, or another instance wrote the key, returns why.
     pub async fn keep(self: Arc<Self>, mut revision: u64) -> String {
         loop {
-            tokio::time::sleep(self.period / 3).await;
+            tokio::time::sleep(renew_every(self.period)).await;
             let sent = now();
             let error = match self
                 .lease
@@ -319,6 +333,14 @@ fn now() -> u64 {
 
 #[cfg(test)]
 mod tests;
+
+/// How often the active instance renews its lease: a quarter of a period. It acts while
+/// its last renewal is younger than two thirds, so a NATS stall of up to 5/12 of a period
+/// (3.3 s of the default 8 s) never pauses it, and a stall of the instance itself lets a
+/// standby in no sooner than three quarters of a period after it (6 s).
+pub(crate) fn renew_every(period: Duration) -> Duration {
+    period / 4
+}
 
 /// How often a standby tries to take the lease: a twelfth of a period, at most 250 ms, so
 /// that it takes over within a quarter of a second of the lease's expiry (a create, which

@@ -20,7 +20,7 @@ fn config(bucket: &str, instance: &str) -> HaConfig {
         url: "nats://127.0.0.1:4222".into(),
         credentials_file: None,
         bucket: bucket.into(),
-        lease: Duration::from_secs(3),
+        lease: Some(Duration::from_secs(3)),
         instance: Some(instance.into()),
         replicas: 1,
     }
@@ -119,7 +119,7 @@ async fn a_release_deletes_only_the_lease_this_instance_wrote() {
     delete_buckets(&bucket).await;
 }
 
-/// With the shipped 10 s lease a standby tries for the lease every 250 ms: released at
+/// With the default lease (8 s) a standby tries for the lease every 250 ms: released at
 /// five phases of its rhythm, 200 ms apart, the lease is taken at the next try, within
 /// 600 ms (a quarter second, and the rest for a loaded machine), where a rhythm of a
 /// second would leave it free 950 and 750 ms.
@@ -130,7 +130,7 @@ async fn a_standby_tries_for_the_lease_every_quarter_second() {
     }
     let bucket = unique("takeover");
     let shipped = |instance: &str| HaConfig {
-        lease: crate::coordinator::config::default_lease(),
+        lease: None,
         ..config(&bucket, instance)
     };
     let mut holder = Ha::connect(&shipped("a"), Duration::from_secs(3600))
@@ -222,4 +222,79 @@ async fn a_forgotten_event_leaves_nothing_in_the_state_stream_for_a_takeover_to_
     assert!(!loaded.events.contains_key("E1"));
     assert!(loaded.events.contains_key("E2") && loaded.events.contains_key("E3"));
     delete_buckets(&bucket).await;
+}
+
+/// An instance whose configuration sets no lease uses the period of the lease bucket it
+/// finds (made by an earlier default, say), one that sets another is refused with both
+/// periods, a bucket made without one gets the default's, and a bucket whose keys never
+/// expire is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_without_a_lease_of_its_own_uses_the_buckets_and_one_with_another_is_refused() {
+    if !broker_available("NATS", NATS, "nats-server -a 127.0.0.1 -p 4222 -js") {
+        return;
+    }
+    let forget_after = Duration::from_secs(3600);
+    let bucket = unique("period");
+    let made = Ha::connect(&config(&bucket, "a"), forget_after)
+        .await
+        .unwrap();
+    assert_eq!(made.period, Duration::from_secs(3));
+    let unset = HaConfig {
+        lease: None,
+        ..config(&bucket, "b")
+    };
+    let adopted = Ha::connect(&unset, forget_after).await.unwrap();
+    assert_eq!(
+        adopted.period,
+        Duration::from_secs(3),
+        "the bucket's period"
+    );
+    let other = HaConfig {
+        lease: Some(Duration::from_secs(4)),
+        ..config(&bucket, "c")
+    };
+    let refused = Ha::connect(&other, forget_after).await.err().unwrap();
+    assert!(
+        refused.contains("keeps keys for 3s") && refused.contains("expects 4s"),
+        "{refused}"
+    );
+    delete_buckets(&bucket).await;
+
+    let fresh = unique("period");
+    let unset = HaConfig {
+        lease: None,
+        ..config(&fresh, "a")
+    };
+    let made = Ha::connect(&unset, forget_after).await.unwrap();
+    assert_eq!(made.period, crate::coordinator::config::default_lease());
+    let js =
+        async_nats::jetstream::new(async_nats::connect("nats://127.0.0.1:4222").await.unwrap());
+    let mut stream = js.get_stream(format!("KV_{fresh}-lease")).await.unwrap();
+    assert_eq!(
+        stream.info().await.unwrap().config.max_age,
+        crate::coordinator::config::default_lease()
+    );
+    delete_buckets(&fresh).await;
+
+    // A lease bucket made by hand without a TTL would keep the lease for ever.
+    let by_hand = unique("period");
+    // As `nats kv add` lays it out (the client's create_key_value asks this machine's
+    // server for account information in a form it does not answer).
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: format!("KV_{by_hand}-lease"),
+        subjects: vec![format!("$KV.{by_hand}-lease.>")],
+        max_messages_per_subject: 1,
+        allow_rollup: true,
+        deny_delete: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let unset = HaConfig {
+        lease: None,
+        ..config(&by_hand, "a")
+    };
+    let refused = Ha::connect(&unset, forget_after).await.err().unwrap();
+    assert!(refused.contains("outside the 2s..5m"), "{refused}");
+    delete_buckets(&by_hand).await;
 }
