@@ -21,6 +21,9 @@ use crate::sink::{Connected, Outdated, connect_watched};
 
 mod batches;
 mod in_flight;
+mod position;
+
+use position::{CONFIRM_ACK, at_end};
 
 /// How often a connected source checks its credentials and certificate files, and whether
 /// the server refused its login: a rotation is taken up within this (and the source's
@@ -388,22 +391,28 @@ async fn consume(
                                 // consumer's state has it, and the position looked at now
                                 // rather than at the next second's look (a coordinator
                                 // taking over decides that much sooner).
-                                let last = handed.is_empty() && backlog.may_be_at_end();
-                                let acked = if last {
-                                    tokio::time::timeout(CONFIRM_ACK, message.double_ack())
-                                        .await
-                                        .unwrap_or_else(|_| Err("no confirmation".into()))
-                                } else {
-                                    message.ack().await
-                                };
-                                match acked {
-                                    Err(error) => {
-                                        tracing::warn!(error = %error, reply = reply.outcome, "Cannot acknowledge a handled message; JetStream will deliver it again");
+                                // Both waits are bounded (CONFIRM_ACK each), and the
+                                // position's next look is a second after this one, so
+                                // that a message the server sends meanwhile is handed
+                                // over well within half an ack wait.
+                                if handed.is_empty() && backlog.may_be_at_end() {
+                                    let confirmed =
+                                        tokio::time::timeout(CONFIRM_ACK, message.double_ack())
+                                            .await
+                                            .unwrap_or_else(|_| Err("no confirmation".into()));
+                                    match confirmed {
+                                        Ok(()) => {
+                                            if at_end(&mut consumers).await {
+                                                backlog.reached_end();
+                                            }
+                                            position.reset();
+                                        }
+                                        Err(error) => {
+                                            tracing::warn!(error = %error, reply = reply.outcome, "No confirmation of a handled message's acknowledgement; JetStream delivers it again if it did not get it");
+                                        }
                                     }
-                                    Ok(()) if last && at_end(&mut consumers).await => {
-                                        backlog.reached_end();
-                                    }
-                                    Ok(()) => {}
+                                } else if let Err(error) = message.ack().await {
+                                    tracing::warn!(error = %error, reply = reply.outcome, "Cannot acknowledge a handled message; JetStream will deliver it again");
                                 }
                             }
                             Handover::NotHandled(why) => {
@@ -466,26 +475,6 @@ async fn consume(
             }
         }
     }
-}
-
-/// How long a confirmed acknowledgement (of what may be the backlog's last message), or a
-/// consumer's state, is waited for; without an answer, the message is taken as
-/// unacknowledged (as a failed ack is: JetStream may deliver it again), the consumer as not
-/// at its end.
-const CONFIRM_ACK: Duration = Duration::from_secs(1);
-
-/// The consumers' position says the backlog is handled: nothing pending, nothing delivered
-/// and unacknowledged (by this instance or one before it). A consumer that does not answer
-/// within [`CONFIRM_ACK`] is not at its end yet: the source's loop, which says the messages
-/// in hand are in progress, waits no longer (the next look is a second later).
-async fn at_end(consumers: &mut [jetstream::consumer::PullConsumer]) -> bool {
-    for consumer in consumers.iter_mut() {
-        match tokio::time::timeout(CONFIRM_ACK, consumer.info()).await {
-            Ok(Ok(info)) if info.num_pending == 0 && info.num_ack_pending == 0 => {}
-            _ => return false,
-        }
-    }
-    true
 }
 
 async fn answer(client: &async_nats::Client, reply_to: async_nats::Subject, reply: &Reply) {

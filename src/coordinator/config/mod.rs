@@ -159,7 +159,7 @@ pub struct HaConfig {
     pub bucket: String,
     /// A standby takes over at most this long after the active instance's last renewal.
     /// Unset: the lease bucket's own period where the bucket exists (every instance uses
-    /// the same), [`default_lease`] where this instance makes it.
+    /// the same), `default_lease()` (8 s) where this instance makes it.
     #[serde(default, with = "humantime_serde")]
     pub lease: Option<Duration>,
     /// This instance's name in the lease (default: host name and process id).

@@ -203,15 +203,19 @@ impl Ha {
         }
     }
 
-    /// Renews every [`renew_every`], on a task of its own (the engine's work never delays
-    /// it). A renewal counts from when it was sent, so a slow answer only shortens the time
+    /// Renews every [`renew_every`] from the last renewal's sending, on a task of its own
+    /// (the engine's work never delays it). A renewal counts from when it was sent, so a slow answer only shortens the time
     /// this instance may act. A failed renewal whose write the server made anyway (the
     /// answer was lost) is recognised by reading the key back: still ours, at a later
     /// revision. Another failure is tried again while the last renewal is fresh (a NATS
     /// blip); when it is not, or another instance wrote the key, returns why.
     pub async fn keep(self: Arc<Self>, mut revision: u64) -> String {
+        // Each renewal a quarter of a period after the one before was sent, however long its
+        // answer took: a slow answer does not push the next one back.
+        let mut next = tokio::time::Instant::now() + renew_every(self.period);
         loop {
-            tokio::time::sleep(renew_every(self.period)).await;
+            tokio::time::sleep_until(next).await;
+            next = tokio::time::Instant::now() + renew_every(self.period);
             let sent = now();
             let error = match self
                 .lease
