@@ -390,10 +390,9 @@ async fn consume(
                                 // hand: its acknowledgement is confirmed, so that the
                                 // consumer's state has it, and the position looked at now
                                 // rather than at the next second's look (a coordinator
-                                // taking over decides that much sooner).
-                                // Both waits are bounded (CONFIRM_ACK each), and the
-                                // position's next look is a second after this one, so
-                                // that a message the server sends meanwhile is handed
+                                // taking over decides that much sooner). Each wait is at
+                                // most CONFIRM_ACK, and the next look a second after this
+                                // one, so a message the server sent meanwhile is handed
                                 // over well within half an ack wait.
                                 if handed.is_empty() && backlog.may_be_at_end() {
                                     let confirmed =

@@ -204,8 +204,8 @@ impl Ha {
     }
 
     /// Renews every [`renew_every`] from the last renewal's sending, on a task of its own
-    /// (the engine's work never delays it). A renewal counts from when it was sent, so a slow answer only shortens the time
-    /// this instance may act. A failed renewal whose write the server made anyway (the
+    /// (the engine's work never delays it). A renewal counts from when it was sent, so a
+    /// slow answer only shortens the time this instance may act. A failed renewal whose write the server made anyway (the
     /// answer was lost) is recognised by reading the key back: still ours, at a later
     /// revision. Another failure is tried again while the last renewal is fresh (a NATS
     /// blip); when it is not, or another instance wrote the key, returns why.
