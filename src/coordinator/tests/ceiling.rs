@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
 use sched_relay_core::diff::Observation;
-use sched_relay_core::event::{EventFactory, Identity, PartitionKey, events_observed};
+use sched_relay_core::event::events_observed;
 use serde_json::{Value, json};
 
 use super::{approve, document, feed, policy, published, t0};
@@ -369,16 +369,7 @@ fn a_dry_run_answer_approves_nothing_and_counts_nothing_as_approved_elsewhere() 
 
 #[test]
 fn an_update_after_an_incarnation_reset_is_applied_by_its_epoch() {
-    let factory = EventFactory::new(
-        "com.azure.scheduledevents",
-        None,
-        Identity {
-            name: "web-1".into(),
-            vm_id: None,
-            resource_id: Some(resource_id("web-1")),
-        },
-        PartitionKey::EventId,
-    );
+    let factory = super::agent_factory("web-1", Some(&resource_id("web-1")));
     let observed = |before: Option<&sched_relay_core::document::Document>,
                     after: &sched_relay_core::document::Document,
                     epoch: u64| {

@@ -6,9 +6,7 @@ use std::time::Duration;
 use chrono::Utc;
 use futures_util::StreamExt;
 use sched_relay_core::document::Document;
-use sched_relay_core::event::{
-    EventFactory, Heartbeat, Identity, PartitionKey, events_for_document,
-};
+use sched_relay_core::event::{Heartbeat, events_for_document};
 use sched_relay_transport::Sink;
 use sched_relay_transport::testing::{broker_available, unique};
 
@@ -56,16 +54,7 @@ async fn a_coordinator_started_with_a_report_waiting_decides_once_its_input_caug
         }))
         .unwrap(),
     );
-    let factory = EventFactory::new(
-        "com.azure.scheduledevents",
-        None,
-        Identity {
-            name: vm.into(),
-            vm_id: None,
-            resource_id: None,
-        },
-        PartitionKey::EventId,
-    );
+    let factory = super::agent_factory(vm, None);
     let document = scheduled_reboot(vm);
     let now = Utc::now();
     let mut batch = events_for_document(&factory, None, &document, true, now);

@@ -70,6 +70,21 @@ pub(crate) fn published(vm: &str, before: Option<&Document>, after: &Document) -
     published_as(vm, &resource_id, before, after, t0())
 }
 
+/// The event factory of `vm`'s agent, as it is configured by default, reporting
+/// `resource_id` (none: an agent that does not know it).
+pub(crate) fn agent_factory(vm: &str, resource_id: Option<&str>) -> EventFactory {
+    EventFactory::new(
+        "com.azure.scheduledevents",
+        None,
+        Identity {
+            name: vm.into(),
+            vm_id: None,
+            resource_id: resource_id.map(Into::into),
+        },
+        PartitionKey::EventId,
+    )
+}
+
 /// [`published`] by an agent that reports `resource_id`, at `at`.
 pub(crate) fn published_as(
     vm: &str,
@@ -78,16 +93,7 @@ pub(crate) fn published_as(
     after: &Document,
     at: DateTime<Utc>,
 ) -> Vec<Value> {
-    let factory = EventFactory::new(
-        "com.azure.scheduledevents",
-        None,
-        Identity {
-            name: vm.into(),
-            vm_id: None,
-            resource_id: Some(resource_id.into()),
-        },
-        PartitionKey::EventId,
-    );
+    let factory = agent_factory(vm, Some(resource_id));
     events_for_document(&factory, before, after, true, at)
         .into_iter()
         .map(|e| serde_json::to_value(e).unwrap())

@@ -4,7 +4,7 @@
 //! of), and every group under a `[fleet]` budget; the other groups decide on.
 
 use chrono::Utc;
-use sched_relay_core::event::{EventFactory, Identity, PartitionKey, events_for_document};
+use sched_relay_core::event::events_for_document;
 
 use super::super::quiet_day::World;
 use super::super::{document, published, t0};
@@ -126,16 +126,7 @@ async fn a_vm_made_since_a_stale_listing_holds_the_group_it_falls_into() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_without_a_resource_id_no_listing_has_holds_the_group_it_falls_into() {
     let mut world = jobs_listing_stale("", &["jobs-0"]);
-    let factory = EventFactory::new(
-        "com.azure.scheduledevents",
-        None,
-        Identity {
-            name: "jobs-6".into(),
-            vm_id: None,
-            resource_id: None,
-        },
-        PartitionKey::EventId,
-    );
+    let factory = crate::coordinator::tests::agent_factory("jobs-6", None);
     let reboot = document(2, &[("E6", "Reboot", "Scheduled", &["jobs-6"], 3600, -1)]);
     for event in events_for_document(&factory, Some(&document(1, &[])), &reboot, true, t0()) {
         world.deliver(&serde_json::to_value(event).unwrap(), t0());
