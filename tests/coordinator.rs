@@ -241,17 +241,19 @@ fn wave(broker: Broker, per_group: usize, failover: Option<Failover>) {
         .cloned()
         .zip(SimProcess::start_fleet(&paths, 1.0))
         .collect();
-    let _agents: Vec<AgentProcess> = vms
-        .iter()
-        .map(|vm| {
-            AgentProcess::start_on_defaults(
-                &sims[vm].url,
-                &format!(
-                    "{agent_config}\n[[approvals.keys]]\nid = \"coordinator\"\nalgorithm = \"ed25519\"\npublic_key = \"{public_key}\"\n"
-                ),
-            )
-        })
-        .collect();
+    let agent = |vm: &String| {
+        AgentProcess::start_on_defaults(
+            &sims[vm].url,
+            &format!(
+                "{agent_config}\n[[approvals.keys]]\nid = \"coordinator\"\nalgorithm = \"ed25519\"\npublic_key = \"{public_key}\"\n"
+            ),
+        )
+    };
+    // db-1's agent starts late: only once the host-level Reboot it shares with web-1 has
+    // been approved, so that the coordinator decides it without a word from db-1 (an agent
+    // that starts after the coordinator, or reports after its peer).
+    let late = host_vms[1];
+    let mut agents: Vec<AgentProcess> = vms.iter().filter(|vm| *vm != late).map(agent).collect();
 
     let drains = dir.path().join("drains.log");
     let drain_script = dir.path().join("drain.sh");
@@ -366,6 +368,21 @@ max_down_percent = 20
         );
         second
     });
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !posts(&sims[host_vms[0]])
+        .iter()
+        .any(|(body, _, _)| body.contains(&host))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the host-level Reboot was not approved without {late}'s agent:\n{}\n{}",
+            coordinator.fleet(),
+            coordinator.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    agents.push(agent(&late.to_owned()));
 
     // Half-way through the wave: SIGKILL, and start again on the same state.
     let approvals_so_far = || -> usize { sims.values().map(|s| posts(s).len()).sum() };

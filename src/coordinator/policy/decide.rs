@@ -21,7 +21,7 @@ use crate::coordinator::fleet::{Fleet, Maintenance, Stage, Via};
 /// Something to do now.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Step {
-    /// Drain these VMs (the affected ones in the inventory), then approve.
+    /// Drain these VMs (every VM the event takes down, by name), then approve.
     Drain { key: String, vms: Vec<String> },
     /// Approve it: a signed request to `approver`'s agent, or through ARM at its scope.
     Approve {
@@ -186,29 +186,19 @@ pub fn decide(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Decisions {
         (am.not_before, am.first_seen, a).cmp(&(bm.not_before, bm.first_seen, b))
     });
     for (key, m, candidate) in candidates {
-        // The drain hook runs by VM name: every VM of the inventory is drained, those with
-        // an agent and those Azure lists without one. An event with none of either has
-        // nothing to drain (it cannot be approved: no agent, nothing listed to acknowledge
-        // at), and would be approved at once.
-        let drained = |placed: &[(String, usize)]| -> Vec<String> {
-            placed
-                .iter()
-                .map(|(vm, _)| vm)
-                .filter(|vm| fleet.knows(vm))
-                .cloned()
-                .collect()
-        };
         match one(fleet, policy, &mut down, &held, key, m, &candidate, now) {
+            // The drain hook runs by VM name, for every VM the approval takes down: those
+            // with an agent, those Azure lists without one, and those nobody has spoken
+            // for yet (an agent that starts after the coordinator, or reports after its
+            // peer): one approval starts the event on all of them.
             Ok(Taken {
                 action: Action::DrainThenApprove,
                 placed,
                 ..
-            }) if matches!(candidate, Candidate::New) && !drained(&placed).is_empty() => {
-                decisions.steps.push(Step::Drain {
-                    key: key.clone(),
-                    vms: drained(&placed),
-                })
-            }
+            }) if matches!(candidate, Candidate::New) => decisions.steps.push(Step::Drain {
+                key: key.clone(),
+                vms: placed.into_iter().map(|(vm, _)| vm).collect(),
+            }),
             Ok(Taken { approver, .. }) => decisions.steps.push(Step::Approve {
                 key: key.clone(),
                 approver: approver.vm,

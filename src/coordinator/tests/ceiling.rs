@@ -277,6 +277,42 @@ fn a_drained_event_is_checked_again_before_its_approval() {
     );
 }
 
+/// The fault: db-1's agent has not spoken yet when web-1 reports the event (it started
+/// after the coordinator, or is slower than its peer). The one approval through web-1
+/// starts the event on db-1 too, so db-1 is drained by name like any VM it lists.
+#[test]
+fn a_host_level_event_drains_a_listed_vm_that_no_agent_has_spoken_for_yet() {
+    let mut fleet = Fleet::default();
+    let h = document(
+        1,
+        &[("H1", "Reboot", "Scheduled", &["web-1", "db-1"], 900, -1)],
+    );
+    feed(&mut fleet, &published("web-1", None, &h));
+    let mut policy = policy(
+        vec![
+            ("web", "web-*", Budget::Count(1)),
+            ("db", "db-*", Budget::Count(1)),
+        ],
+        Budget::Count(5),
+    );
+    for group in &mut policy.groups {
+        group.rules.insert(
+            "reboot".into(),
+            Rule {
+                action: Action::DrainThenApprove,
+                max_duration: None,
+            },
+        );
+    }
+    assert_eq!(
+        decide(&fleet, &policy, t0()).steps,
+        [Step::Drain {
+            key: "H1".into(),
+            vms: vec!["web-1".into(), "db-1".into()]
+        }]
+    );
+}
+
 #[test]
 fn a_host_level_event_waits_for_every_live_agents_report_up_to_report_wait() {
     let mut fleet = Fleet::default();
