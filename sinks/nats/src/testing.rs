@@ -93,6 +93,29 @@ impl PrivateNats {
         }
     }
 
+    /// Stops the server's process (SIGSTOP) without closing its connections: the stall of a
+    /// server whose clients see an open connection that no longer answers.
+    pub fn stall(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Lets a server [`PrivateNats::stall`] stopped go on (SIGCONT).
+    pub fn wake(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let child = self.child.as_ref().expect("the private nats-server runs");
+        let status = Command::new("kill")
+            .args([signal, &child.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(
+            status.success(),
+            "kill {signal} of the private nats-server failed"
+        );
+    }
+
     pub fn url(&self) -> String {
         format!("nats://127.0.0.1:{}", self.port)
     }
