@@ -251,7 +251,8 @@ fn wave(broker: Broker, per_group: usize, failover: Option<Failover>) {
     };
     // db-1's agent starts late: only once the host-level Reboot it shares with web-1 has
     // been approved, so that the coordinator decides it without a word from db-1 (an agent
-    // that starts after the coordinator, or reports after its peer).
+    // that starts after the coordinator, or reports after its peer), once `report_wait`
+    // has passed.
     let late = host_vms[1];
     let mut agents: Vec<AgentProcess> = vms.iter().filter(|vm| *vm != late).map(agent).collect();
 

@@ -301,8 +301,11 @@ fn one(
     // VMs were searched by name.)
     let approver = choose(fleet, policy, m, &placed, false, &|vm| down.live(vm))?;
     if matches!(candidate, Candidate::New) && now - m.first_seen < policy.report_wait {
+        // A live agent that has not reported it yet, and a VM nobody has spoken for yet
+        // (an agent that starts late, or reports after its peer): its report places it by
+        // its resource id, in the group the operator meant.
         let missing: Vec<String> = affected
-            .filter(|vm| down.live(vm) && !m.reports.contains_key(*vm))
+            .filter(|vm| (down.live(vm) || !fleet.knows(vm)) && !m.reports.contains_key(*vm))
             .cloned()
             .collect();
         if !missing.is_empty() {

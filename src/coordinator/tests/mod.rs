@@ -29,6 +29,7 @@ mod fleet_state;
 #[cfg(feature = "azure")]
 mod fleet_view;
 mod groups;
+mod host_level;
 mod model;
 mod pacing;
 mod placement;
@@ -254,11 +255,13 @@ fn an_event_listing_several_vms_costs_each_and_is_approved_once_by_the_first_wit
     let mut fleet = Fleet::default();
     let resources: &[&str] = &["web-0", "web-1", "web-2"];
     let d = document(1, &[("H1", "Redeploy", "Scheduled", resources, 900, -1)]);
-    // web-0 has no agent; web-1 and web-2 both report the same event.
+    // web-0 has no agent; web-1 and web-2 both report the same event. Decided once
+    // report_wait has passed without a word for web-0.
     feed(&mut fleet, &published("web-2", None, &d));
     feed(&mut fleet, &published("web-1", None, &d));
+    let late = t0() + chrono::Duration::seconds(5);
     let tight = policy(vec![("web", "web-*", Budget::Count(2))], Budget::Count(1));
-    let decisions = decide(&fleet, &tight, t0());
+    let decisions = decide(&fleet, &tight, late);
     assert!(decisions.steps.is_empty());
     assert_eq!(
         decisions.waits[0].1,
@@ -271,7 +274,7 @@ fn an_event_listing_several_vms_costs_each_and_is_approved_once_by_the_first_wit
         }
     );
     let enough = policy(vec![("web", "web-*", Budget::Count(3))], Budget::Count(1));
-    let decisions = decide(&fleet, &enough, t0());
+    let decisions = decide(&fleet, &enough, late);
     assert_eq!(
         decisions.steps,
         [Step::Approve {
