@@ -189,18 +189,6 @@ impl World {
             .cloned()
             .unwrap()
     }
-
-    /// Event `id` as the last published `/fleet` shows it (null if it is not there).
-    pub(crate) fn event(&self, id: &str) -> Value {
-        let snapshot = self.engine.fleet_json();
-        snapshot["events"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|e| e["event_id"] == id)
-            .cloned()
-            .unwrap_or_default()
-    }
 }
 
 /// `event` delivered on `channel`, with where its answer comes.

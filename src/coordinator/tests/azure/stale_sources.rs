@@ -61,10 +61,16 @@ fn jobs_listing_stale(extra: &str, jobs: &[&str]) -> World {
     world
 }
 
-/// Event `id` as `/fleet` shows it now.
+/// Event `id` as `/fleet` shows it now (null if it is not there).
 fn event(world: &mut World, id: &str) -> serde_json::Value {
     world.engine.publish_snapshot(t0());
-    world.event(id)
+    world.engine.fleet_json()["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["event_id"] == id)
+        .cloned()
+        .unwrap_or_default()
 }
 
 /// Event `id`'s verdict in `/fleet`.
