@@ -3,7 +3,9 @@
 //! Reboot between two VMs of different groups), publishing to the machine's real NATS
 //! JetStream (and 8 through its RabbitMQ); the real `sched-relay coordinate` reading them,
 //! draining through a command, and approving over each VM's own approval channel. Killed
-//! with SIGKILL a third of the way and started again on the same state.
+//! with SIGKILL a third of the way (and not before the host-level Reboot's drain has
+//! begun) and started again on the same state. The second VM of the host-level Reboot
+//! starts its agent only once the coordinator drains it for that Reboot.
 //!
 //! What is checked comes from the simulators, not the coordinator: every approvable event
 //! got exactly one accepted POST, before its NotBefore; the VMs physically down at once
@@ -156,7 +158,7 @@ fn wait_for_role(coordinator: &Coordinator, role: &str) {
 /// `per_group` VMs named web-N (at most 2 down) and as many db-N (at most 20 %). Every VM
 /// gets a Reboot (drain, then approve); web-0 a 5 s Freeze too (approve); the last db VM a
 /// Terminate (never). The coordinator is killed with SIGKILL after a third of the
-/// approvals and started again on the same state, or, with a `failover`, a second instance
+/// approvals (and db-1's drain for the host-level Reboot) and started again on the same state, or, with a `failover`, a second instance
 /// sharing the state in NATS KV takes over.
 fn wave(broker: Broker, per_group: usize, failover: Option<Failover>) {
     let standby = failover.is_some();
@@ -249,10 +251,11 @@ fn wave(broker: Broker, per_group: usize, failover: Option<Failover>) {
             ),
         )
     };
-    // db-1's agent starts late: only once the host-level Reboot it shares with web-1 has
-    // been approved, so that the coordinator decides it without a word from db-1 (an agent
-    // that starts after the coordinator, or reports after its peer), once `report_wait`
-    // has passed.
+    // db-1's agent starts late: only once the coordinator has begun to drain db-1 for the
+    // host-level Reboot it shares with web-1, so that it decides that Reboot without a word
+    // from db-1 (an agent that starts after the coordinator, or reports after its peer),
+    // once `report_wait` has passed. That drain lasts 3 s, so that the agent, started
+    // then, sees the Reboot scheduled and reports it to its end.
     let late = host_vms[1];
     let mut agents: Vec<AgentProcess> = vms.iter().filter(|vm| *vm != late).map(agent).collect();
 
@@ -261,7 +264,7 @@ fn wave(broker: Broker, per_group: usize, failover: Option<Failover>) {
     std::fs::write(
         &drain_script,
         format!(
-            "echo \"$1 $2 $(date +%s%6N)\" >> {}\nsleep {}\n",
+            "echo \"$1 $2 $(date +%s%6N)\" >> {}\ncase \"$1 $2\" in \"{late} {host}\") sleep 3;; *) sleep {};; esac\n",
             drains.display(),
             // Long enough for the stalled coordinator to be stopped in the middle of one.
             if matches!(failover, Some(Failover::Stall)) {
@@ -371,13 +374,13 @@ max_down_percent = 20
     });
 
     let deadline = Instant::now() + Duration::from_secs(60);
-    while !posts(&sims[host_vms[0]])
-        .iter()
-        .any(|(body, _, _)| body.contains(&host))
+    while !std::fs::read_to_string(&drains)
+        .unwrap_or_default()
+        .contains(&format!("{late} {host} "))
     {
         assert!(
             Instant::now() < deadline,
-            "the host-level Reboot was not approved without {late}'s agent:\n{}\n{}",
+            "{late} was not drained for the host-level Reboot before its agent started:\n{}\n{}",
             coordinator.fleet(),
             coordinator.log()
         );

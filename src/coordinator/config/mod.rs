@@ -90,7 +90,8 @@ pub struct General {
     #[serde(default = "default_silent_after")]
     pub silent_after: u32,
     /// An event that lists several VMs waits this long, from its first report, for the
-    /// report of each listed VM whose agent is alive, before it is decided.
+    /// report of each listed VM whose agent is alive or that nobody has spoken for yet,
+    /// before it is decided.
     #[serde(default = "default_report_wait", with = "humantime_serde")]
     pub report_wait: Duration,
     /// A file holding the bearer token of `POST /pause`, `/resume` and `/release` (and of

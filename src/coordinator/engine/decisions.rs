@@ -64,16 +64,25 @@ impl Engine {
                         .get_mut(&key)
                         .expect("decided from the fleet");
                     let deadline = drain_deadline(&self.config, m.not_before, now);
-                    m.drain = Some(Drain {
-                        started_at: now,
-                        deadline,
-                        vms: vms
-                            .iter()
-                            .map(|vm| (vm.clone(), "running".to_owned()))
-                            .collect(),
-                        finished_at: None,
-                        deadline_missed: false,
-                    });
+                    let running = vms.iter().map(|vm| (vm.clone(), "running".to_owned()));
+                    match &mut m.drain {
+                        // VMs the event has come to list since its drain started: drained
+                        // too, and the drain is over again only when they are.
+                        Some(drain) => {
+                            drain.vms.extend(running);
+                            drain.deadline = deadline;
+                            drain.finished_at = None;
+                        }
+                        None => {
+                            m.drain = Some(Drain {
+                                started_at: now,
+                                deadline,
+                                vms: running.collect(),
+                                finished_at: None,
+                                deadline_missed: false,
+                            })
+                        }
+                    }
                     m.verdict = format!(
                         "draining {} VM(s) until {}",
                         vms.len(),

@@ -65,7 +65,8 @@ pub struct Approval {
     pub dry_run_answers: u32,
 }
 
-/// A drain of each affected VM of the inventory (with an agent, or listed by Azure).
+/// A drain of each VM the event takes down, by name (with an agent, listed by Azure, or
+/// neither yet); VMs it comes to list later are added before its approval.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Drain {
     pub started_at: DateTime<Utc>,

@@ -21,7 +21,8 @@ use crate::coordinator::fleet::{Fleet, Maintenance, Stage, Via};
 /// Something to do now.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Step {
-    /// Drain these VMs (every VM the event takes down, by name), then approve.
+    /// Drain these VMs (every VM the event takes down, by name, that its drain does not
+    /// hold yet), then approve.
     Drain { key: String, vms: Vec<String> },
     /// Approve it: a signed request to `approver`'s agent, or through ARM at its scope.
     Approve {
@@ -54,7 +55,8 @@ pub enum Wait {
         forced: Vec<(String, DateTime<Utc>)>,
         limit: usize,
     },
-    /// Some VMs it lists have a live agent that has not reported it yet.
+    /// Some VMs it lists have a live agent, or nobody has spoken for them yet, and have
+    /// not reported it.
     Reports(Vec<String>),
     /// Outside every maintenance window of `group`.
     Window(String),
@@ -190,24 +192,47 @@ pub fn decide(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Decisions {
             // The drain hook runs by VM name, for every VM the approval takes down: those
             // with an agent, those Azure lists without one, and those nobody has spoken
             // for yet (an agent that starts after the coordinator, or reports after its
-            // peer): one approval starts the event on all of them.
+            // peer): one approval starts the event on all of them. A drained event that
+            // has come to list another VM since (an update, a later report) drains that
+            // one too before its approval. A VM that left the inventory is gone: nothing
+            // to drain.
             Ok(Taken {
-                action: Action::DrainThenApprove,
+                action,
                 placed,
-                ..
-            }) if matches!(candidate, Candidate::New) => decisions.steps.push(Step::Drain {
-                key: key.clone(),
-                vms: placed.into_iter().map(|(vm, _)| vm).collect(),
-            }),
-            Ok(Taken { approver, .. }) => decisions.steps.push(Step::Approve {
-                key: key.clone(),
-                approver: approver.vm,
-                via: approver.via,
-            }),
+                approver,
+            }) => {
+                let undrained: Vec<String> = placed
+                    .into_iter()
+                    .map(|(vm, _)| vm)
+                    .filter(|vm| {
+                        action == Action::DrainThenApprove
+                            && !m.drain.as_ref().is_some_and(|d| d.vms.contains_key(vm))
+                            && !gone(m, vm)
+                    })
+                    .collect();
+                decisions.steps.push(if undrained.is_empty() {
+                    Step::Approve {
+                        key: key.clone(),
+                        approver: approver.vm,
+                        via: approver.via,
+                    }
+                } else {
+                    Step::Drain {
+                        key: key.clone(),
+                        vms: undrained,
+                    }
+                });
+            }
             Err(wait) => decisions.waits.push((key.clone(), wait)),
         }
     }
     decisions
+}
+
+/// `vm` left the inventory (evicted, deleted, scaled in) while `m` listed it: there is
+/// nothing left to drain, and no report to wait for.
+fn gone(m: &Maintenance, vm: &str) -> bool {
+    m.back.get(vm).is_some_and(|back| back.by == "left")
 }
 
 /// What [`one`] decided to do for an event: its action, the VMs it takes down (each with its
@@ -305,7 +330,9 @@ fn one(
         // (an agent that starts late, or reports after its peer): its report places it by
         // its resource id, in the group the operator meant.
         let missing: Vec<String> = affected
-            .filter(|vm| (down.live(vm) || !fleet.knows(vm)) && !m.reports.contains_key(*vm))
+            .filter(|vm| {
+                (down.live(vm) || !fleet.knows(vm)) && !m.reports.contains_key(*vm) && !gone(m, vm)
+            })
             .cloned()
             .collect();
         if !missing.is_empty() {

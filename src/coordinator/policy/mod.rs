@@ -337,7 +337,7 @@ pub struct Policy {
     /// A VM whose agent missed this many heartbeats counts as down.
     pub silent_after: u32,
     /// An event that lists several VMs waits this long for the report of each that has a
-    /// live agent before it is decided.
+    /// live agent, or that nobody has spoken for yet, before it is decided.
     pub report_wait: chrono::Duration,
     /// Approve after a drain that failed (`[drain] on_failure = "approve"`).
     pub approve_failed_drains: bool,
