@@ -207,7 +207,7 @@ pub fn decide(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Decisions {
                     .filter(|vm| {
                         action == Action::DrainThenApprove
                             && !m.drain.as_ref().is_some_and(|d| d.vms.contains_key(vm))
-                            && !gone(m, vm)
+                            && !gone(fleet, m, vm)
                     })
                     .collect();
                 decisions.steps.push(if undrained.is_empty() {
@@ -229,10 +229,11 @@ pub fn decide(fleet: &Fleet, policy: &Policy, now: DateTime<Utc>) -> Decisions {
     decisions
 }
 
-/// `vm` left the inventory (evicted, deleted, scaled in) while `m` listed it: there is
-/// nothing left to drain, and no report to wait for.
-fn gone(m: &Maintenance, vm: &str) -> bool {
-    m.back.get(vm).is_some_and(|back| back.by == "left")
+/// `vm` left the inventory (evicted, deleted, scaled in, or its agent silent past
+/// `forget_after`) while `m` listed it, and has not come back since (no agent speaks for
+/// it, no Azure listing has it): there is nothing left to drain, and no report to wait for.
+fn gone(fleet: &Fleet, m: &Maintenance, vm: &str) -> bool {
+    m.back.get(vm).is_some_and(|back| back.by == "left") && !fleet.knows(vm)
 }
 
 /// What [`one`] decided to do for an event: its action, the VMs it takes down (each with its
@@ -331,7 +332,9 @@ fn one(
         // its resource id, in the group the operator meant.
         let missing: Vec<String> = affected
             .filter(|vm| {
-                (down.live(vm) || !fleet.knows(vm)) && !m.reports.contains_key(*vm) && !gone(m, vm)
+                (down.live(vm) || !fleet.knows(vm))
+                    && !m.reports.contains_key(*vm)
+                    && !gone(fleet, m, vm)
             })
             .cloned()
             .collect();

@@ -129,9 +129,9 @@ fn a_vm_an_event_comes_to_list_after_its_drain_is_drained_before_the_approval() 
     assert_eq!(decide(&fleet, &policy, t0()).steps, [drain(&["db-1"])]);
 }
 
-/// A VM that left the inventory (scaled in, evicted) while a host-level event listed it is
-/// gone: nothing to drain (a hook would fail on it and leave the others drained until
-/// NotBefore), no report to wait for.
+/// A VM that left the inventory (scaled in, evicted) while a host-level event listed it, and
+/// has not come back, is gone: nothing to drain (a hook would fail on it and leave the
+/// others drained until NotBefore), no report to wait for.
 #[test]
 fn a_listed_vm_that_left_is_neither_drained_nor_waited_for() {
     let mut fleet = Fleet::default();
@@ -141,12 +141,24 @@ fn a_listed_vm_that_left_is_neither_drained_nor_waited_for() {
         &[("H1", "Reboot", "Scheduled", &["web-1", "db-1"], 900, -1)],
     );
     feed(&mut fleet, &published("web-1", None, &h));
+    let mut back_again = fleet.clone();
     fleet.leave("db-1", t0());
     assert_eq!(
         decide(&fleet, &drain_then_approve(), t0()).steps,
         [Step::Drain {
             key: "H1".into(),
             vms: vec!["web-1".into()]
+        }]
+    );
+    // Left is judged from silence: a VM whose agent speaks again is there to drain.
+    back_again.leave("db-1", t0());
+    beat(&mut back_again, "db-1", t0(), t0() - minutes(600), &[]);
+    feed(&mut back_again, &published("db-1", None, &h));
+    assert_eq!(
+        decide(&back_again, &drain_then_approve(), t0()).steps,
+        [Step::Drain {
+            key: "H1".into(),
+            vms: vec!["web-1".into(), "db-1".into()]
         }]
     );
 }
