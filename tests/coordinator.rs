@@ -158,8 +158,8 @@ fn wait_for_role(coordinator: &Coordinator, role: &str) {
 /// `per_group` VMs named web-N (at most 2 down) and as many db-N (at most 20 %). Every VM
 /// gets a Reboot (drain, then approve); web-0 a 5 s Freeze too (approve); the last db VM a
 /// Terminate (never). The coordinator is killed with SIGKILL after a third of the
-/// approvals (and db-1's drain for the host-level Reboot) and started again on the same state, or, with a `failover`, a second instance
-/// sharing the state in NATS KV takes over.
+/// approvals (and db-1's drain for the host-level Reboot) and started again on the same
+/// state, or, with a `failover`, a second instance sharing the state in NATS KV takes over.
 fn wave(broker: Broker, per_group: usize, failover: Option<Failover>) {
     let standby = failover.is_some();
     let dir = tempfile::tempdir().unwrap();
