@@ -158,6 +158,7 @@ fn wave(vms: usize, now: DateTime<Utc>) -> Fleet {
                     started_at: Some(now - chrono::Duration::hours(1)),
                     events: Vec::new(),
                 }),
+                first_seen: Some(now - chrono::Duration::hours(1)),
             },
         );
     }

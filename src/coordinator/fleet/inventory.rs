@@ -59,6 +59,10 @@ pub struct Vm {
     /// version): such a VM is never judged silent.
     #[serde(default)]
     pub heartbeat: Option<Heartbeat>,
+    /// When its agent first spoke to this coordinator (`None` in records written before
+    /// this was kept).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_seen: Option<DateTime<Utc>>,
 }
 
 impl Vm {
@@ -129,6 +133,7 @@ pub(super) fn agent<'a>(
             resource_id: None,
             last_seen: now,
             heartbeat: None,
+            first_seen: Some(now),
         }
     });
     match (&agent.resource_id, resource_id) {

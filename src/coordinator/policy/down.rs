@@ -229,14 +229,36 @@ pub fn pending(m: &Maintenance) -> bool {
 
 /// The place `vm` (of `group`; with an agent in the inventory, `has_agent`) takes for `m`
 /// is free: the event is over for it, and the group's health gate (if any) has passed since.
-pub fn freed(policy: &Policy, m: &Maintenance, vm: &str, group: usize, has_agent: bool) -> bool {
+pub fn freed(
+    policy: &Policy,
+    fleet: &Fleet,
+    m: &Maintenance,
+    vm: &str,
+    group: usize,
+    has_agent: bool,
+) -> bool {
     if !m.back_for(vm, has_agent) {
-        return false;
+        // (Looked up only for an event over for every reporter but this VM.)
+        let first_seen = || fleet.vms().get(vm).and_then(|agent| agent.first_seen);
+        return has_agent
+            && m.over()
+            && first_seen().is_some_and(|first| over_before_its_agent(m, vm, first));
     }
     match m.back.get(vm) {
         Some(back) => back.healthy_at.is_some() || !policy.groups[group].gated,
         None => true,
     }
+}
+
+/// `m` is over for `vm` by every agent's report, while `vm` had no agent: its agent, whose
+/// first word (`first_seen`) came only after the last of those reports, never reports an
+/// event gone before it started, so those reports stand as its evidence (without them its
+/// place would be held for good).
+fn over_before_its_agent(m: &Maintenance, vm: &str, first_seen: DateTime<Utc>) -> bool {
+    !m.back.contains_key(vm)
+        && !m.reports.contains_key(vm)
+        && m.over()
+        && m.reports.values().all(|r| r.at <= first_seen)
 }
 
 /// Who is down at `now`, and the events Azure will start by itself.
@@ -307,7 +329,7 @@ pub fn down_now<'f>(fleet: &'f Fleet, policy: &Policy, now: DateTime<Utc>) -> Do
         let mut waiting = Vec::new();
         for vm in m.affected_names() {
             let (g, agent) = down.place_of(fleet, policy, vm);
-            if freed(policy, m, vm, g, agent) {
+            if freed(policy, fleet, m, vm, g, agent) {
                 continue;
             }
             let cause = if held {

@@ -26,6 +26,7 @@ async fn fleet_json_shows_every_change_since_the_last_refresh_and_writes_only_th
             resource_id: Some("/subscriptions/s/resourceGroups/rg/providers/Microsoft.Compute/virtualMachines/batch-1".into()),
             last_seen: t0(),
             heartbeat: None,
+            first_seen: None,
         },
     );
     world

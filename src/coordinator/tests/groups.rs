@@ -76,6 +76,7 @@ fn the_count_places_every_vm_in_the_group_the_policy_finds_for_it() {
         resource_id,
         last_seen: super::t0(),
         heartbeat: None,
+        first_seen: None,
     };
     // Named as Azure lists it, with Azure's id.
     fleet.insert_vm("batch-1".into(), agent(Some(id("batch-1"))));

@@ -4,7 +4,7 @@
 use super::ceiling::{beat, minutes, waits};
 use super::{document, feed, policy, published, t0};
 use crate::coordinator::fleet::{Drain, Fleet};
-use crate::coordinator::policy::{Action, Budget, Policy, Rule, Step, Wait, decide};
+use crate::coordinator::policy::{Action, Budget, Policy, Rule, Step, Wait, decide, usage};
 
 /// Groups web and db, one VM down at most each, Reboots drained then approved.
 fn drain_then_approve() -> Policy {
@@ -229,4 +229,57 @@ async fn the_engine_drains_a_vm_an_event_comes_to_list_while_it_drains_before_ap
             .into()
     );
     assert_eq!(world.recorder.approved(), ["H1"]);
+}
+
+/// The fault: db-1 had no agent while a host-level Reboot listing it ran; web-1's report
+/// that it completed freed db-1's place. db-1's agent first speaks after that (installed
+/// or started later): it never reports an event gone before it started, and its place was
+/// held again for good. An agent that spoke before the end still needs its own evidence.
+#[test]
+fn a_vm_whose_agent_first_speaks_after_its_event_ended_keeps_its_place_free() {
+    let mut fleet = Fleet::default();
+    let h = document(
+        1,
+        &[("H1", "Reboot", "Scheduled", &["web-1", "db-1"], 900, -1)],
+    );
+    let started = document(2, &[("H1", "Reboot", "Started", &["web-1", "db-1"], 0, -1)]);
+    feed(&mut fleet, &published("web-1", None, &h));
+    let mut spoke_before = fleet.clone();
+    beat(
+        &mut spoke_before,
+        "db-1",
+        t0() - minutes(1),
+        t0() - minutes(600),
+        &[],
+    );
+    for fleet in [&mut fleet, &mut spoke_before] {
+        feed(fleet, &published("web-1", Some(&h), &started));
+        feed(
+            fleet,
+            &published("web-1", Some(&started), &document(3, &[])),
+        );
+    }
+    let policy = policy(
+        vec![
+            ("web", "web-*", Budget::Count(1)),
+            ("db", "db-*", Budget::Count(1)),
+        ],
+        Budget::Count(5),
+    );
+    let db_down = |fleet: &Fleet, at| usage(fleet, &policy, at).groups[1].down.clone();
+    assert!(db_down(&fleet, t0()).is_empty(), "freed by web-1's report");
+    let later = t0() + minutes(1);
+    beat(&mut fleet, "db-1", later, later - minutes(1), &[]);
+    assert!(
+        db_down(&fleet, later).is_empty(),
+        "its agent spoke after the end"
+    );
+    beat(&mut spoke_before, "db-1", later, t0() - minutes(600), &[]);
+    assert_eq!(
+        db_down(&spoke_before, later)
+            .into_iter()
+            .collect::<Vec<_>>(),
+        ["db-1"],
+        "an agent of db-1 before the end, which has not said it is back"
+    );
 }

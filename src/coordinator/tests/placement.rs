@@ -77,6 +77,7 @@ fn a_count_after_any_change_to_the_inventory_places_every_vm_as_a_count_from_scr
             resource_id: None,
             last_seen: t0(),
             heartbeat: None,
+            first_seen: None,
         },
     );
     let mut now = t0();
@@ -155,6 +156,7 @@ fn a_count_after_any_change_to_the_inventory_places_every_vm_as_a_count_from_scr
                     resource_id: Some(in_db("web-9")),
                     last_seen: t0(),
                     heartbeat: None,
+                    first_seen: None,
                 };
                 f.insert_vm("web-9".into(), vm);
             }),
@@ -190,6 +192,7 @@ fn a_count_after_any_change_to_the_inventory_places_every_vm_as_a_count_from_scr
                         resource_id: Some(in_db("x-9")),
                         last_seen: t0(),
                         heartbeat: None,
+                        first_seen: None,
                     },
                 );
                 f.reloaded(stored);
