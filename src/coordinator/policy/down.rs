@@ -13,7 +13,7 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 
 use super::{Placement, Policy};
-use crate::coordinator::fleet::{Fleet, Maintenance};
+use crate::coordinator::fleet::{Fleet, Maintenance, Vm};
 
 /// Why a VM counts as down.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -232,17 +232,19 @@ pub fn pending(m: &Maintenance) -> bool {
 pub fn freed(
     policy: &Policy,
     fleet: &Fleet,
-    m: &Maintenance,
+    (key, m): (&str, &Maintenance),
     vm: &str,
     group: usize,
     has_agent: bool,
 ) -> bool {
     if !m.back_for(vm, has_agent) {
         // (Looked up only for an event over for every reporter but this VM.)
-        let first_seen = || fleet.vms().get(vm).and_then(|agent| agent.first_seen);
         return has_agent
             && m.over()
-            && first_seen().is_some_and(|first| over_before_its_agent(m, vm, first));
+            && fleet
+                .vms()
+                .get(vm)
+                .is_some_and(|agent| over_before_its_agent(key, m, vm, agent));
     }
     match m.back.get(vm) {
         Some(back) => back.healthy_at.is_some() || !policy.groups[group].gated,
@@ -250,15 +252,21 @@ pub fn freed(
     }
 }
 
-/// `m` is over for `vm` by every agent's report, while `vm` had no agent: its agent, whose
-/// first word (`first_seen`) came only after the last of those reports, never reports an
-/// event gone before it started, so those reports stand as its evidence (without them its
-/// place would be held for good).
-fn over_before_its_agent(m: &Maintenance, vm: &str, first_seen: DateTime<Utc>) -> bool {
+/// `m` (`key`) is over for `vm` by every agent's report, made while `vm` had no agent; its
+/// agent first spoke (`first_seen`) only after the last of them, and its own latest
+/// heartbeat does not list the event. It never reports an event gone before it started, so
+/// those reports stand as its evidence (without them its place would be held for good).
+fn over_before_its_agent(key: &str, m: &Maintenance, vm: &str, agent: &Vm) -> bool {
     !m.back.contains_key(vm)
         && !m.reports.contains_key(vm)
         && m.over()
-        && m.reports.values().all(|r| r.at <= first_seen)
+        && agent
+            .heartbeat
+            .as_ref()
+            .is_some_and(|beat| !beat.events.iter().any(|listed| listed == key))
+        && agent
+            .first_seen
+            .is_some_and(|first| m.reports.values().all(|r| r.at < first))
 }
 
 /// Who is down at `now`, and the events Azure will start by itself.
@@ -329,7 +337,7 @@ pub fn down_now<'f>(fleet: &'f Fleet, policy: &Policy, now: DateTime<Utc>) -> Do
         let mut waiting = Vec::new();
         for vm in m.affected_names() {
             let (g, agent) = down.place_of(fleet, policy, vm);
-            if freed(policy, fleet, m, vm, g, agent) {
+            if freed(policy, fleet, (key, m), vm, g, agent) {
                 continue;
             }
             let cause = if held {

@@ -234,7 +234,8 @@ async fn the_engine_drains_a_vm_an_event_comes_to_list_while_it_drains_before_ap
 /// The fault: db-1 had no agent while a host-level Reboot listing it ran; web-1's report
 /// that it completed freed db-1's place. db-1's agent first speaks after that (installed
 /// or started later): it never reports an event gone before it started, and its place was
-/// held again for good. An agent that spoke before the end still needs its own evidence.
+/// held again for good. An agent that spoke before the end, or whose own document still
+/// lists the event, still needs its own evidence.
 #[test]
 fn a_vm_whose_agent_first_speaks_after_its_event_ended_keeps_its_place_free() {
     let mut fleet = Fleet::default();
@@ -269,6 +270,10 @@ fn a_vm_whose_agent_first_speaks_after_its_event_ended_keeps_its_place_free() {
     let db_down = |fleet: &Fleet, at| usage(fleet, &policy, at).groups[1].down.clone();
     assert!(db_down(&fleet, t0()).is_empty(), "freed by web-1's report");
     let later = t0() + minutes(1);
+    // Its first heartbeat still lists H1 (its own document has it): held until it does not.
+    let mut listing = fleet.clone();
+    beat(&mut listing, "db-1", later, later - minutes(1), &["H1"]);
+    assert_eq!(db_down(&listing, later).len(), 1, "its document lists H1");
     beat(&mut fleet, "db-1", later, later - minutes(1), &[]);
     assert!(
         db_down(&fleet, later).is_empty(),
