@@ -2,9 +2,9 @@
 //! and which VMs are drained before the approval that takes them all down.
 
 use super::ceiling::{beat, minutes, waits};
-use super::{document, feed, policy, published, t0};
+use super::{document, feed, policy, published, rules, t0};
 use crate::coordinator::fleet::{Drain, Fleet};
-use crate::coordinator::policy::{Action, Budget, Policy, Rule, Step, Wait, decide, usage};
+use crate::coordinator::policy::{Action, Budget, Policy, Step, Wait, decide, usage};
 
 /// Groups web and db, one VM down at most each, Reboots drained then approved.
 fn drain_then_approve() -> Policy {
@@ -16,13 +16,9 @@ fn drain_then_approve() -> Policy {
         Budget::Count(5),
     );
     for group in &mut policy.groups {
-        group.rules.insert(
-            "reboot".into(),
-            Rule {
-                action: Action::DrainThenApprove,
-                max_duration: None,
-            },
-        );
+        group
+            .rules
+            .extend(rules(&[("Reboot", Action::DrainThenApprove)]));
     }
     policy
 }
@@ -260,13 +256,7 @@ fn a_vm_whose_agent_first_speaks_after_its_event_ended_keeps_its_place_free() {
             &published("web-1", Some(&started), &document(3, &[])),
         );
     }
-    let policy = policy(
-        vec![
-            ("web", "web-*", Budget::Count(1)),
-            ("db", "db-*", Budget::Count(1)),
-        ],
-        Budget::Count(5),
-    );
+    let policy = drain_then_approve();
     let db_down = |fleet: &Fleet, at| usage(fleet, &policy, at).groups[1].down.clone();
     assert!(db_down(&fleet, t0()).is_empty(), "freed by web-1's report");
     let later = t0() + minutes(1);
